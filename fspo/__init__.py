@@ -1,0 +1,1 @@
+"""FSPO: length-fair sequence-level policy optimisation (see README.md)."""

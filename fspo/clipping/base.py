@@ -1,0 +1,72 @@
+"""The clipping-rule contract: what every rule (FSPO, GRPO, RLOO, GSPO, ...) takes and returns.
+
+Owns: `ClipRule` (a torch Module, so running statistics such as FSPO's EMA sigma are buffers that
+land in checkpoints) and `ClipResult`. Leaves out: aggregation over tokens/sequences
+(fspo/losses.py) and counting clip fractions by length (fspo/diagnostics).
+
+A rule maps per-token log-probs to a per-token loss matrix (the negated PPO-style surrogate):
+
+    token_loss[i, t] = -surrogate_{i,t}        (0 where response_mask is 0)
+
+For sequence-level rules (FSPO, RLOO, GSPO) the surrogate of sequence i is broadcast over its
+tokens, so token-level aggregation ("token-mean") weights sequence i by its length L_i.
+
+Binding masks: ``clip_upper/lower/dual[i, t]`` is True where the clipped branch is the one the
+pessimistic min selects AND it differs from the unclipped branch (zero gradient through the ratio
+there). For sequence-level rules the per-sequence decision is broadcast over the sequence's
+tokens, so the per-sequence clip fraction ``(mask * m).sum(-1) / L`` is exactly 0 or 1.
+All masks are False on padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ClipResult:
+    """Output of a `ClipRule` call. Shapes: B sequences, T response positions."""
+
+    token_loss: Tensor  # [B, T] float32, -surrogate per token, 0 on padding
+    seq_log_ratio: Tensor  # [B] float32, detached: S_i = sum_t m_t (logp_new - logp_old)
+    clip_upper: Tensor  # [B, T] bool
+    clip_lower: Tensor  # [B, T] bool
+    clip_dual: Tensor  # [B, T] bool
+
+    @property
+    def clipped(self) -> Tensor:
+        """[B, T] bool: any binding clip."""
+        return self.clip_upper | self.clip_lower | self.clip_dual
+
+
+class ClipRule(torch.nn.Module):
+    """Base class of clipping rules.
+
+    Subclasses implement `forward(log_prob, old_log_prob, advantages, response_mask)`:
+      - ``log_prob``, ``old_log_prob``: [B, T] (any float dtype; math is done in float32),
+      - ``advantages``: [B] (one per sequence) or [B, T] (token-broadcast, verl layout),
+      - ``response_mask``: [B, T], 1 on generated tokens,
+    and return a `ClipResult`. They validate their settings in ``__init__`` and raise ValueError
+    naming the setting.
+
+    `observe` is called by the training step once per optimizer step with detached statistics of
+    the mini-batch (for running estimates such as FSPO's EMA sigma); the default does nothing.
+    `extra_metrics` returns scalars to log (e.g. ``clip/sigma_hat``).
+    """
+
+    level: ClassVar[str] = "token"  # "token" or "sequence"
+
+    def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                response_mask: Tensor) -> ClipResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def observe(self, seq_log_ratio: Tensor, lengths: Tensor, token_log_ratio: Tensor,
+                response_mask: Tensor) -> None:
+        """Update running statistics from one mini-batch (all tensors detached)."""
+
+    def extra_metrics(self) -> Dict[str, float]:
+        return {}
