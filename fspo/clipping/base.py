@@ -70,3 +70,8 @@ class ClipRule(torch.nn.Module):
 
     def extra_metrics(self) -> Dict[str, float]:
         return {}
+
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """Closed-form clip probability c(L) when S_L ~ N(0, sigma^2 L) (DESIGN.md §2), as a
+        numpy array over ``lengths``; None when the rule has no closed form (token-level rules)."""
+        return None

@@ -1,0 +1,42 @@
+"""Entry point: `python experiments/run.py [+method=fspo|grpo|rloo|gspo] [+model=tiny|qwen3_1_7b|qwen3_8b] [key=value ...]`.
+
+With no arguments it runs the embedded default (FSPO, tiny warm-started Qwen3, built-in arithmetic
+task, CPU, MLflow SQLite store ./mlflow.db). Hydra multirun works as usual (`-m`, sweeps/).
+A bad setting or input ends with one line naming the problem (exit code 2), not a traceback;
+set HYDRA_FULL_ERROR=1 to see the traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, open_dict  # noqa: E402
+
+from fspo.errors import user_error  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig):
+    if cfg.output_dir is None:
+        with open_dict(cfg):
+            cfg.output_dir = HydraConfig.get().runtime.output_dir
+    from fspo.train import train
+
+    try:
+        final = train(cfg)
+    except Exception as e:  # noqa: BLE001 - user errors become one clear line
+        msg = user_error(e)
+        if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    return final.get("val/accuracy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Supervised warm start of the embedded tiny policy on the built-in arithmetic task.
+
+Owns: making `fspo/assets/tiny_warmstart/` (config, safetensors, tokenizer), the starting point of
+the default RL run, so RL begins from a policy that is partly right (as the paper starts from base
+models). The committed checkpoint was made by this script with its defaults:
+
+    python experiments/warmstart.py --steps 600 --out fspo/assets/tiny_warmstart
+
+Training: next-token cross-entropy on the response tokens (the worked solution + EOS) only, AdamW,
+cosine schedule; the step count is chosen to stop well short of mastery. Prints greedy and
+sampled (temperature 1) accuracy on held-out problems, and writes them to ``warmstart.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from fspo.data.arithmetic import ArithmeticTask, worked_solution
+from fspo.models.tiny import build_tiny_model, build_tokenizer
+from fspo.rewards.arithmetic import ArithmeticReward
+
+
+def make_batch(samples, tok, device="cpu"):
+    """Left-pad prompt+solution+EOS; labels are -100 outside the response."""
+    seqs, labels = [], []
+    for s in samples:
+        sol, _ = worked_solution(s.meta["nums"], s.meta["ops"])
+        p = tok(s.prompt, add_special_tokens=False)["input_ids"]
+        r = tok(sol, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + r)
+        labels.append([-100] * len(p) + r)
+    n = max(map(len, seqs))
+    ids = torch.full((len(seqs), n), tok.pad_token_id)
+    lab = torch.full((len(seqs), n), -100)
+    att = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, n - len(s):] = torch.tensor(s)
+        lab[i, n - len(s):] = torch.tensor(l)
+        att[i, n - len(s):] = 1
+    return ids.to(device), att.to(device), lab.to(device)
+
+
+@torch.no_grad()
+def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128, seed: int = 0) -> float:
+    """Fraction of ``samples`` answered correctly (greedy when temperature == 0)."""
+    from fspo.rollout.hf import HFEngine
+    from fspo.rollout.base import SamplingConfig
+
+    eng = HFEngine(batch_size=128)
+    eng.setup(model, tok, workdir="")
+    ids = [tok(s.prompt, add_special_tokens=False)["input_ids"] for s in samples]
+    out = eng.generate(ids, SamplingConfig(n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed))
+    texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)
+    r = ArithmeticReward()(texts, [s.answer for s in samples], out.lengths.tolist(), out.overlong.tolist(), max_new_tokens)
+    return sum(r.components["correct"]) / len(samples)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-size", type=int, default=20000)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
+    a = ap.parse_args(argv)
+
+    torch.manual_seed(a.seed)
+    tok = build_tokenizer()
+    model = build_tiny_model(seed=a.seed)
+    train = ArithmeticTask("train", size=a.train_size, seed=a.seed + 7)  # disjoint from RL's train seed
+    val = [ArithmeticTask("val", size=256, seed=0)[i] for i in range(256)]
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))
+    g = torch.Generator().manual_seed(a.seed)
+    history, t0 = [], time.time()
+    for step in range(1, a.steps + 1):
+        idx = torch.randint(len(train), (a.batch_size,), generator=g).tolist()
+        ids, att, lab = make_batch([train[i] for i in idx], tok)
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % a.eval_every == 0 or step == a.steps:
+            model.eval()
+            rec = {"step": step, "loss": float(loss), "greedy_acc": accuracy(model, tok, val, 0.0),
+                   "sampled_acc": accuracy(model, tok, val, 1.0), "elapsed_s": time.time() - t0}
+            model.train()
+            history.append(rec)
+            print(json.dumps(rec), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "warmstart.json").write_text(json.dumps({"args": vars(a), "history": history}, indent=1))
+    print(f"saved warm start to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The built-in verifiable task: multi-operand integer arithmetic with worked steps.
+
+Owns: `ArithmeticTask` (deterministic prompt generation per split), `worked_solution` (the
+reference chain used for the supervised warm start). Leaves out: scoring
+(fspo/rewards/arithmetic.py).
+
+A problem with k operands (``min_ops <= k <= max_ops``) looks like::
+
+    prompt:   "Q:23+45-7\nA:"
+    solution: "23+45=68\n68-7=61\nAnswer: 61"        (+ EOS)
+
+The solution has k-1 step lines, so response lengths grow linearly with k: with the defaults
+(2..9 operands) the longest responses are about 5x the shortest, which is what exercises length
+(un)fairness. Train and validation problems come from disjoint seeds; validation prompts that also
+occur in the train split are removed.
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Tuple
+
+from fspo.data.base import ListSource, Sample
+
+
+def _problem(rng: random.Random, min_ops: int, max_ops: int, max_operand: int) -> Tuple[List[int], List[str]]:
+    k = rng.randint(min_ops, max_ops)
+    nums = [rng.randint(1, max_operand) for _ in range(k)]
+    ops = [rng.choice("+-") for _ in range(k - 1)]
+    return nums, ops
+
+
+def render_prompt(nums: List[int], ops: List[str]) -> str:
+    expr = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:]))
+    return f"Q:{expr}\nA:"
+
+
+def worked_solution(nums: List[int], ops: List[str]) -> Tuple[str, int]:
+    """The step-by-step solution text and the final value."""
+    total, lines = nums[0], []
+    for o, n in zip(ops, nums[1:]):
+        new = total + n if o == "+" else total - n
+        lines.append(f"{total}{o}{n}={new}")
+        total = new
+    lines.append(f"Answer: {total}")
+    return "\n".join(lines), total
+
+
+class ArithmeticTask:
+    """Deterministic train / validation prompt sets for the built-in task.
+
+    ``split`` is "train" or "val"; ``size`` problems are generated from ``seed`` (val uses
+    ``seed + 1_000_003``). Each `Sample` keeps ``meta["nums"]``/``meta["ops"]`` so the warm start
+    can render the worked solution.
+    """
+
+    def __init__(self, split: str = "train", size: int = 2000, seed: int = 0, min_ops: int = 2,
+                 max_ops: int = 9, max_operand: int = 49):
+        if split not in ("train", "val"):
+            raise ValueError(f"data.split must be 'train' or 'val', got {split!r}")
+        if not 2 <= min_ops <= max_ops:
+            raise ValueError(f"need 2 <= data.min_ops <= data.max_ops, got {min_ops}, {max_ops}")
+        if size < 1:
+            raise ValueError(f"data size must be >= 1, got {size}: the prompt set would be empty")
+        self.split, self.size = split, size
+        train_prompts = set()
+        if split == "val":  # exclude train prompts from validation
+            train_prompts = {s.prompt for s in _generate(size * 10, seed, min_ops, max_ops, max_operand)}
+        rng_seed = seed if split == "train" else seed + 1_000_003
+        out: List[Sample] = []
+        for s in _generate(size * 3, rng_seed, min_ops, max_ops, max_operand):
+            if s.prompt not in train_prompts:
+                out.append(s)
+            if len(out) == size:
+                break
+        self.source = ListSource(out, name=f"arithmetic/{split}")
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.source[i]
+
+
+def _generate(n: int, seed: int, min_ops: int, max_ops: int, max_operand: int) -> List[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        nums, ops = _problem(rng, min_ops, max_ops, max_operand)
+        _, total = worked_solution(nums, ops)
+        out.append(Sample(prompt=render_prompt(nums, ops), answer=str(total),
+                          meta={"source": "arithmetic", "row": i, "nums": nums, "ops": ops}))
+    return out

@@ -1,0 +1,57 @@
+"""The embedded tiny policy: a character-level tokenizer and a ~1M-parameter Qwen3 built from a config.
+
+Owns: `build_tokenizer` (made by this project, no download), `tiny_qwen3_config`, `build_tiny_model`.
+Leaves out: loading real checkpoints and the warm-start weights (fspo/models/loading.py,
+experiments/warmstart.py).
+
+The tokenizer maps every printable ASCII character to one token (plus <pad>=0, <s>=1, </s>=2,
+<unk>=3), so the built-in arithmetic task's text round-trips exactly and token counts equal
+character counts.
+"""
+from __future__ import annotations
+
+import string
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = [c for c in string.printable if c not in "\r\x0b\x0c\t"]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: vocab = 4 specials + 96 printable characters (100 tokens)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>", padding_side="left")
+    out.model_max_length = 512
+    return out
+
+
+def tiny_qwen3_config(vocab_size: int = 100, hidden_size: int = 128, num_hidden_layers: int = 4,
+                      num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 32,
+                      intermediate_size: int = 512, max_position_embeddings: int = 512,
+                      **overrides) -> Qwen3Config:
+    """A Qwen3-architecture config; the defaults give ~0.8M parameters (tied embeddings)."""
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides,
+    )
+
+
+def build_tiny_model(seed: int = 0, **config_overrides) -> Qwen3ForCausalLM:
+    """A freshly initialised tiny Qwen3 (float32), deterministic for a given seed."""
+    import torch
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_qwen3_config(**config_overrides))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model

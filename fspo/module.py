@@ -1,0 +1,208 @@
+"""The LightningModule: holds the policy and optimizer and runs the PPO-style update on a rollout batch.
+
+Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
+aggregation -> backward -> optimizer step; validation step logging accuracy) and `PPOConfig`.
+Leaves out: generation, rewards and advantages (fspo/callbacks.py fills ``batch["rollout"]``),
+the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py) and
+the diagnostics (fspo/diagnostics) — the step only wires them together, with no per-method code.
+
+Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
+shuffled into mini-batches of ``mini_batch_size`` sequences; each mini-batch is one optimizer
+step, its loss accumulated over token-budget micro-batches with the mini-batch's total token
+and sequence counts as denominators, so micro-batching never changes the loss. Old log-probs
+come from this module's own forward pass before the first update; when there is exactly one
+update per step (one epoch, one mini-batch) the policy has not changed since generation and the
+loss pass's own detached log-probs are used instead (one forward saved).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import lightning as L
+import torch
+
+from fspo.batching import minibatch_indices, token_budget_micro_batches
+from fspo.logprobs import response_log_probs
+from fspo.step_stats import StepStats
+from fspo.types import RolloutBatch
+
+
+@dataclass
+class PPOConfig:
+    """PPO-style update settings (paper Table 2: batch 128 sequences, mini-batch 32, n = 16)."""
+
+    mini_batch_size: int = 32
+    epochs: int = 1
+    micro_batch_max_tokens: int = 8192
+    max_grad_norm: float = 1.0
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    warmup_steps: int = 0
+    logprob_temperature: float = 1.0
+    log_entropy: bool = True
+    nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+
+
+class RLModule(L.LightningModule):
+    """Policy + optimizer + the clipped policy-gradient update.
+
+    ``policy`` is an HF causal LM; ``clip`` a `ClipRule`; ``aggregator`` maps
+    (token_loss, response_mask, total_tokens=, total_seqs=) to an object with ``.loss``;
+    ``diagnostics`` a `FairnessMetrics` (per-step, reset every step) and ``run_diagnostics`` a
+    second one accumulated over the whole run (for end-of-run plots).
+    """
+
+    def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
+                 seed: int = 0):
+        super().__init__()
+        self.policy = policy
+        self.clip = clip
+        self.aggregator = aggregator
+        self.ppo = ppo
+        self.diagnostics = diagnostics
+        self.run_diagnostics = run_diagnostics
+        self.seed = seed
+        self.automatic_optimization = False
+        self.timings: Dict[str, float] = {}  # filled by the rollout callback each step
+        self.register_buffer("skipped_updates", torch.zeros((), dtype=torch.long))
+
+    # ---------------------------------------------------------------- optimizer
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.ppo.lr, betas=tuple(self.ppo.betas),
+                                weight_decay=self.ppo.weight_decay)
+        warm = max(0, int(self.ppo.warmup_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        return [opt], [sched]
+
+    # ---------------------------------------------------------------- forward helpers
+    def log_probs(self, batch: RolloutBatch, with_entropy: bool = False):
+        return response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy)
+
+    @torch.no_grad()
+    def compute_old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        """log pi_old for every response token, micro-batched, float32 [B, T]."""
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.response_ids.device)
+        for idx in self._micro_batches(batch):
+            mb = batch.select(idx)
+            lp, _ = self.log_probs(mb.trim())
+            out[idx, :lp.shape[1]] = lp
+        return out
+
+    def _micro_batches(self, batch: RolloutBatch):
+        total = batch.prompt_mask.sum(-1) + batch.lengths
+        return token_budget_micro_batches(total.cpu(), self.ppo.micro_batch_max_tokens)
+
+    def _diagnostics(self):
+        return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
+
+    def _updates_per_step(self, batch_size: int) -> int:
+        return self.ppo.epochs * math.ceil(batch_size / self.ppo.mini_batch_size)
+
+    # ---------------------------------------------------------------- training
+    def training_step(self, batch, batch_idx):
+        rollout: Optional[RolloutBatch] = batch.get("rollout") if isinstance(batch, dict) else None
+        if rollout is None:
+            raise RuntimeError("training batch has no 'rollout': add fspo.callbacks.RolloutCallback to the "
+                               "Trainer's callbacks (experiments/run.py does this)")
+        rollout.validate()
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        stats = StepStats()
+        single_update = self._updates_per_step(rollout.batch_size) == 1
+        t0 = time.perf_counter()
+        if rollout.old_log_probs is None and not single_update:
+            rollout.old_log_probs = self.compute_old_log_probs(rollout)
+        self.timings["time/old_log_probs"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+        updates = 0
+        for _ in range(self.ppo.epochs):
+            for mb_idx in minibatch_indices(rollout.batch_size, self.ppo.mini_batch_size, g):
+                mb = rollout.select(mb_idx.to(rollout.response_ids.device))
+                self._update(mb, opt, stats, on_policy=(updates == 0))
+                updates += 1
+        sched.step()
+        self.timings["time/train"] = time.perf_counter() - t0
+        self._log_step(rollout, stats, batch.get("rollout_metrics", {}))
+
+    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool) -> None:
+        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches)."""
+        total_tokens = mb.lengths.sum().clamp(min=1)
+        total_seqs = mb.batch_size
+        opt.zero_grad()
+        observed = []
+        for idx in self._micro_batches(mb):
+            micro = mb.select(idx).trim()
+            logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy)
+            old = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
+            res = self.clip(logp, old, micro.advantages, micro.response_mask)
+            agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
+                                  total_seqs=total_seqs)
+            if not torch.isfinite(agg.loss):
+                stats.nonfinite = True
+                break
+            self.manual_backward(agg.loss)
+            t_m = time.perf_counter()
+            stats.add_micro(agg.loss.detach(), logp.detach(), old, ent, micro.response_mask)
+            # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
+            for d in self._diagnostics():
+                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
+            stats.metrics_time += time.perf_counter() - t_m
+            observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.ppo.max_grad_norm)
+        if stats.nonfinite or not torch.isfinite(grad_norm):
+            if self.ppo.nonfinite == "raise":
+                raise FloatingPointError(
+                    "non-finite loss or gradient in the policy update; set ppo.nonfinite=skip to skip such "
+                    "updates instead (the last checkpoint is intact)")
+            opt.zero_grad()
+            self.skipped_updates += 1
+            stats.skipped += 1
+            return
+        opt.step()
+        stats.grad_norms.append(float(grad_norm))
+        if not on_policy:  # on-policy mini-batches have S == 0 exactly: no information on sigma
+            for s, lengths, d, m in observed:
+                self.clip.observe(s, lengths, d, m)
+
+    def _log_step(self, rollout: RolloutBatch, stats: "StepStats", extra: Dict[str, float]) -> None:
+        t_m = time.perf_counter()
+        for d in self._diagnostics():
+            d.update_rollout(rollout.lengths, rollout.overlong)
+        metrics = dict(self.diagnostics.compute())
+        self.diagnostics.reset()
+        metrics.update(self.clip.extra_metrics())
+        metrics.update(stats.compute())
+        metrics.update(extra)
+        metrics["train/skipped_updates_total"] = float(self.skipped_updates)
+        metrics["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
+        self.timings["time/metrics"] = stats.metrics_time + time.perf_counter() - t_m
+        metrics.update(self.timings)
+        tokens = float(rollout.lengths.sum())
+        step_time = sum(v for k, v in self.timings.items() if k.startswith("time/"))
+        metrics["perf/step_time_s"] = step_time
+        metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
+        prog = {"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"}
+        self.log_dict({k: v for k, v in metrics.items() if k in prog}, prog_bar=True, on_step=True,
+                      on_epoch=False, batch_size=rollout.batch_size)
+        self.log_dict({k: v for k, v in metrics.items() if k not in prog}, on_step=True, on_epoch=False,
+                      batch_size=rollout.batch_size)
+
+    # ---------------------------------------------------------------- validation
+    def validation_step(self, batch, batch_idx):
+        stats = batch.get("val_stats") if isinstance(batch, dict) else None
+        if stats is None:
+            raise RuntimeError("validation batch has no 'val_stats': add fspo.callbacks.RolloutCallback")
+        n = stats.pop("_count")
+        self.log_dict(stats, on_step=False, on_epoch=True, batch_size=n, prog_bar=False)

@@ -1,0 +1,99 @@
+"""Hugging Face `generate` rollout engine: the CPU default.
+
+Owns: `HFEngine` and `completion_mask` (the EOS-aware response mask). Leaves out: scoring and
+advantages (fspo/callbacks.py). The engine shares the trainer's policy module, so `sync_weights`
+is a no-op: generation always sees the current parameters.
+
+Contract (fspo/rollout/base.py): prompts are LEFT-padded, each prompt is expanded to ``n``
+samples (rows ``k*n .. k*n+n-1`` with ``group_ids == k``), sampling uses temperature / top-p /
+top-k, and generation stops at EOS or ``max_new_tokens``. The response mask is 1 up to and
+including the first EOS; a row with no EOS is ``overlong``. Sampling is seeded per call from
+``params.seed`` inside a forked RNG, so the global RNG stream is untouched and runs are
+reproducible step by step.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.types import RolloutBatch
+
+
+def completion_mask(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """(mask, overlong): mask[i, t] = 1 iff no EOS occurs in response_ids[i, :t]; overlong[i] = no EOS at all."""
+    is_eos = response_ids == eos_token_id
+    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS count strictly before t
+    mask = (before == 0).long()
+    return mask, ~is_eos.any(dim=1)
+
+
+def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists into (ids [B, P], mask [B, P])."""
+    p = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), p), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), p), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, p - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, p - len(s):] = 1
+    return ids, mask
+
+
+class HFEngine(RolloutEngine):
+    """`model.generate`-based engine; ``batch_size`` caps sequences per generate call (memory)."""
+
+    def __init__(self, batch_size: int = 256):
+        if batch_size < 1:
+            raise ValueError(f"rollout.engine.batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: Sequence[List[int]], params: SamplingConfig) -> RolloutBatch:
+        tok, model = self.tokenizer, self.model
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        longest = max((len(p) for p in prompt_token_ids), default=0)
+        if max_pos is not None and longest + params.max_new_tokens > max_pos:
+            raise ValueError(
+                f"prompt length {longest} + rollout.sampling.max_new_tokens {params.max_new_tokens} exceeds "
+                f"the model's max_position_embeddings {max_pos}: lower max_new_tokens or data.max_prompt_len")
+        expanded = [p for p in prompt_token_ids for _ in range(params.n)]
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        chunks = []
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                for s in range(0, len(expanded), self.batch_size):
+                    ids, mask = left_pad(expanded[s:s + self.batch_size], pad_id)
+                    out = model.generate(
+                        input_ids=ids.to(device), attention_mask=mask.to(device),
+                        max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+                        temperature=params.temperature if params.temperature > 0 else None,
+                        top_p=params.top_p if params.temperature > 0 else None,
+                        top_k=params.top_k if params.top_k > 0 and params.temperature > 0 else None,
+                        pad_token_id=pad_id, eos_token_id=tok.eos_token_id, use_cache=True)
+                    chunks.append((ids, mask, out[:, ids.shape[1]:].cpu()))
+        finally:
+            model.train(was_training)
+        return self._assemble(chunks, len(prompt_token_ids), params, pad_id)
+
+    def _assemble(self, chunks, n_prompts: int, params: SamplingConfig, pad_id: int) -> RolloutBatch:
+        p = max(c[0].shape[1] for c in chunks)
+        t = max(c[2].shape[1] for c in chunks)
+        P, PM, R = [], [], []
+        for ids, mask, resp in chunks:
+            P.append(torch.nn.functional.pad(ids, (p - ids.shape[1], 0), value=pad_id))
+            PM.append(torch.nn.functional.pad(mask, (p - mask.shape[1], 0), value=0))
+            R.append(torch.nn.functional.pad(resp, (0, t - resp.shape[1]), value=pad_id))
+        resp = torch.cat(R)
+        rmask, overlong = completion_mask(resp, self.tokenizer.eos_token_id)
+        resp = torch.where(rmask.bool(), resp, torch.full_like(resp, pad_id))
+        group_ids = torch.arange(n_prompts).repeat_interleave(params.n)
+        return RolloutBatch(prompt_ids=torch.cat(P), prompt_mask=torch.cat(PM), response_ids=resp,
+                            response_mask=rmask, group_ids=group_ids, overlong=overlong).trim()

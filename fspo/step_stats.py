@@ -1,0 +1,57 @@
+"""Per-step training statistics that are not length diagnostics: loss, KL, entropy, grad norm.
+
+Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch. Token
+statistics are token-weighted over every micro-batch of every update in the step:
+
+    train/kl       = mean_t k3_t,  k3_t = r_t - 1 - log r_t,  r_t = exp(logp_new - logp_old)
+                     (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
+    train/entropy  = mean_t H(pi_theta(. | h_t))
+    train/loss     = sum over updates of each mini-batch loss / number of updates
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    ent_sum: float = 0.0
+    ent_tokens: float = 0.0
+    grad_norms: List[float] = field(default_factory=list)
+    skipped: int = 0
+    nonfinite: bool = False
+    metrics_time: float = 0.0
+
+    @torch.no_grad()
+    def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
+        m = mask.float()
+        d = ((logp - old) * m).clamp(-20, 20)
+        k3 = (torch.exp(d) - 1 - d) * m
+        self.loss_sum += float(loss)
+        n = float(m.sum())
+        self.tokens += n
+        self.kl_sum += float(k3.sum())
+        if entropy is not None:
+            self.ent_sum += float((entropy * m).sum())
+            self.ent_tokens += n
+
+    def compute(self) -> Dict[str, float]:
+        updates = len(self.grad_norms)
+        out = {
+            "train/loss": self.loss_sum / max(updates, 1),
+            "train/kl": self.kl_sum / max(self.tokens, 1.0),
+            "train/updates": float(updates),
+            "train/skipped_updates": float(self.skipped),
+        }
+        if updates:
+            out["train/grad_norm"] = sum(self.grad_norms) / updates
+        if self.ent_tokens:
+            out["train/entropy"] = self.ent_sum / self.ent_tokens
+        return out

@@ -1,0 +1,81 @@
+"""Assemble and run one training job from a composed config; reads top to bottom.
+
+Owns: `train(cfg)` — build the policy, data, reward, clip rule, module, rollout callback, MLflow
+logger and Lightning Trainer from ``cfg`` (see conf/config.yaml), validate once before training,
+fit, and log the run-level diagnostics and their figures as MLflow artifacts. Returns the final
+metrics. Leaves out: Hydra's command line (experiments/run.py) and every component's internals.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fspo.callbacks import RolloutCallback
+from fspo.data.datamodule import PromptDataModule
+from fspo.diagnostics import FairnessMetrics, LengthBins
+from fspo.models.loading import load_policy
+from fspo.module import RLModule
+from fspo.mlflow_utils import flatten_params, log_final_artifacts
+
+log = logging.getLogger(__name__)
+
+
+def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
+    d = cfg.diagnostics
+    bins = LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
+    return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed)
+
+
+def train(cfg: DictConfig) -> Dict[str, Any]:
+    """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats."""
+    L.seed_everything(int(cfg.seed), workers=True)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # policy and tokenizer
+    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
+
+    # prompts
+    train_source = instantiate(cfg.data.train)
+    val_source = instantiate(cfg.data.val) if cfg.val.size and cfg.val.size > 0 else None
+    data = PromptDataModule(train_source, val_source, prompts_per_step=int(cfg.prompts_per_step),
+                            steps=int(cfg.steps), val_batch_size=int(cfg.val.batch_size), seed=int(cfg.seed))
+
+    # the algorithm: clip rule, aggregation, PPO settings, diagnostics
+    module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
+                      ppo=instantiate(cfg.ppo), diagnostics=build_fairness(cfg, int(cfg.seed)),
+                      run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed))
+
+    # rollouts
+    sampling = instantiate(cfg.rollout.sampling)
+    rollout = RolloutCallback(engine=instantiate(cfg.rollout.engine), tokenizer=tokenizer,
+                              reward_fn=instantiate(cfg.reward), advantage_fn=instantiate(cfg.advantage),
+                              sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
+                              max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed))
+
+    # logging
+    logger = instantiate(cfg.logger, tags={"method": str(cfg.method), "model": str(cfg.model.name),
+                                           "seed": str(cfg.seed), **{str(k): str(v) for k, v in cfg.tags.items()}})
+    logger.log_hyperparams(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+
+    val_every = int(cfg.val.every_n_steps)
+    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout],
+                          val_check_interval=min(val_every, int(cfg.steps)) if val_source is not None else None,
+                          limit_val_batches=None if val_source is not None else 0)
+    if val_source is not None:
+        trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
+    trainer.fit(module, datamodule=data)
+    if val_source is not None and cfg.steps % val_every != 0:
+        trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
+
+    final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    log_final_artifacts(logger, module, trainer, cfg)
+    log.info("run %s finished: %s", logger.run_id, {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
+    return final
