@@ -1,0 +1,153 @@
+"""Shared pieces of the clipping rules: input checks, masked sums, verl-style ratio-space clipping.
+
+Owns: argument validation helpers (one ValueError naming the setting), `prepare` (shape checks and
+the float32 upcast every rule does first), per-sequence/per-token advantage layouts, the verl
+ratio-space clip `ratio_clip` (GRPO, RLOO and GSPO share it) and `RatioClipRule`, the base of the
+three ratio-space rules. Leaves out: the log-space FSPO band (fspo.py) and aggregation (losses.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fspo.clipping.base import ClipResult, ClipRule
+
+#: verl clamps token log-ratios to [-20, 20] before exp; we use the same bound as the float-safety
+#: cap everywhere (exp(20) = 4.85e8, far from float32 overflow even after summing 4M tokens).
+MAX_LOG_RATIO = 20.0
+
+
+def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> float:
+    """Return float(value); raise ValueError naming ``owner.name`` if value < 0 (or == 0)."""
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {value!r}")
+    return v
+
+
+def check_choice(owner: str, name: str, value: str, allowed: Iterable[str]) -> str:
+    """Return value if it is one of ``allowed``; else ValueError naming the setting and the options."""
+    allowed = sorted(allowed)
+    if value not in allowed:
+        raise ValueError(f"{owner}: {name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+class Prepared(NamedTuple):
+    """float32 views of a rule's inputs: ``mask`` bool [B, T], ``maskf`` float [B, T], ``lengths`` [B]."""
+
+    log_prob: Tensor
+    old_log_prob: Tensor
+    mask: Tensor
+    maskf: Tensor
+    lengths: Tensor
+
+
+def prepare(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+            response_mask: Tensor) -> Prepared:
+    """Check shapes (ValueError naming both shapes on mismatch) and upcast to float32.
+
+    ``log_prob``, ``old_log_prob`` and ``response_mask`` must all be [B, T]; ``advantages`` is [B]
+    or [B, T]. Any float dtype is accepted (bf16 included); all math downstream is float32.
+    """
+    if log_prob.dim() != 2:
+        raise ValueError(f"{owner}: log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
+    for name, t in (("old_log_prob", old_log_prob), ("response_mask", response_mask)):
+        if t.shape != log_prob.shape:
+            raise ValueError(f"{owner}: {name} shape {tuple(t.shape)} does not match log_prob "
+                             f"shape {tuple(log_prob.shape)}")
+    if advantages.shape not in (log_prob.shape[:1], log_prob.shape):
+        raise ValueError(f"{owner}: advantages shape {tuple(advantages.shape)} does not match log_prob "
+                         f"shape {tuple(log_prob.shape)} (expected [B] or [B, T])")
+    mask = response_mask.bool()
+    maskf = mask.float()
+    return Prepared(log_prob.float(), old_log_prob.float(), mask, maskf, maskf.sum(-1))
+
+
+def token_log_ratio(p: Prepared) -> Tensor:
+    """d_t = logp_new - logp_old on response tokens, exactly 0 on padding (NaN-safe), float32 [B, T]."""
+    return torch.where(p.mask, p.log_prob - p.old_log_prob, 0.0)
+
+
+def seq_advantage(advantages: Tensor, p: Prepared) -> Tensor:
+    """[B] float32 advantage: as given if [B]; the masked token mean if [B, T] (0 where L = 0)."""
+    a = advantages.float()
+    if a.dim() == 1:
+        return a
+    return torch.where(p.mask, a, 0.0).sum(-1) / p.lengths.clamp(min=1.0)
+
+
+def token_advantage(advantages: Tensor, p: Prepared) -> Tensor:
+    """[B, T] float32 advantage: broadcast along T if given per sequence."""
+    a = advantages.float()
+    return a.unsqueeze(-1).expand_as(p.log_prob) if a.dim() == 1 else a
+
+
+def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: Optional[float],
+               clamp: Tuple[Optional[float], Optional[float]] = (-MAX_LOG_RATIO, MAX_LOG_RATIO),
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """verl's `compute_policy_loss_vanilla` surrogate, elementwise on any shape.
+
+    r = exp(clamp(log_ratio)); l1 = -A r; l2 = -A clip(r, 1 - low, 1 + high); l = max(l1, l2);
+    where A < 0 and a dual clip c is set: l = min(l, -A c).
+    Returns (loss, upper, lower, dual): upper = (l2 > l1) & (A > 0), lower = (l2 > l1) & (A < 0),
+    dual = (l > -A c) & (A < 0) - the same strict comparisons verl uses for its clip fractions.
+    """
+    ratio = torch.exp(torch.clamp(log_ratio, min=clamp[0], max=clamp[1]))
+    neg_adv = -adv
+    l1 = neg_adv * ratio
+    l2 = neg_adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    loss = torch.maximum(l1, l2)
+    clipped = l2 > l1
+    neg = adv < 0
+    upper, lower = clipped & (adv > 0), clipped & neg
+    if clip_c is None:
+        return loss, upper, lower, torch.zeros_like(upper)
+    l3 = neg_adv * clip_c
+    dual = (loss > l3) & neg
+    return torch.where(neg, torch.minimum(loss, l3), loss), upper, lower, dual
+
+
+class RatioClipRule(ClipRule):
+    """Base of the ratio-space rules (GRPO, RLOO, GSPO): verl's settings and their validation.
+
+    ``clip_ratio_low`` in [0, 1) (the ratio floor 1 - low must stay positive), ``clip_ratio_high``
+    >= 0, ``clip_ratio_c`` > 1 or None (dual clip off).
+    """
+
+    def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
+                 clip_ratio_c: Optional[float]) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.clip_ratio_low = check_positive(owner, "clip_ratio_low", clip_ratio_low, allow_zero=True)
+        if self.clip_ratio_low >= 1.0:
+            raise ValueError(f"{owner}: clip_ratio_low must be < 1 (the ratio floor 1 - clip_ratio_low "
+                             f"must stay > 0), got {clip_ratio_low!r}")
+        self.clip_ratio_high = check_positive(owner, "clip_ratio_high", clip_ratio_high, allow_zero=True)
+        if clip_ratio_c is not None and not float(clip_ratio_c) > 1.0:
+            raise ValueError(f"{owner}: clip_ratio_c (dual clip) must be > 1 or null, got {clip_ratio_c!r}")
+        self.clip_ratio_c = None if clip_ratio_c is None else float(clip_ratio_c)
+
+    def extra_repr(self) -> str:
+        return (f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}, "
+                f"clip_ratio_c={self.clip_ratio_c}")
+
+    def extra_metrics(self) -> Dict[str, float]:
+        return {}
+
+
+def seq_result(seq_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
+               p: Prepared) -> ClipResult:
+    """Broadcast per-sequence loss [B] and binding decisions [B] over each sequence's tokens."""
+    m = p.mask
+    return ClipResult(
+        token_loss=seq_loss.unsqueeze(-1) * p.maskf,
+        seq_log_ratio=seq_log_ratio.detach(),
+        clip_upper=upper.unsqueeze(-1) & m,
+        clip_lower=lower.unsqueeze(-1) & m,
+        clip_dual=dual.unsqueeze(-1) & m,
+    )

@@ -1,0 +1,170 @@
+"""FSPO: log-space clipping of the sequence log-ratio with a sqrt(L)-scaled band (paper section Method).
+
+Owns: `FSPOClip` - the band, the log-space dual clip, the running sigma_hat / KL estimates (buffers,
+so they are checkpointed) and their update in `observe`. Leaves out: aggregation over tokens and
+sequences (fspo/losses.py) and clip-fraction-by-length diagnostics.
+
+Readings of the paper that this file commits to:
+
+* Band centred on the drift. The paper writes clip(S, -b_L, b_L) with b_L = mu_L + z sigma sqrt(L)
+  and sets mu_L = 0. We clip S to [lo_L, hi_L] = [mu_L - c_lower sqrt(L), mu_L + c_upper sqrt(L)].
+  For mu_L = 0 this is exactly the paper's band; for mu_L != 0 it keeps the band centred where the
+  Gaussian S_L ~ N(mu_L, sigma^2 L) is centred, so the clip probability stays
+  c(L) = P(|S - mu_L| > z sigma sqrt(L)) = 2 Phi(-z) for every L (a band [-b, b] with b = mu + ...
+  would not be symmetric about the mean and its clip fraction would drift with L).
+* Dual clip in log space. Table 4's c_dual = 0.03 is read as a log-space bound that scales like the
+  band: for A < 0 the loss -A exp(S) is capped at -A exp(mu_L + c_dual sqrt(L)). We require
+  c_dual >= c_upper so the dual bound never sits inside the band (with c_dual = c_upper, as in the
+  paper, a negative-advantage sequence gets gradient only while S is inside the band). A constant
+  (unscaled) log bound of 0.03 would be tighter than the band itself beyond L = 1 and override it.
+* EMA band (paper appendix, not shipped there): c_upper = c_lower = z sigma_t, with
+  sigma_t = (1 - alpha) sigma_{t-1} + alpha std_batch((S - mu_L) / sqrt(L)) over sequences with L > 0,
+  sigma_0 = 0.03; the dual scale is max(c_dual, z sigma_t) so it never falls inside the band.
+  sigma_hat is tracked in both modes (a diagnostic in "fixed" mode).
+* KL drift (paper eq. mu_kl): mu_L = -kl_bar L, kl_bar an EMA of the per-token k3 estimate of
+  KL(pi_old || pi_new): mean_t (r_t - 1 - log r_t), r_t = exp(logp_new - logp_old). Tracked in both
+  drift modes; used in the band only with drift="kl".
+* Float safety. exp is only ever taken of the selected exponent, which is <= max(hi_L, dual_L); both
+  edges are capped at log-ratio 20 (ratio 4.9e8; the paper's band at L = 32,768 is 5.43), so no
+  inf/NaN arises for any L or |S|, and where no clip binds the gradient is exactly -A exp(S) dS.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fspo.clipping._common import (MAX_LOG_RATIO, check_choice, check_positive, prepare,
+                                   seq_advantage, seq_result, token_log_ratio)
+from fspo.clipping.base import ClipResult, ClipRule
+
+Scale = Union[float, Tensor]
+
+
+class FSPOClip(ClipRule):
+    """FSPO's log-space sequence clip (paper eqs. obj-fspo, Si, band).
+
+    With S_i = sum_t m_t (logp_new - logp_old) in float32, L_i = sum_t m_t, mu_L the drift,
+    lo = mu_L - c_lower sqrt(L), hi = mu_L + c_upper sqrt(L), du = mu_L + c_dual sqrt(L):
+
+        J_i   = min(exp(S_i) A_i, exp(clip(S_i, lo, hi)) A_i)
+        loss_i = -J_i, and for A_i < 0: loss_i = min(loss_i, -A_i exp(du))       (log-space dual clip)
+
+    broadcast over the sequence's tokens (so "token-mean" aggregation weights sequence i by L_i).
+    Binding: upper = A > 0 and S > hi; lower = A < 0 and S < lo; dual = A < 0 and S > du.
+    L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
+    per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
+    "fixed" | "ema", ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
+    running estimates), ``sigma0`` > 0 (EMA warm start).
+    """
+
+    level = "sequence"
+    BANDS = ("fixed", "ema")
+    DRIFTS = ("zero", "kl")
+
+    def __init__(self, c_upper: float = 0.03, c_lower: float = 0.03, c_dual: Optional[float] = 0.03,
+                 band: str = "fixed", drift: str = "zero", z: float = 1.0, alpha: float = 0.1,
+                 sigma0: float = 0.03) -> None:
+        super().__init__()
+        own = type(self).__name__
+        self.c_upper = check_positive(own, "c_upper", c_upper)
+        self.c_lower = check_positive(own, "c_lower", c_lower)
+        if c_dual is not None:
+            check_positive(own, "c_dual", c_dual)
+            if float(c_dual) < self.c_upper:
+                raise ValueError(f"{own}: c_dual ({c_dual!r}) must be >= c_upper ({c_upper!r}) so the "
+                                 f"dual bound is never inside the band; or null to disable it")
+        self.c_dual = None if c_dual is None else float(c_dual)
+        self.band = check_choice(own, "band", band, self.BANDS)
+        self.drift = check_choice(own, "drift", drift, self.DRIFTS)
+        self.z = check_positive(own, "z", z)
+        a = float(alpha)
+        if not 0.0 < a <= 1.0:
+            raise ValueError(f"{own}: alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = a
+        self.register_buffer("sigma_hat", torch.tensor(check_positive(own, "sigma0", sigma0)))
+        self.register_buffer("kl_bar", torch.tensor(0.0))
+
+    # --- band -------------------------------------------------------------------------------
+    def scales(self) -> Tuple[Scale, Scale, Optional[Scale]]:
+        """(c_upper, c_lower, c_dual) in effect: the settings, or z*sigma_hat for the EMA band."""
+        if self.band == "fixed":
+            return self.c_upper, self.c_lower, self.c_dual
+        c = self.z * self.sigma_hat
+        return c, c, None if self.c_dual is None else torch.clamp(c, min=self.c_dual)
+
+    def drift_mu(self, lengths: Tensor) -> Tensor:
+        """mu_L: 0 (paper) or -kl_bar * L (eq. mu_kl), float32 [B]."""
+        return -self.kl_bar * lengths if self.drift == "kl" else torch.zeros_like(lengths)
+
+    def bounds(self, lengths: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """(lo, hi, du) per sequence [B]; hi and du capped at log-ratio 20 (float safety)."""
+        c_up, c_lo, c_du = self.scales()
+        root, mu = lengths.sqrt(), self.drift_mu(lengths)
+        hi = (mu + c_up * root).clamp(max=MAX_LOG_RATIO)
+        du = (mu + c_du * root).clamp(max=MAX_LOG_RATIO) if c_du is not None \
+            else torch.full_like(hi, MAX_LOG_RATIO)
+        return mu - c_lo * root, hi, du
+
+    # --- loss -------------------------------------------------------------------------------
+    def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                response_mask: Tensor) -> ClipResult:
+        p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
+        s = token_log_ratio(p).sum(-1)
+        a = seq_advantage(advantages, p)
+        lo, hi, du = self.bounds(p.lengths)
+        sd = s.detach()
+        upper = (a > 0) & (sd > hi)
+        lower = (a < 0) & (sd < lo)
+        dual = (a < 0) & (sd > du)
+        # the exponent the pessimistic min selects; a bound (no gradient) where a clip binds
+        e = torch.where(upper, hi, torch.where(lower, lo, torch.where(dual, du, s)))
+        e = e.clamp(max=MAX_LOG_RATIO)  # changes only A == 0 rows, whose loss is 0 anyway
+        return seq_result(-a * torch.exp(e), s, upper, lower, dual, p)
+
+    # --- running estimates ------------------------------------------------------------------
+    @torch.no_grad()
+    def observe(self, seq_log_ratio: Tensor, lengths: Tensor, token_log_ratio: Tensor,
+                response_mask: Tensor) -> None:
+        """EMA updates of sigma_hat and kl_bar from one mini-batch (call on every rank).
+
+        sigma: std (unbiased) of (S - mu_L) / sqrt(L) over sequences with L > 0, mu_L the drift in
+        effect for this batch; kl: masked token mean of k3 = exp(d) - 1 - d. Both are computed from
+        count / sum / sum-of-squares, all-reduced when torch.distributed is initialised, so every rank
+        applies the same update. A batch with < 2 sequences leaves sigma_hat unchanged; one with no
+        tokens leaves kl_bar unchanged.
+        """
+        length = lengths.to(torch.float64)
+        valid = length > 0
+        zres = (seq_log_ratio.to(torch.float64) - self.drift_mu(length).to(torch.float64)) \
+            / length.clamp(min=1.0).sqrt()
+        zres = torch.where(valid, zres, 0.0)
+        m = response_mask.bool()
+        d = token_log_ratio.to(torch.float64).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        k3 = torch.where(m, torch.expm1(d) - d, 0.0)
+        stats = torch.stack([valid.sum().to(torch.float64), zres.sum(), zres.square().sum(),
+                             k3.sum(), m.sum().to(torch.float64)])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stats)
+        n, sz, szz, ksum, ntok = stats.unbind()
+        var = ((szz - sz * sz / n.clamp(min=1.0)) / (n - 1.0).clamp(min=1.0)).clamp(min=0.0)
+        a = self.alpha
+        sigma = (1 - a) * self.sigma_hat.double() + a * var.sqrt()
+        kl = (1 - a) * self.kl_bar.double() + a * ksum / ntok.clamp(min=1.0)
+        self.sigma_hat.copy_(torch.where(n >= 2, sigma, self.sigma_hat.double()))
+        self.kl_bar.copy_(torch.where(ntok > 0, kl, self.kl_bar.double()))
+
+    def extra_metrics(self) -> Dict[str, float]:
+        """Scalars to log: clip/sigma_hat, clip/kl_bar and the scales in effect (clip/c_*)."""
+        c_up, c_lo, c_du = self.scales()
+        out = {"clip/sigma_hat": float(self.sigma_hat), "clip/kl_bar": float(self.kl_bar),
+               "clip/c_upper": float(c_up), "clip/c_lower": float(c_lo)}
+        if c_du is not None:
+            out["clip/c_dual"] = float(c_du)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"c_upper={self.c_upper}, c_lower={self.c_lower}, c_dual={self.c_dual}, band={self.band}"
+                f", drift={self.drift}, z={self.z}, alpha={self.alpha}")

@@ -1,0 +1,124 @@
+"""verl-compatible policy-loss registry: ``fn(old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode, config) -> (loss, metrics)``.
+
+Owns: `POLICY_LOSSES`, `register_policy_loss`, `get_policy_loss_fn` and the wrappers that build a
+clip rule from verl-style settings, apply it and aggregate. Names: ``vanilla`` (= ``grpo``),
+``grpo``, ``rloo``, ``gspo``, ``fspo``. ``config`` may be None, a dict, a DictConfig or any object
+with verl's field names: ``clip_ratio`` (fallback for both sides), ``clip_ratio_low``,
+``clip_ratio_high``, ``clip_ratio_c``; for fspo ``c_upper``, ``c_lower``, ``c_dual``. Unset fields
+take the paper's values for that method. As in verl, ``gspo`` always aggregates with
+seq-mean-token-mean whatever ``loss_agg_mode`` says. Metrics (python floats, masked token means):
+``actor/pg_clipfrac`` (upper or lower clip binds), ``actor/ppo_kl`` (mean of logp_old - logp_new,
+clamped to +-20 like verl's vanilla except for gspo),
+``actor/pg_clipfrac_lower`` (verl's name for the dual-clip fraction).
+Leaves out: stateful running estimates (FSPO's EMA band needs the `FSPOClip` module itself).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fspo.clipping._common import MAX_LOG_RATIO
+from fspo.clipping.base import ClipRule
+from fspo.clipping.fspo import FSPOClip
+from fspo.clipping.grpo import GRPOClip
+from fspo.clipping.gspo import GSPOClip
+from fspo.clipping.rloo import RLOOClip
+from fspo.losses import aggregate
+
+PolicyLossFn = Callable[..., Tuple[Tensor, Dict[str, float]]]
+POLICY_LOSSES: Dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy-loss function under ``name``."""
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = fn
+        return fn
+    return deco
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered as ``name``; ValueError listing the names otherwise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+def _get(config: Any, key: str) -> Optional[Any]:
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return config.get(key)
+    try:
+        return getattr(config, key)
+    except AttributeError:
+        return None
+
+
+def _ratio_kwargs(config: Any, defaults: Dict[str, Optional[float]]) -> Dict[str, Optional[float]]:
+    both = _get(config, "clip_ratio")
+    out = {}
+    for key, default in defaults.items():
+        v = _get(config, key)
+        v = both if v is None and key != "clip_ratio_c" else v
+        out[key] = default if v is None else v
+    return out
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x.float() * mask).sum() / mask.sum().clamp(min=1.0))
+
+
+def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
+         response_mask: Tensor, mode: str, kl_clamp: Optional[float] = MAX_LOG_RATIO,
+         ) -> Tuple[Tensor, Dict[str, float]]:
+    res = rule(log_prob, old_log_prob, advantages, response_mask)
+    m = response_mask.bool().float()
+    loss = aggregate(res.token_loss, response_mask, mode).loss
+    d = torch.where(m.bool(), log_prob.detach().float() - old_log_prob.float(), 0.0)
+    if kl_clamp is not None:  # verl's vanilla reports the clamped log-ratio, its gspo the raw one
+        d = d.clamp(-kl_clamp, kl_clamp)
+    metrics = {"actor/pg_clipfrac": _masked_mean(res.clip_upper | res.clip_lower, m),
+               "actor/ppo_kl": _masked_mean(-d, m),
+               "actor/pg_clipfrac_lower": _masked_mean(res.clip_dual, m)}
+    return loss, metrics
+
+
+@register_policy_loss("vanilla")
+@register_policy_loss("grpo")
+def policy_loss_grpo(old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode: str = "token-mean", config: Any = None):
+    """GRPO / verl vanilla: `GRPOClip` (token ratio clip 0.2 / 0.28, dual 3.0) + `aggregate`."""
+    rule = GRPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                             "clip_ratio_c": 3.0}))
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
+
+
+@register_policy_loss("rloo")
+def policy_loss_rloo(old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode: str = "token-mean", config: Any = None):
+    """RLOO: `RLOOClip` (sequence ratio clip 0.4 / 0.667, dual 3.0) + `aggregate`."""
+    rule = RLOOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.4, "clip_ratio_high": 0.667,
+                                             "clip_ratio_c": 3.0}))
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
+
+
+@register_policy_loss("gspo")
+def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode: str = "seq-mean-token-mean", config: Any = None):
+    """GSPO: `GSPOClip` (clip 3e-4 / 4e-4, no dual), always seq-mean-token-mean like verl."""
+    rule = GSPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}))
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean",
+                kl_clamp=None)
+
+
+@register_policy_loss("fspo")
+def policy_loss_fspo(old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode: str = "token-mean", config: Any = None):
+    """FSPO with a fixed band: `FSPOClip(c_upper, c_lower, c_dual)` (paper 0.03 each) + `aggregate`."""
+    kw = {k: _get(config, k) for k in ("c_upper", "c_lower", "c_dual")}
+    rule = FSPOClip(**{k: v for k, v in kw.items() if v is not None})
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
