@@ -254,3 +254,16 @@ def test_shape_mismatch_names_shapes():
     r1 = rule(lp, olp, a, m)
     r2 = rule(lp, olp, a[:, None] * m, m)
     torch.testing.assert_close(r1.token_loss, r2.token_loss)
+
+
+def test_observe_accepts_flattened_micro_batch_tokens():
+    # micro-batches of different T: the module may pass the concatenated response tokens, 1-D
+    d1, m1 = torch.tensor([[0.1, -0.2, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    d2, m2 = torch.tensor([[0.3]]), torch.tensor([[1.0]])
+    a = FSPOClip(alpha=1.0)
+    flat = torch.cat([d1[m1.bool()], d2[m2.bool()]])
+    a.observe(torch.tensor([-0.1, 0.3]), torch.tensor([2, 1]), flat, torch.ones_like(flat))
+    k3 = [math.expm1(x) - x for x in (0.1, -0.2, 0.3)]
+    assert a.kl_bar.item() == pytest.approx(sum(k3) / 3, rel=1e-6)
+    # sigma from (S / sqrt(L)) = (-0.1 / sqrt 2, 0.3): unbiased std of two values = |diff| / sqrt 2
+    assert a.sigma_hat.item() == pytest.approx(abs(0.3 + 0.1 / math.sqrt(2)) / math.sqrt(2), rel=1e-6)

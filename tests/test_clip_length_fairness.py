@@ -95,3 +95,14 @@ def test_gspo_clip_fraction_falls_with_length(fractions):
     for L, got in zip(LENGTHS, f):
         assert got == pytest.approx(closed_form("gspo", L), abs=0.02), (L, got)
     assert f[0] - f[-1] > 0.5
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_rules_report_their_closed_form(name, fractions):
+    """`ClipRule.theory_clip_fraction` (used for the theory curve in the run's plots) agrees with the
+    closed forms above and with the observed fractions."""
+    pytest.importorskip("fspo.diagnostics.theory")
+    curve = RULES[name].theory_clip_fraction(LENGTHS, SIGMA)
+    for L, c, got in zip(LENGTHS, curve, fractions[name]):
+        assert c == pytest.approx(closed_form(name, L), abs=1e-9)
+        assert got == pytest.approx(c, abs=0.02)

@@ -131,7 +131,9 @@ class FSPOClip(ClipRule):
         """EMA updates of sigma_hat and kl_bar from one mini-batch (call on every rank).
 
         sigma: std (unbiased) of (S - mu_L) / sqrt(L) over sequences with L > 0, mu_L the drift in
-        effect for this batch; kl: masked token mean of k3 = exp(d) - 1 - d. Both are computed from
+        effect for this batch; kl: masked token mean of k3 = exp(d) - 1 - d (``token_log_ratio`` and
+        ``response_mask`` may have any matching shape, e.g. [B, T] or the 1-D concatenation of the
+        response tokens of all micro-batches). Both are computed from
         count / sum / sum-of-squares, all-reduced when torch.distributed is initialised, so every rank
         applies the same update. A batch with < 2 sequences leaves sigma_hat unchanged; one with no
         tokens leaves kl_bar unchanged.
@@ -155,6 +157,14 @@ class FSPOClip(ClipRule):
         kl = (1 - a) * self.kl_bar.double() + a * ksum / ntok.clamp(min=1.0)
         self.sigma_hat.copy_(torch.where(n >= 2, sigma, self.sigma_hat.double()))
         self.kl_bar.copy_(torch.where(ntok > 0, kl, self.kl_bar.double()))
+
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """c(L) = P(S - mu_L > c_upper sqrt L) + P(S - mu_L < -c_lower sqrt L), S ~ N(mu_L, sigma^2 L),
+        with the scales in effect; 2 Phi(-z) when c = z sigma, flat in L. (The band is centred on
+        the drift, so the data's drift is assumed to be the band's.)"""
+        from fspo.diagnostics.theory import c_fspo
+        c_up, c_lo, _ = self.scales()
+        return c_fspo(lengths, sigma, float(c_up), float(c_lo))
 
     def extra_metrics(self) -> Dict[str, float]:
         """Scalars to log: clip/sigma_hat, clip/kl_bar and the scales in effect (clip/c_*)."""

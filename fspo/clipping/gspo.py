@@ -44,3 +44,8 @@ class GSPOClip(RatioClipRule):
         return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=s.detach(),
                           clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m)
 
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. c_gspo)."""
+        from fspo.diagnostics.theory import c_gspo
+        return c_gspo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)
+

@@ -36,3 +36,8 @@ class RLOOClip(RatioClipRule):
         loss, up, lo, du = ratio_clip(s, seq_advantage(advantages, p), self.clip_ratio_low,
                                       self.clip_ratio_high, self.clip_ratio_c)
         return seq_result(loss, s, up, lo, du, p)
+
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """c(L) = P(S > log(1 + high)) + P(S < log(1 - low)), S ~ N(0, sigma^2 L) (paper eq. c_rloo)."""
+        from fspo.diagnostics.theory import c_rloo
+        return c_rloo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)
