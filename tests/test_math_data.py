@@ -201,14 +201,28 @@ def test_configs_compose_and_instantiate():
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(overrides=["+data=math_train", "+reward=math_verify", "+eval_data=[math500,aime24,aime25,gsm8k]",
-                                 "data.val.limit=4"])
-    assert len(instantiate(cfg.data.val)) == 4
+                                 "+val.size=4"])
+    assert len(instantiate(cfg.data.val)) == 4 and cfg.data.max_prompt_len >= 2000
     assert set(cfg.eval_data) == set(EVAL_SETS)
     assert (cfg.eval_data.math500.samples_per_prompt, cfg.eval_data.aime24.samples_per_prompt) == (8, 32)
     for name in EVAL_SETS:
         assert instantiate(cfg.eval_data[name].source, limit=2).name == name
     reward = instantiate(cfg.reward)
     assert reward.overlong_buffer_len == 0 and reward.pool.timeout_s == 1.0
+
+
+@needs_data
+@pytest.mark.skipif(not (CONF / "config.yaml").is_file(), reason="no root config yet")
+def test_math_configs_compose_with_the_root_config():
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["data=math_train", "reward=math_verify", "val.size=3"])
+    OmegaConf.resolve(cfg)  # every interpolation the root config makes into data/ resolves
+    assert len(instantiate(cfg.data.val)) == 3
+    assert type(instantiate(cfg.reward)).__name__ == "MathVerifyReward"
 
 
 @needs_data
@@ -225,7 +239,7 @@ def test_relative_data_dir_survives_hydra_chdir(tmp_path):
 
         main()
     """))
-    out = subprocess.run([sys.executable, str(app), "+data=math_train", "data.val.limit=2", "hydra.job.chdir=true",
+    out = subprocess.run([sys.executable, str(app), "+data=math_train", "+val.size=2", "hydra.job.chdir=true",
                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
                          env={k: v for k, v in __import__("os").environ.items() if k != "FSPO_DATA_DIR"})
     assert out.returncode == 0, out.stderr[-2000:]
