@@ -1,0 +1,136 @@
+"""Diagnostic figures (paper Fig. qL and Fig. seq_ratio_qqplot), matplotlib without a display.
+
+Owns: three functions that each return a `matplotlib.figure.Figure` built with the object API
+(``Figure()`` rendered by the Agg canvas; pyplot is never imported, so no global figure state and
+no display). The training system logs them to MLflow as artifacts. Leaves out: the numbers
+(collection.py computes them) and logging.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from scipy.special import ndtri
+
+from fspo.diagnostics.bins import label_edges
+
+XY = Tuple[Sequence[float], Sequence[float]]
+Curve = Union[Callable[[np.ndarray], np.ndarray], XY]
+
+
+def _new_figure(size=(6.4, 4.4)) -> Tuple[Figure, Axes]:
+    """A Figure attached to the Agg canvas (explicitly: no backend switch, never a display)."""
+    fig = Figure(figsize=size, dpi=100)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str, loc: str = "best") -> Figure:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc=loc)
+    fig.tight_layout()
+    return fig
+
+
+def _label_xy(d: Mapping[str, float]) -> Tuple[np.ndarray, np.ndarray]:
+    """Bin labels -> (bin midpoint, value); the overflow bin is placed at its lower edge."""
+    pts = []
+    for k, v in d.items():
+        lo, hi = label_edges(k)
+        pts.append(((lo + hi) / 2 if np.isfinite(hi) else lo, float(v)))
+    pts.sort()
+    arr = np.asarray(pts, dtype=np.float64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
+
+
+def _series(observed) -> dict:
+    """Normalise ``observed`` to {name: (x, y)}."""
+    if isinstance(observed, tuple) and len(observed) == 2:
+        return {"observed": (np.asarray(observed[0], float), np.asarray(observed[1], float))}
+    if isinstance(observed, Mapping):
+        keys = list(observed)
+        if all(k.startswith("len_") for k in keys):
+            return {"observed": _label_xy(observed)}
+        return {name: _series(v)["observed"] for name, v in observed.items()}
+    raise ValueError("observed must be {bin label: frac}, (lengths, fracs), or {series name: one of those}")
+
+
+def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapping[str, Curve]] = None,
+                                 title: str = "Clip fraction by response length",
+                                 ylabel: str = "sequence clip fraction") -> Figure:
+    """Observed clip fraction c_hat(L) per length bin beside theoretical c(L) curves.
+
+    ``observed``: ``{"len_00200_00400": 0.12, ...}`` (plotted at bin midpoints), ``(lengths, fracs)``,
+    or ``{series name: either}``. ``theory_curve``: a callable ``c(L)`` (evaluated on a grid over
+    the observed range, e.g. ``lambda L: theory.c_rloo(L, 0.03, 0.667, 0.4)``), ``(L, c)`` arrays,
+    or ``{name: either}``. Returns a Figure.
+    """
+    fig, ax = _new_figure()
+    series = _series(observed)
+    xmax = max([float(np.max(x)) for x, _ in series.values() if len(x)] + [1.0])
+    for name, (x, y) in series.items():
+        ax.plot(x, y, "o-", ms=3, lw=1, label=name)
+    if theory_curve is not None:
+        curves = theory_curve if isinstance(theory_curve, Mapping) else {"theory": theory_curve}
+        grid = np.linspace(1.0, xmax * 1.05, 400)
+        for name, cur in curves.items():
+            x, y = (grid, np.asarray(cur(grid), float)) if callable(cur) else (np.asarray(cur[0], float), np.asarray(cur[1], float))
+            ax.plot(x, y, "--", lw=1.5, label=f"{name}")
+    if not any(len(x) for x, _ in series.values()):
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, "response length L (tokens)", ylabel, title)
+
+
+def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_L") -> Figure:
+    """Sorted Z = (S - mu_hat_L)/(sqrt(L) sigma_hat) against normal quantiles Phi^{-1}((i-3/8)/(n+1/4)),
+    with the least-squares line (slope m, intercept b, R^2 in the legend) and the y = x reference.
+    """
+    fig, ax = _new_figure((5.0, 5.0))
+    z = np.sort(np.asarray(z_sample, dtype=np.float64).ravel())
+    z = z[np.isfinite(z)]
+    n = z.size
+    if n >= 3:
+        q = ndtri((np.arange(1, n + 1) - 0.375) / (n + 0.25))
+        m, b = np.polyfit(q, z, 1)
+        r2 = float(np.corrcoef(q, z)[0, 1] ** 2) if np.std(z) > 0 else 0.0
+        ax.plot(q, z, ".", ms=2, alpha=0.6, label=f"data (n={n})")
+        ax.plot(q, m * q + b, "-", lw=1.2, label=f"fit m={m:.3f} b={b:.3f} R2={r2:.4f}")
+        lim = [min(q[0], z[0]), max(q[-1], z[-1])]
+        ax.plot(lim, lim, "k:", lw=1, label="y = x")
+    else:
+        ax.text(0.5, 0.5, "fewer than 3 samples", ha="center", va="center", transform=ax.transAxes)
+    return _finish(fig, ax, "normal quantile", "sample quantile of Z", title, "upper left")
+
+
+def plot_std_vs_sqrt_len(bin_mean_len: Sequence[float], bin_std: Sequence[float],
+                         sigma: Optional[float] = None,
+                         title: str = "std(S_L) vs sqrt(L)") -> Figure:
+    """Per-bin std(S_L) against sqrt(mean L); theory is a line through 0 with slope sigma.
+
+    Bins with non-finite or non-positive values are skipped. With ``sigma`` the reference
+    ``sigma sqrt(L)`` is drawn; the log-log slope (theory 0.5) is shown in the legend.
+    """
+    fig, ax = _new_figure()
+    x = np.asarray(bin_mean_len, dtype=np.float64).ravel()
+    y = np.asarray(bin_std, dtype=np.float64).ravel()
+    ok = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    x, y = x[ok], y[ok]
+    if x.size:
+        lab = "per-bin std"
+        if x.size >= 2 and np.ptp(np.log(x)) > 0:
+            lab += f" (log-log slope {np.polyfit(np.log(x), np.log(y), 1)[0]:.3f})"
+        ax.plot(np.sqrt(x), y, "o", ms=3, label=lab)
+        if sigma is not None:
+            g = np.linspace(0.0, np.sqrt(x.max()) * 1.05, 50)
+            ax.plot(g, sigma * g, "--", lw=1.2, label=f"sigma sqrt(L), sigma={sigma:.4g}")
+    else:
+        ax.text(0.5, 0.5, "no bin with >= 2 samples", ha="center", va="center", transform=ax.transAxes)
+    return _finish(fig, ax, "sqrt(mean L)", "std of S_L", title, "upper left")
