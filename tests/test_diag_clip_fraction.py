@@ -173,6 +173,9 @@ def test_fairness_metrics_bundle():
     assert fm.compute() == {}
     fm.update_clip(ClipResult(torch.zeros(6, 8), s, up, lo, du), None, m, ADV)  # lengths derived
     assert fm.compute()["clip/seq_frac"] == pytest.approx(0.7)
+    fm.update_clip(ClipResult(torch.zeros(6, 8), s, up, lo, du), None, m, ADV, log_ratio=False)
+    out = fm.compute()
+    assert out["clip/seq_frac"] == pytest.approx(0.7) and out["logratio/n"] == 5.0  # S counted once
 
 
 def test_states_keep_dtype_under_module_to_dtype():

@@ -132,6 +132,8 @@ def test_theory_asymmetric_by_hand():
     assert np.all(np.diff(c_rloo(L, 0.03, 0.667, 0.4)) > 0)
     assert np.all(np.diff(c_gspo(L, 0.03, 4e-4, 3e-4)) < 0)
     assert np.ptp(c_fspo(L, 0.03, 0.03)) < 1e-12
+    # zero tolerance on a side is legal (verl allows clip_ratio_low = 0): band edge at S = 0
+    assert float(c_rloo(100, 0.03, 0.2, 0.0, parts=True)[1]) == pytest.approx(0.5, abs=1e-15)
     with pytest.raises(ValueError, match="eps_lower"):
         c_rloo(10, 0.03, 0.2, 1.5)
     with pytest.raises(ValueError, match="z="):

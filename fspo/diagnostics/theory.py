@@ -40,13 +40,13 @@ def _as_len(L: ArrayLike) -> np.ndarray:
 
 
 def _log_band(eps_upper: float, eps_lower: Optional[float]) -> Tuple[float, float]:
-    if not eps_upper > 0:
-        raise ValueError(f"theory: eps_upper must be > 0, got {eps_upper}")
+    if not eps_upper >= 0:
+        raise ValueError(f"theory: eps_upper must be >= 0, got {eps_upper}")
     hi = float(np.log1p(eps_upper))
     if eps_lower is None:
         return hi, -hi
-    if not 0 < eps_lower < 1:
-        raise ValueError(f"theory: eps_lower must be in (0, 1) (ratio 1 - eps_lower > 0), got {eps_lower}")
+    if not 0 <= eps_lower < 1:
+        raise ValueError(f"theory: eps_lower must be in [0, 1) (ratio floor 1 - eps_lower > 0), got {eps_lower}")
     return hi, float(np.log1p(-eps_lower))
 
 
