@@ -68,14 +68,17 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-size", type=int, default=20000)
     ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--max-ops", type=int, default=9)
     ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
     a = ap.parse_args(argv)
 
     torch.manual_seed(a.seed)
     tok = build_tokenizer()
     model = build_tiny_model(seed=a.seed)
-    train = ArithmeticTask("train", size=a.train_size, seed=a.seed + 7)  # disjoint from RL's train seed
-    val = [ArithmeticTask("val", size=256, seed=0)[i] for i in range(256)]
+    task = dict(max_operand=a.max_operand, max_ops=a.max_ops)
+    train = ArithmeticTask("train", size=a.train_size, seed=a.seed + 7, **task)  # disjoint from RL's train seed
+    val = [ArithmeticTask("val", size=256, seed=0, **task)[i] for i in range(256)]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))
@@ -92,7 +95,7 @@ def main(argv=None):
         sched.step()
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
-            rec = {"step": step, "loss": float(loss), "greedy_acc": accuracy(model, tok, val, 0.0),
+            rec = {"step": step, "loss": float(loss.detach()), "greedy_acc": accuracy(model, tok, val, 0.0),
                    "sampled_acc": accuracy(model, tok, val, 1.0), "elapsed_s": time.time() - t0}
             model.train()
             history.append(rec)

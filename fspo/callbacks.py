@@ -82,7 +82,7 @@ class RolloutCallback(L.Callback):
 
     # ------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = int(pl_module.rl_step)
         params = replace(self.sampling, seed=self.seed * 1_000_003 + step)
         rollout = self._generate(pl_module, batch["prompts"], params)
         t0 = time.perf_counter()

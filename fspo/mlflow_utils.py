@@ -39,7 +39,7 @@ def log_final_artifacts(logger, module, trainer, cfg) -> None:
         return
     client, run_id = logger.experiment, logger.run_id
     metrics = diag.compute()
-    step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    step = int(module.rl_step)
     for k, v in metrics.items():
         client.log_metric(run_id, f"run/{k}", float(v), step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0

@@ -75,6 +75,10 @@ class RLModule(L.LightningModule):
         self.automatic_optimization = False
         self.timings: Dict[str, float] = {}  # filled by the rollout callback each step
         self.register_buffer("skipped_updates", torch.zeros((), dtype=torch.long))
+        # RL steps completed; MLflow step of both the step's training metrics (logged before the
+        # increment) and of validations run after it, so "step s" always means "after s updates".
+        self.register_buffer("rl_step", torch.zeros((), dtype=torch.long))
+        self._val_sums: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):
@@ -125,7 +129,7 @@ class RLModule(L.LightningModule):
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
         updates = 0
         for _ in range(self.ppo.epochs):
             for mb_idx in minibatch_indices(rollout.batch_size, self.ppo.mini_batch_size, g):
@@ -135,6 +139,7 @@ class RLModule(L.LightningModule):
         sched.step()
         self.timings["time/train"] = time.perf_counter() - t0
         self._log_step(rollout, stats, batch.get("rollout_metrics", {}))
+        self.rl_step += 1
 
     def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool) -> None:
         """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches)."""
@@ -172,9 +177,12 @@ class RLModule(L.LightningModule):
             return
         opt.step()
         stats.grad_norms.append(float(grad_norm))
-        if not on_policy:  # on-policy mini-batches have S == 0 exactly: no information on sigma
-            for s, lengths, d, m in observed:
-                self.clip.observe(s, lengths, d, m)
+        if not on_policy and observed:  # on-policy mini-batches have S == 0 exactly: no information on sigma
+            # once per optimizer step, on the whole mini-batch (micro-batches joined; tokens flattened)
+            seq = torch.cat([o[0] for o in observed])
+            lengths = torch.cat([o[1] for o in observed])
+            tok = torch.cat([o[2][o[3].bool()] for o in observed])
+            self.clip.observe(seq, lengths, tok, torch.ones_like(tok))
 
     def _log_step(self, rollout: RolloutBatch, stats: "StepStats", extra: Dict[str, float]) -> None:
         t_m = time.perf_counter()
@@ -193,16 +201,35 @@ class RLModule(L.LightningModule):
         step_time = sum(v for k, v in self.timings.items() if k.startswith("time/"))
         metrics["perf/step_time_s"] = step_time
         metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
-        prog = {"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"}
-        self.log_dict({k: v for k, v in metrics.items() if k in prog}, prog_bar=True, on_step=True,
-                      on_epoch=False, batch_size=rollout.batch_size)
-        self.log_dict({k: v for k, v in metrics.items() if k not in prog}, on_step=True, on_epoch=False,
-                      batch_size=rollout.batch_size)
+        self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
+
+    def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
+        """Log to the experiment logger at step ``rl_step``; mirror into Lightning for the progress bar
+        and ``trainer.callback_metrics`` (Lightning's own step counter is not used for MLflow)."""
+        if self.logger is not None:
+            self.logger.log_metrics(metrics, step=int(self.rl_step))
+        for k, v in metrics.items():
+            self.log(k, float(v), prog_bar=k in prog_bar, logger=False, on_step=on_step, on_epoch=not on_step,
+                     batch_size=1, sync_dist=False)
 
     # ---------------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
         stats = batch.get("val_stats") if isinstance(batch, dict) else None
         if stats is None:
             raise RuntimeError("validation batch has no 'val_stats': add fspo.callbacks.RolloutCallback")
-        n = stats.pop("_count")
-        self.log_dict(stats, on_step=False, on_epoch=True, batch_size=n, prog_bar=False)
+        n = stats["_count"]
+        self._val_sums["_count"] = self._val_sums.get("_count", 0) + n
+        for k, v in stats.items():
+            if k != "_count":
+                self._val_sums[k] = self._val_sums.get(k, 0.0) + v * n
+
+    def on_validation_epoch_end(self):
+        sums, self._val_sums = self._val_sums, {}
+        n = sums.pop("_count", 0)
+        if n:
+            metrics = {k: v / n for k, v in sums.items()}
+            if self.trainer.world_size > 1:  # exact mean over ranks: all-reduce the sums
+                t = torch.tensor([n] + [sums[k] for k in sorted(sums)], dtype=torch.float64, device=self.device)
+                t = self.trainer.strategy.reduce(t, reduce_op="sum")
+                metrics = {k: float(t[i + 1] / t[0]) for i, k in enumerate(sorted(sums))}
+            self._emit(metrics, prog_bar={"val/accuracy"}, on_step=False)

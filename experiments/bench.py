@@ -1,0 +1,94 @@
+"""RL step benchmark: per-step time breakdown and throughput of a real training run.
+
+Runs `fspo.train.train` for ``--steps`` steps (validation off) with any Hydra overrides, then
+reads the per-step metrics the run logged to MLflow and prints, per phase, the median seconds
+per step (steps after the first, which pays one-off warm-up costs) and its share of the step:
+
+    generate | weight_sync | reward | old_log_probs | train | metrics
+
+plus response tokens/s, rollout batch size and mean response length. Results are written as
+JSON (``--out``) and the run itself is in MLflow (experiment ``bench``).
+
+    python experiments/bench.py --steps 6                      # the embedded default
+    python experiments/bench.py --steps 6 -- +method=grpo rollout.sampling.n=16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ["generate", "weight_sync", "reward", "old_log_probs", "train", "metrics"]
+
+
+def compose(overrides):
+    from hydra import compose as hcompose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return hcompose("config", overrides=list(overrides))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=".bench/bench_step.json")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow URI (default: a temporary SQLite store)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
+    a = ap.parse_args(argv)
+
+    import mlflow
+
+    tmp = tempfile.mkdtemp(prefix="fspo_bench_")
+    uri = a.tracking_uri or f"sqlite:///{tmp}/mlflow.db"
+    cfg = compose([f"steps={a.steps}", "val.size=0", f"output_dir={tmp}/run", f"logger.tracking_uri={uri}",
+                   "logger.experiment_name=bench", *a.overrides])
+    from fspo.train import train
+
+    t0 = time.perf_counter()
+    train(cfg)
+    wall = time.perf_counter() - t0
+    client = mlflow.MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("bench").experiment_id],
+                             order_by=["attributes.start_time DESC"], max_results=1)[0]
+
+    def hist(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    def med(key):
+        h = hist(key)
+        h = h[1:] if len(h) > 1 else h  # drop the warm-up step
+        return statistics.median(h) if h else float("nan")
+
+    phases = {p: med(f"time/{p}") for p in PHASES}
+    total = sum(v for v in phases.values() if v == v)
+    res = {
+        "overrides": a.overrides, "steps": a.steps, "wall_s": wall, "mlflow_run_id": run.info.run_id,
+        "step_time_s": total, "phases_s": phases,
+        "phases_share": {p: v / total for p, v in phases.items()},
+        "response_tokens_per_s": med("perf/response_tokens_per_s"),
+        "rollout_batch": int(cfg.prompts_per_step) * int(cfg.rollout.sampling.n),
+        "response_len_mean": med("rollout/response_len_mean"),
+    }
+    print(f"{'phase':<15}{'median s/step':>15}{'share':>8}")
+    for p in PHASES:
+        print(f"{p:<15}{phases[p]:>15.3f}{res['phases_share'][p]:>8.1%}")
+    print(f"{'total':<15}{total:>15.3f}")
+    print(f"rollout batch {res['rollout_batch']} sequences, mean response {res['response_len_mean']:.1f} tokens, "
+          f"{res['response_tokens_per_s']:.0f} response tokens/s")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    client.log_dict(run.info.run_id, res, "bench_step.json")
+    print(f"wrote {out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
