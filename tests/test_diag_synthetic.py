@@ -141,3 +141,36 @@ def test_gaussian_statistics_paper_bins_large_sample():
     assert out["logratio/sigma_hat_unbiased"] == pytest.approx(SIGMA, rel=0.01)
     assert out["logratio/std_exponent"] == pytest.approx(0.5, abs=0.03)
     assert out["logratio/qq_r2"] > 0.995
+
+
+@pytest.mark.slow
+def test_lre_two_sided_acceptance_as_in_the_paper():
+    """The paper's acceptance event A_L = {|S| <= b_L} (section lre) is two-sided: a sequence is
+    accepted when it lies inside the band whatever its advantage's sign. We measure it through the
+    real rules by scoring every sequence with A = +1 and with A = -1 and counting it clipped when
+    either binds (for A < 0 the dual bound is >= the upper bound, so the union is exactly "outside
+    the band"). On S_L ~ N(0, sigma^2 L), L uniform on [100, 20000): LRE(FSPO) < 0.02 while
+    LRE(RLOO) > 0.10 and LRE(GSPO) > 0.10 (the issue's thresholds)."""
+    from fspo.clipping.base import ClipResult
+
+    g = torch.Generator().manual_seed(99)
+    n = 8000
+    L = torch.randint(100, 20000, (n,), generator=g)
+    S = torch.randn(n, generator=g, dtype=torch.float64) * SIGMA * L.double().sqrt()
+    got = {}
+    for name, rule in (("fspo", FSPOClip()), ("rloo", RLOOClip()), ("gspo", GSPOClip())):
+        fm = FairnessMetrics(BINS, reservoir_size=256)
+        for ch in torch.argsort(L).split(200):
+            Lc = L[ch]
+            mask = torch.arange(int(Lc.max()))[None] < Lc[:, None]
+            lp = (S[ch] / Lc.double()).float()[:, None] * mask
+            pos = rule(lp, torch.zeros_like(lp), torch.ones(len(ch)), mask.long())
+            neg = rule(lp, torch.zeros_like(lp), -torch.ones(len(ch)), mask.long())
+            outside = pos.clipped | neg.clipped
+            none = torch.zeros_like(outside)
+            both = ClipResult(pos.token_loss, pos.seq_log_ratio, outside, none, none)
+            fm.update_clip(both, Lc, mask.long(), torch.ones(len(ch)))
+        got[name] = fm.compute()["fairness/lre"]
+    print("two-sided LRE", got)
+    assert got["fspo"] < 0.02
+    assert got["rloo"] > 0.10 and got["gspo"] > 0.10
