@@ -4,7 +4,7 @@ Owns: making `fspo/assets/tiny_warmstart/` (config, safetensors, tokenizer), the
 the default RL run, so RL begins from a policy that is partly right (as the paper starts from base
 models). The committed checkpoint was made by this script with its defaults:
 
-    python experiments/warmstart.py --steps 600 --out fspo/assets/tiny_warmstart
+    python experiments/warmstart.py --steps 300 --out fspo/assets/tiny_warmstart
 
 Training: next-token cross-entropy on the response tokens (the worked solution + EOS) only, AdamW,
 cosine schedule; the step count is chosen to stop well short of mastery. Prints greedy and
@@ -62,7 +62,7 @@ def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -77,8 +77,9 @@ def main(argv=None):
     tok = build_tokenizer()
     model = build_tiny_model(seed=a.seed)
     task = dict(max_operand=a.max_operand, max_ops=a.max_ops)
-    train = ArithmeticTask("train", size=a.train_size, seed=a.seed + 7, **task)  # disjoint from RL's train seed
-    val = [ArithmeticTask("val", size=256, seed=0, **task)[i] for i in range(256)]
+    # the RL train split (conf/data/arithmetic.yaml: seed 0, 20000 problems); validation excludes all of it
+    train = ArithmeticTask("train", size=a.train_size, seed=0, **task)
+    val = [ArithmeticTask("val", size=256, seed=0, exclude_size=a.train_size, **task)[i] for i in range(256)]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))

@@ -10,7 +10,7 @@ A problem with k operands (``min_ops <= k <= max_ops``) looks like::
     solution: "23+45=68\n68-7=61\nAnswer: 61"        (+ EOS)
 
 The solution has k-1 step lines, so response lengths grow linearly with k: with the defaults
-(2..9 operands) the longest responses are about 5x the shortest, which is what exercises length
+(2..9 single-digit operands) responses run from 16 to 88 tokens, 5.5x, which is what exercises length
 (un)fairness. Train and validation problems come from disjoint seeds; validation prompts that also
 occur in the train split are removed.
 """
@@ -49,12 +49,13 @@ class ArithmeticTask:
     """Deterministic train / validation prompt sets for the built-in task.
 
     ``split`` is "train" or "val"; ``size`` problems are generated from ``seed`` (val uses
-    ``seed + 1_000_003``). Each `Sample` keeps ``meta["nums"]``/``meta["ops"]`` so the warm start
+    ``seed + 1_000_003``) and exclude every prompt among the first ``exclude_size`` train problems
+    of the same seed (set it to the train split's size; default ``10 * size``). Each `Sample` keeps ``meta["nums"]``/``meta["ops"]`` so the warm start
     can render the worked solution.
     """
 
     def __init__(self, split: str = "train", size: int = 2000, seed: int = 0, min_ops: int = 2,
-                 max_ops: int = 9, max_operand: int = 49):
+                 max_ops: int = 9, max_operand: int = 9, exclude_size: int | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"data.split must be 'train' or 'val', got {split!r}")
         if not 2 <= min_ops <= max_ops:
@@ -64,7 +65,8 @@ class ArithmeticTask:
         self.split, self.size = split, size
         train_prompts = set()
         if split == "val":  # exclude train prompts from validation
-            train_prompts = {s.prompt for s in _generate(size * 10, seed, min_ops, max_ops, max_operand)}
+            n_ex = size * 10 if exclude_size is None else exclude_size
+            train_prompts = {s.prompt for s in _generate(n_ex, seed, min_ops, max_ops, max_operand)}
         rng_seed = seed if split == "train" else seed + 1_000_003
         out: List[Sample] = []
         for s in _generate(size * 3, rng_seed, min_ops, max_ops, max_operand):
