@@ -65,9 +65,9 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
                                            "seed": str(cfg.seed), **{str(k): str(v) for k, v in cfg.tags.items()}})
     logger.log_hyperparams(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
 
-    val_every = int(cfg.val.every_n_steps)
+    val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
     trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout],
-                          val_check_interval=min(val_every, int(cfg.steps)) if val_source is not None else None,
+                          val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)
     if val_source is not None:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
