@@ -1,0 +1,61 @@
+"""Report over MLflow runs: the paper's Table 1, length-fairness summary and figures.
+
+    python experiments/report.py --experiment methods --out reports/methods
+    python experiments/report.py --experiment methods --experiment rloo_wide --out reports/rloo_wide
+    python experiments/report.py --experiment fspo_c --group-by c --out reports/fspo_c
+    python experiments/report.py --filter "tags.sweep = 'methods' and tags.model = 'tiny'" --out reports/x
+
+Reads the runs from ``--tracking-uri`` (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db,
+as conf/logger/mlflow.yaml), groups them by ``--group-by`` (tags or params; default the method
+tag), writes ``--out`` (table1.md/.csv, fairness.csv, runs.csv, report.md, figures/, qq/) and logs
+the folder as artifacts of a run named ``report`` in the (first) experiment (``--no-log`` skips).
+Errors (no such experiment, no matching run) end with one line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from fspo.report.build import make_report  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    p.add_argument("--experiment", action="append", default=[], help="experiment name (repeatable)")
+    p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"tags.sweep = 'methods'\"")
+    p.add_argument("--group-by", default="method", help="comma-separated tags/params to group by (method, c, z, ...)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--include-unfinished", action="store_true", help="also RUNNING / FAILED / KILLED runs")
+    p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    p.add_argument("--title", default="FSPO report")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Build the report; prints where it went and the Table 1 / LRE numbers."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    statuses = ("FINISHED", "RUNNING", "FAILED", "KILLED") if args.include_unfinished else ("FINISHED",)
+    try:
+        res = make_report(args.tracking_uri, args.out, args.experiment, args.filter,
+                          [k.strip() for k in args.group_by.split(",") if k.strip()], statuses,
+                          log_to_mlflow=not args.no_log, title=args.title)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((args.out / "table1.md").read_text())
+    for row in res["fairness"]:
+        print(f"LRE {row['group']}: {row['lre']}")
+    print(f"{res['n_runs']} runs -> {args.out}" + (f"; MLflow report run {res['report_run_id']}" if res["report_run_id"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
