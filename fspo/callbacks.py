@@ -13,6 +13,11 @@ estimators (fspo/advantages.py) and the update itself (fspo/module.py).
 
 Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
 ``seed * 1_000_003 + 999_999_937 + j``, so successive validations differ only by the policy.
+
+Data parallel (fspo/distributed.py): every rank receives the step's global prompt batch and
+generates for its contiguous slice (whole groups, so advantages are exact); data-parallel rank r
+adds ``7919 * r`` to the sampling seed. Reward metrics are sums over ranks. Validation batches are
+padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Callable, Dict, List
 import lightning as L
 import torch
 
+from fspo.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.types import RolloutBatch
 
@@ -46,10 +52,14 @@ class RolloutCallback(L.Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer, pl_module, stage):
+        self._workdir = Path(trainer.default_root_dir) / "engine"
+
+    def _ensure_engine(self, pl_module) -> None:
+        # at first use, not in `setup`: the strategy shards the policy (configure_model) after the
+        # callbacks' setup, and an engine that copies weights must see the sharded module
         if not self._ready:
-            workdir = Path(trainer.default_root_dir) / "engine"
-            workdir.mkdir(parents=True, exist_ok=True)
-            self.engine.setup(pl_module.policy, self.tokenizer, str(workdir))
+            self._workdir.mkdir(parents=True, exist_ok=True)
+            self.engine.setup(pl_module.policy, self.tokenizer, str(self._workdir))
             self._ready = True
 
     def _tokenize(self, prompts: List[str]) -> List[List[int]]:
@@ -62,6 +72,7 @@ class RolloutCallback(L.Callback):
         return ids
 
     def _generate(self, pl_module, prompts: List[str], params: SamplingConfig) -> RolloutBatch:
+        self._ensure_engine(pl_module)
         t0 = time.perf_counter()
         self.engine.sync_weights(pl_module.policy)
         self.engine.wake()
@@ -83,38 +94,56 @@ class RolloutCallback(L.Callback):
     # ------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = int(pl_module.rl_step)
-        params = replace(self.sampling, seed=self.seed * 1_000_003 + step)
-        rollout = self._generate(pl_module, batch["prompts"], params)
+        rank, world = dp_rank_size(pl_module)
+        prompts, answers = batch["prompts"], batch["answers"]
+        if world > 1:  # this rank's contiguous share of the prompts
+            part = rank_slice(len(prompts), rank, world)
+            prompts, answers = prompts[part], answers[part]
+        params = replace(self.sampling, seed=self.seed * 1_000_003 + step + 7919 * rank)
+        rollout = self._generate(pl_module, prompts, params)
         t0 = time.perf_counter()
-        out = self._score(rollout, batch["answers"], params)
+        out = self._score(rollout, answers, params)
         rewards = torch.tensor(out.scores, dtype=torch.float32, device=rollout.response_ids.device)
         rollout.rewards = rewards
         rollout.advantages = self.advantage_fn(rewards, rollout.group_ids).float()
         pl_module.timings["time/reward"] = time.perf_counter() - t0
-        metrics: Dict[str, float] = {"reward/mean": float(rewards.mean()), "reward/errors": float(out.errors)}
-        for name, vals in out.components.items():
-            metrics[f"reward/{name}"] = float(sum(vals) / max(len(vals), 1))
         # fraction of prompts whose G rewards are all equal (zero advantage: no learning signal)
         g = rollout.group_ids
         n_groups = int(g.max()) + 1 if len(g) else 0
+        zero_adv = 0.0
         if n_groups:
             rmax = torch.full((n_groups,), -float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amax")
             rmin = torch.full((n_groups,), float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amin")
-            metrics["reward/zero_adv_group_frac"] = float((rmax == rmin).float().mean())
+            zero_adv = float((rmax == rmin).float().sum())
+        names = sorted(out.components)
+        sums = reduce_sum([rewards.sum(), len(rewards), out.errors, zero_adv, n_groups]
+                          + [x for k in names for x in (sum(out.components[k]), len(out.components[k]))],
+                          pl_module.device)  # exact over data-parallel ranks
+        metrics: Dict[str, float] = {"reward/mean": sums[0] / max(sums[1], 1), "reward/errors": sums[2]}
+        for i, name in enumerate(names):
+            metrics[f"reward/{name}"] = sums[5 + 2 * i] / max(sums[6 + 2 * i], 1)
+        if sums[4]:
+            metrics["reward/zero_adv_group_frac"] = sums[3] / sums[4]
         batch["rollout"] = rollout
         batch["rollout_metrics"] = metrics
 
     # ------------------------------------------------------------------ validation
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        params = replace(self.val_sampling, seed=self.seed * 1_000_003 + 999_999_937 + batch_idx)
-        rollout = self._generate(pl_module, batch["prompts"], params)
-        out = self._score(rollout, batch["answers"], params)
-        correct = out.components.get("correct", [float(s > 0) for s in out.scores])
-        n = len(out.scores)
+        rank, world = dp_rank_size(pl_module)
+        params = replace(self.val_sampling, seed=self.seed * 1_000_003 + 999_999_937 + batch_idx + 7919 * rank)
+        prompts, answers = batch["prompts"], batch["answers"]
+        real = len(prompts)
+        if world > 1:  # equal counts on every rank (lockstep generation); padding is not scored
+            (prompts, real), (answers, _) = pad_slice(prompts, rank, world), pad_slice(answers, rank, world)
+        rollout = self._generate(pl_module, prompts, params)
+        out = self._score(rollout, answers, params)
+        n = real * params.n
+        scores = out.scores[:n]
+        correct = out.components.get("correct", [float(s > 0) for s in out.scores])[:n]
         batch["val_stats"] = {
             "val/accuracy": sum(correct) / max(n, 1),
-            "val/reward": sum(out.scores) / max(n, 1),
-            "val/response_len": float(rollout.lengths.float().mean()) if n else 0.0,
-            "val/overlong_rate": float(rollout.overlong.float().mean()) if n else 0.0,
+            "val/reward": sum(scores) / max(n, 1),
+            "val/response_len": float(rollout.lengths[:n].float().mean()) if n else 0.0,
+            "val/overlong_rate": float(rollout.overlong[:n].float().mean()) if n else 0.0,
             "_count": n,
         }

@@ -25,6 +25,8 @@ import lightning as L
 import torch
 
 from fspo.batching import minibatch_indices, token_budget_micro_batches
+from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
+                              reduce_step_stats, reduce_sum, share, sync_count)
 from fspo.logprobs import response_log_probs
 from fspo.step_stats import StepStats
 from fspo.types import RolloutBatch
@@ -88,23 +90,38 @@ class RLModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         return [opt], [sched]
 
+    def configure_model(self):
+        """Shard the policy under `trainer=fsdp` (fspo/distributed.py); a no-op on one device."""
+        configure_sharding(self)
+
     # ---------------------------------------------------------------- forward helpers
     def log_probs(self, batch: RolloutBatch, with_entropy: bool = False):
-        return response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy)
+        logp, ent = response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy)
+        # a +-inf log-prob would be clipped to a finite loss by most rules, yet poison the EMA sigma and
+        # the diagnostics: make it NaN, so the update's non-finite guard skips the update
+        return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
 
     @torch.no_grad()
     def compute_old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """log pi_old for every response token, micro-batched, float32 [B, T]."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.response_ids.device)
         for idx in self._micro_batches(batch):
+            if idx is None:  # dummy forward: FSDP forwards are collectives (see _micro_batches)
+                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=out.device)).trim())
+                continue
             mb = batch.select(idx)
             lp, _ = self.log_probs(mb.trim())
             out[idx, :lp.shape[1]] = lp
         return out
 
     def _micro_batches(self, batch: RolloutBatch):
+        """Token-budget micro-batches; with several data-parallel ranks, padded with ``None`` (a
+        zero-weight dummy) to the largest count on any rank: FSDP forward/backward are collectives."""
         total = batch.prompt_mask.sum(-1) + batch.lengths
-        return token_budget_micro_batches(total.cpu(), self.ppo.micro_batch_max_tokens)
+        groups = token_budget_micro_batches(total.cpu(), self.ppo.micro_batch_max_tokens)
+        if dp_rank_size(self)[1] > 1:
+            groups = groups + [None] * (sync_count(len(groups), self.device) - len(groups))
+        return groups
 
     def _diagnostics(self):
         return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
@@ -122,10 +139,16 @@ class RLModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         stats = StepStats()
-        single_update = self._updates_per_step(rollout.batch_size) == 1
+        # data parallel (fspo/distributed.py): each rank generated its share of the prompts; after its
+        # old log-probs the whole batch is gathered and mini-batches are drawn from it as on one process
+        rank, world = dp_rank_size(self)
+        local = rollout
+        global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
+        single_update = self._updates_per_step(global_size) == 1
         t0 = time.perf_counter()
         if rollout.old_log_probs is None and not single_update:
             rollout.old_log_probs = self.compute_old_log_probs(rollout)
+        rollout = gather_rollout(rollout)
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -134,30 +157,40 @@ class RLModule(L.LightningModule):
         for _ in range(self.ppo.epochs):
             for mb_idx in minibatch_indices(rollout.batch_size, self.ppo.mini_batch_size, g):
                 mb = rollout.select(mb_idx.to(rollout.response_ids.device))
-                self._update(mb, opt, stats, on_policy=(updates == 0))
+                self._update(mb, opt, stats, on_policy=(updates == 0),
+                             rows=share(torch.arange(mb.batch_size), rank, world))
                 updates += 1
         sched.step()
         self.timings["time/train"] = time.perf_counter() - t0
-        self._log_step(rollout, stats, batch.get("rollout_metrics", {}))
+        self._log_step(local, stats, batch.get("rollout_metrics", {}))
         self.rl_step += 1
 
-    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool) -> None:
-        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches)."""
+    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, rows=None) -> None:
+        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches).
+
+        The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
+        FSDP sums the ranks' gradients)."""
         total_tokens = mb.lengths.sum().clamp(min=1)
         total_seqs = mb.batch_size
+        dummy = mb.select(torch.zeros(1, dtype=torch.long, device=mb.response_ids.device)).trim()
+        if rows is not None:
+            mb = mb.select(rows.to(mb.response_ids.device))
         opt.zero_grad()
         observed = []
         for idx in self._micro_batches(mb):
-            micro = mb.select(idx).trim()
+            micro = dummy if idx is None else mb.select(idx).trim()
             logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy)
             old = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs)
-            if not torch.isfinite(agg.loss):
+            loss = agg.loss if idx is not None else agg.loss * 0.0
+            if any_rank(not bool(torch.isfinite(loss)), self.device):  # every rank takes the same branch
                 stats.nonfinite = True
                 break
-            self.manual_backward(agg.loss)
+            self.manual_backward(loss)
+            if idx is None:
+                continue
             t_m = time.perf_counter()
             stats.add_micro(agg.loss.detach(), logp.detach(), old, ent, micro.response_mask)
             # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
@@ -165,7 +198,7 @@ class RLModule(L.LightningModule):
                 d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
             stats.metrics_time += time.perf_counter() - t_m
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.ppo.max_grad_norm)
+        grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)
         if stats.nonfinite or not torch.isfinite(grad_norm):
             if self.ppo.nonfinite == "raise":
                 raise FloatingPointError(
@@ -177,11 +210,14 @@ class RLModule(L.LightningModule):
             return
         opt.step()
         stats.grad_norms.append(float(grad_norm))
-        if not on_policy and observed:  # on-policy mini-batches have S == 0 exactly: no information on sigma
+        # on-policy mini-batches have S == 0 exactly: no information on sigma; with several ranks every
+        # rank calls observe (it all-reduces), even one whose share was empty
+        if not on_policy and (observed or dp_rank_size(self)[1] > 1):
             # once per optimizer step, on the whole mini-batch (micro-batches joined; tokens flattened)
-            seq = torch.cat([o[0] for o in observed])
-            lengths = torch.cat([o[1] for o in observed])
-            tok = torch.cat([o[2][o[3].bool()] for o in observed])
+            z = torch.zeros(0, device=self.device)
+            seq = torch.cat([z] + [o[0] for o in observed])
+            lengths = torch.cat([z.long()] + [o[1] for o in observed])
+            tok = torch.cat([z] + [o[2][o[3].bool()] for o in observed])
             self.clip.observe(seq, lengths, tok, torch.ones_like(tok))
 
     def _log_step(self, rollout: RolloutBatch, stats: "StepStats", extra: Dict[str, float]) -> None:
@@ -191,13 +227,15 @@ class RLModule(L.LightningModule):
         metrics = dict(self.diagnostics.compute())
         self.diagnostics.reset()
         metrics.update(self.clip.extra_metrics())
+        if dp_rank_size(self)[1] > 1:
+            reduce_step_stats(stats, self.device)  # token and loss sums over ranks
         metrics.update(stats.compute())
         metrics.update(extra)
         metrics["train/skipped_updates_total"] = float(self.skipped_updates)
         metrics["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         self.timings["time/metrics"] = stats.metrics_time + time.perf_counter() - t_m
         metrics.update(self.timings)
-        tokens = float(rollout.lengths.sum())
+        tokens = reduce_sum([rollout.lengths.sum()], self.device)[0]
         step_time = sum(v for k, v in self.timings.items() if k.startswith("time/"))
         metrics["perf/step_time_s"] = step_time
         metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
@@ -226,10 +264,10 @@ class RLModule(L.LightningModule):
     def on_validation_epoch_end(self):
         sums, self._val_sums = self._val_sums, {}
         n = sums.pop("_count", 0)
-        if n:
-            metrics = {k: v / n for k, v in sums.items()}
+        if n or self.trainer.world_size > 1:  # a rank may hold only padding prompts (n = 0): it still reduces
+            metrics = {k: v / max(n, 1) for k, v in sums.items()}
             if self.trainer.world_size > 1:  # exact mean over ranks: all-reduce the sums
                 t = torch.tensor([n] + [sums[k] for k in sorted(sums)], dtype=torch.float64, device=self.device)
                 t = self.trainer.strategy.reduce(t, reduce_op="sum")
-                metrics = {k: float(t[i + 1] / t[0]) for i, k in enumerate(sorted(sums))}
+                metrics = {k: float(t[i + 1] / t[0].clamp(min=1)) for i, k in enumerate(sorted(sums))}
             self._emit(metrics, prog_bar={"val/accuracy"}, on_step=False)

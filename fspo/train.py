@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from fspo.callbacks import RolloutCallback
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
+from fspo.distributed import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.module import RLModule
 from fspo.mlflow_utils import flatten_params, log_final_artifacts
@@ -60,9 +61,10 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed))
 
-    # logging
-    logger = instantiate(cfg.logger, tags={"method": str(cfg.method), "model": str(cfg.model.name),
-                                           "seed": str(cfg.seed), **{str(k): str(v) for k, v in cfg.tags.items()}})
+    # logging; several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
+    logger = RankZeroStub() if launch_rank() != 0 else \
+        instantiate(cfg.logger, tags={"method": str(cfg.method), "model": str(cfg.model.name),
+                                      "seed": str(cfg.seed), **{str(k): str(v) for k, v in cfg.tags.items()}})
     logger.log_hyperparams(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps

@@ -10,6 +10,11 @@ top-k, and generation stops at EOS or ``max_new_tokens``. The response mask is 1
 including the first EOS; a row with no EOS is ``overlong``. Sampling is seeded per call from
 ``params.seed`` inside a forked RNG, so the global RNG stream is untouched and runs are
 reproducible step by step.
+
+Under FSDP (parameters are DTensors, world size > 1) every forward is a collective, so generate
+runs with ``synced_gpus=True``: a rank whose sequences have all finished keeps joining forward
+passes until every rank has finished. Every rank must call `generate` with the same number of
+sequences (the rollout callback gives each rank an equal share), so the chunk counts match.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
+from fspo.distributed import is_sharded
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.types import RolloutBatch
 
@@ -62,6 +68,7 @@ class HFEngine(RolloutEngine):
                 f"the model's max_position_embeddings {max_pos}: lower max_new_tokens or data.max_prompt_len")
         expanded = [p for p in prompt_token_ids for _ in range(params.n)]
         device = next(model.parameters()).device
+        synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         was_training = model.training
         model.eval()
         chunks = []
@@ -77,7 +84,8 @@ class HFEngine(RolloutEngine):
                         temperature=params.temperature if params.temperature > 0 else None,
                         top_p=params.top_p if params.temperature > 0 else None,
                         top_k=params.top_k if params.top_k > 0 and params.temperature > 0 else None,
-                        pad_token_id=pad_id, eos_token_id=tok.eos_token_id, use_cache=True)
+                        pad_token_id=pad_id, eos_token_id=tok.eos_token_id, use_cache=True,
+                        synced_gpus=synced)
                     chunks.append((ids, mask, out[:, ids.shape[1]:].cpu()))
         finally:
             model.train(was_training)
