@@ -1,0 +1,89 @@
+"""Shared test fixtures: composing the project's Hydra config and the small settings used by the
+end-to-end tests.
+
+Owns: `REPO`, `CONF`, `SMALL` (the overrides that make a run take seconds on a CPU: random tiny
+model, 2 RL steps of 4 prompts x 4 samples, mini-batches of 8 so each step has 2 optimizer updates
+and the second one sees non-zero log-ratios, 24 new tokens, 8 validation prompts), the
+`compose_cfg` fixture (root config + overrides, with ``output_dir`` and the MLflow store pointed
+into the test's temporary folder) and `mlflow_uri` (one SQLite store per test session: creating the
+MLflow schema costs seconds, so tests share the store and separate their runs by experiment name).
+
+Torch runs single-threaded in tests: the CI machines have 2 cores shared by several jobs, and the
+tiny model gains nothing from intra-op threads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import pytest
+import torch
+from omegaconf import DictConfig, open_dict
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+SMALL = [
+    "model.source=random",
+    "steps=2",
+    "prompts_per_step=4",
+    "rollout.sampling.n=4",
+    "ppo.mini_batch_size=8",
+    "rollout.sampling.max_new_tokens=24",
+    "val.size=8",
+]
+
+torch.set_num_threads(1)
+
+
+def compose_config(overrides: Iterable[str] = (), output_dir: Optional[Path] = None,
+                   tracking_uri: Optional[str] = None, artifact_location: Optional[Path] = None,
+                   config_name: str = "config", config_dir: Path = CONF,
+                   return_hydra_config: bool = False) -> DictConfig:
+    """The primary config ``config_name`` (default conf/config.yaml) composed with ``overrides`` as
+    on the command line.
+
+    ``output_dir`` / ``tracking_uri`` / ``artifact_location`` replace the run folder, the MLflow
+    store and the MLflow artifact root (which would otherwise default to ./mlruns in the cwd).
+    A ``config_dir`` other than conf/ (e.g. sweeps/) gets conf/ on its search path, as
+    ``experiments/run.py --config-dir sweeps --config-name X`` has.
+    """
+    from hydra import compose, initialize_config_dir
+
+    overrides = list(overrides)
+    if Path(config_dir).resolve() != CONF:
+        overrides = [f"hydra.searchpath=[file://{CONF}]", *overrides]
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="test"):
+        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=return_hydra_config)
+    with open_dict(cfg):
+        if output_dir is not None:
+            cfg.output_dir = str(output_dir)
+        if tracking_uri is not None and "logger" in cfg:
+            cfg.logger.tracking_uri = tracking_uri
+        if artifact_location is not None and "logger" in cfg:
+            cfg.logger.artifact_location = str(artifact_location)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def mlflow_dir(tmp_path_factory) -> Path:
+    """A session-wide folder holding the shared MLflow SQLite store and its artifacts."""
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(mlflow_dir) -> str:
+    """``sqlite:///<tmp>/mlflow.db``, shared by the session's tests (see the module docstring)."""
+    return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+
+
+@pytest.fixture
+def compose_cfg(tmp_path, mlflow_dir, mlflow_uri) -> Callable[..., DictConfig]:
+    """``compose_cfg(overrides)`` -> composed config with output_dir=<tmp_path>/out and the MLflow
+    store ``sqlite:///<session tmp>/mlflow.db`` (artifacts under the same temporary folder)."""
+
+    def _compose(overrides: Iterable[str] = ()) -> DictConfig:
+        return compose_config(overrides, output_dir=tmp_path / "out", tracking_uri=mlflow_uri,
+                              artifact_location=mlflow_dir / "artifacts")
+
+    return _compose

@@ -1,0 +1,177 @@
+"""RLModule's update: micro-batching never changes it; a non-finite loss is skipped or raised.
+
+How the update is driven: through a real, minimal `lightning.Trainer` (one training batch, no
+logger, no checkpoints) with a callback that puts a hand-built `RolloutBatch` into the batch dict
+in ``on_train_batch_start`` — the same hand-off `fspo.callbacks.RolloutCallback` uses — and a
+callback that copies every parameter's gradient in ``on_before_optimizer_step`` (called for
+manual optimization too). This uses only Lightning's public hooks and the module's documented
+batch contract, so it survives refactors of the module's private helpers (calling `_update` with a
+dummy optimizer would need `manual_backward` to work outside a Trainer, which it does not).
+
+The micro-batching test swaps AdamW for plain SGD (a subclass overriding only
+`configure_optimizers`): Adam's first step is ~lr * sign(g), so two gradients that agree to 1e-7
+but straddle |g| ~ 1e-9 give parameters that differ by ~lr; with SGD the parameter change is
+linear in the gradient and "same gradients -> same parameters" is a meaningful check.
+"""
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from conftest import CONF
+from fspo.batching import token_budget_micro_batches
+from fspo.diagnostics import FairnessMetrics, LengthBins
+from fspo.logprobs import response_log_probs
+from fspo.losses import Aggregator
+from fspo.models.tiny import build_tiny_model
+from fspo.module import PPOConfig, RLModule
+from fspo.types import RolloutBatch
+
+B = 8
+
+
+def make_rollout(seed: int = 0) -> RolloutBatch:
+    """8 sequences with prompts of 3..9 and responses of 1..12 tokens; old log-probs are the
+    model's own plus N(0, 0.05^2) per token, so log-ratios are non-zero and FSPO's band
+    (0.03 sqrt(L)) binds on some sequences."""
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(3, 10, (B,), generator=g)
+    r_len = torch.tensor([1, 12, 5, 7, 3, 12, 9, 2])
+    P, T = int(p_len.max()), int(r_len.max())
+    prompt_ids = torch.zeros(B, P, dtype=torch.long)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    response_ids = torch.zeros(B, T, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.long)
+    for i in range(B):
+        prompt_ids[i, P - p_len[i]:] = torch.randint(4, 100, (int(p_len[i]),), generator=g)
+        prompt_mask[i, P - p_len[i]:] = 1
+        response_ids[i, :r_len[i]] = torch.randint(4, 100, (int(r_len[i]),), generator=g)
+        response_mask[i, :r_len[i]] = 1
+    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                         response_mask=response_mask, group_ids=torch.arange(B) // 4,
+                         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.2, 0.8, -0.3]),
+                         rewards=torch.zeros(B), overlong=torch.zeros(B, dtype=torch.bool))
+    with torch.no_grad():
+        lp, _ = response_log_probs(build_tiny_model(seed=0), batch)
+    noise = 0.05 * torch.randn(B, T, generator=g)
+    batch.old_log_probs = ((lp + noise) * response_mask).float()
+    return batch.validate()
+
+
+class InjectRollout(L.Callback):
+    def __init__(self, rollout: RolloutBatch):
+        self.rollout = rollout
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["rollout"] = copy.deepcopy(self.rollout)
+
+
+class RecordGrads(L.Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.policy.named_parameters()
+                           if p.grad is not None})
+
+
+class SGDModule(RLModule):
+    """RLModule with plain SGD (see the module docstring); everything else unchanged."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.policy.parameters(), lr=self.ppo.lr)
+        return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)]
+
+
+def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "token-mean", sgd: bool = False,
+               **ppo):
+    """One RL step (``B / mini_batch_size`` optimizer updates) on ``rollout``; returns
+    (module, recorded gradients, logged metrics)."""
+    settings = dict(mini_batch_size=4, micro_batch_max_tokens=8192, lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
+    settings.update(ppo)
+    bins = LengthBins(width=4, max_len=12)
+    clip = instantiate(OmegaConf.load(CONF / "clip" / f"{clip_name}.yaml"))
+    module = (SGDModule if sgd else RLModule)(policy=build_tiny_model(seed=0), clip=clip,
+                                              aggregator=Aggregator(agg_mode), ppo=PPOConfig(**settings),
+                                              diagnostics=FairnessMetrics(bins), run_diagnostics=None, seed=0)
+    rec = RecordGrads()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[InjectRollout(rollout), rec])
+    data = DataLoader([{"prompts": ["unused"]}], batch_size=None)  # one RL step
+    trainer.fit(module, train_dataloaders=data)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return module, rec.grads, metrics
+
+
+@pytest.mark.parametrize("clip_name,agg_mode", [("fspo", "token-mean"), ("grpo", "token-mean"),
+                                                ("gspo", "seq-mean-token-mean"), ("rloo", "seq-mean-token-sum")])
+def test_micro_batching_does_not_change_the_update(clip_name, agg_mode):
+    rollout = make_rollout()
+    small_budget = 24
+    # the small budget really splits each 4-sequence mini-batch (rows * longest <= 24 tokens)
+    totals = rollout.prompt_mask.sum(-1) + rollout.lengths
+    assert len(token_budget_micro_batches(totals, small_budget)) >= 5
+
+    one, g_one, m_one = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=100_000)
+    many, g_many, m_many = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=small_budget)
+
+    assert len(g_one) == len(g_many) == 2  # 8 sequences / mini-batches of 4
+    for step, (a, b) in enumerate(zip(g_one, g_many)):
+        assert a.keys() == b.keys() and a
+        assert sum(float(v.abs().sum()) for v in a.values()) > 0
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=f"update {step}: grad {name}")
+    init = dict(build_tiny_model(seed=0).named_parameters())
+    moved = 0.0
+    for (name, p1), (_, p2) in zip(one.policy.named_parameters(), many.policy.named_parameters()):
+        torch.testing.assert_close(p2, p1, atol=1e-6, rtol=0, msg=f"parameter {name}")
+        moved = max(moved, float((p1 - init[name]).abs().max()))
+    assert moved > 1e-3  # the two updates did move the parameters
+    for key in ("train/loss", "train/kl", "clip/seq_frac", "clip/tok_frac"):
+        assert m_many[key] == pytest.approx(m_one[key], abs=1e-6, rel=1e-5), key
+    assert int(one.skipped_updates) == int(many.skipped_updates) == 0
+    if clip_name == "fspo":  # the band binds on some sequences: the clipped branch is exercised too
+        assert 0.0 < m_one["clip/seq_frac"] < 1.0
+
+
+def test_update_changes_parameters():
+    """Control for the skip test: the same batch without a NaN does move the parameters."""
+    before = {n: p.detach().clone() for n, p in build_tiny_model(seed=0).named_parameters()}
+    module, grads, _ = run_update(make_rollout(), mini_batch_size=B)
+    assert len(grads) == 1
+    assert any(not torch.equal(before[n], p) for n, p in module.policy.named_parameters())
+
+
+def _nan_rollout() -> RolloutBatch:
+    rollout = make_rollout()
+    rollout.old_log_probs[1, 3] = float("nan")  # a response token (row 1 has 12)
+    return rollout
+
+
+def test_nonfinite_update_is_skipped():
+    before = {n: p.detach().clone() for n, p in build_tiny_model(seed=0).named_parameters()}
+    module, grads, metrics = run_update(_nan_rollout(), mini_batch_size=B, nonfinite="skip")
+    assert grads == []  # no optimizer step was taken
+    for n, p in module.policy.named_parameters():
+        assert torch.equal(before[n], p), n
+    assert int(module.skipped_updates) == 1
+    assert metrics["train/skipped_updates"] == 1.0 and metrics["train/skipped_updates_total"] == 1.0
+
+
+def test_nonfinite_update_skips_only_its_mini_batch():
+    rollout = _nan_rollout()
+    module, grads, metrics = run_update(rollout, mini_batch_size=4, nonfinite="skip")
+    assert len(grads) == 1 and int(module.skipped_updates) == 1  # the other mini-batch still updates
+    assert metrics["train/updates"] == 1.0
+
+
+def test_nonfinite_update_raises_when_asked():
+    with pytest.raises(FloatingPointError, match="nonfinite"):
+        run_update(_nan_rollout(), mini_batch_size=B, nonfinite="raise")
