@@ -1,0 +1,214 @@
+"""Entry point: evaluate a policy on the math benchmarks (Avg@k), any checkpoint, any engine.
+
+    python experiments/evaluate.py checkpoints=outputs/2026-11-22/10-00-00          # every *.ckpt of a run
+    python experiments/evaluate.py checkpoints='runs/*/checkpoints/*.ckpt' include_base=true
+    python experiments/evaluate.py train_run_id=<mlflow run id> mlflow.attach=true  # log into the training run
+    python experiments/evaluate.py +model=qwen3_8b model.path=/data/Qwen3-8B-Base rollout=vllm
+    python experiments/evaluate.py model.source=random eval_data=[math500] limit=4 k=2 sampling.max_new_tokens=32
+
+Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
+Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own
+``model`` node when one is found), build the policy, engine and verifier once, then for the base
+model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
+to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
+(fspo/evaluation.py) and the summary/MLflow details (fspo/evaluation_summary.py).
+A bad setting or input ends with one line naming the problem (exit code 2), as in run.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import hydra  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+from fspo.errors import user_error  # noqa: E402
+
+log = logging.getLogger("evaluate")
+
+
+def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
+    """(config, run folder) of MLflow run ``rid``: its ``config.yaml`` artifact (logged at the end
+    of training), else ``<output_dir param>/.hydra/config.yaml`` (a run still going)."""
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    from fspo.evaluation_summary import find_run_config
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    params = MlflowClient(uri).get_run(rid).data.params
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            run_cfg = OmegaConf.load(download_artifacts(run_id=rid, artifact_path="config.yaml", dst_path=tmp,
+                                                        tracking_uri=uri))
+        except Exception:  # noqa: BLE001 - no artifact yet: fall back to the run folder
+            run_cfg = None
+    out = (run_cfg.get("output_dir") if run_cfg is not None else None) or params.get("output_dir")
+    run_dir = Path(str(out)) if out and out != "None" else None
+    if run_cfg is None:
+        path = find_run_config(run_dir) if run_dir is not None else None
+        if path is None:
+            raise FileNotFoundError(f"MLflow run {rid} has no config.yaml artifact and its output_dir "
+                                    f"({run_dir}) holds no .hydra/config.yaml: pass checkpoints=... and model.*")
+        run_cfg = OmegaConf.load(path)
+    return run_cfg, run_dir
+
+
+def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Optional[str]]:
+    """(training run config or None, checkpoints to evaluate, training run id or None).
+
+    The config comes from ``train_run_id``, else from ``.hydra/config.yaml`` above the first
+    checkpoint, else from the MLflow run whose id names the checkpoint's folder
+    (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
+    from mlflow import MlflowClient
+
+    from fspo.evaluation_summary import find_checkpoints, find_run_config, run_id_of_checkpoint
+
+    uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
+    run_cfg, run_dir = _mlflow_run_config(str(rid), uri) if rid else (None, None)
+    spec = cfg.checkpoints if cfg.checkpoints is not None else (str(run_dir) if run_dir is not None else None)
+    ckpts = find_checkpoints(OmegaConf.to_container(spec) if OmegaConf.is_list(spec) else spec) if spec else []
+    if ckpts and run_cfg is None:
+        path = find_run_config(ckpts[0])
+        if path is not None:
+            run_cfg = OmegaConf.load(path)
+        rid = run_id_of_checkpoint(ckpts[0])
+        try:  # the run id in the path counts only if this tracking store knows that run
+            if rid is not None and path is None:
+                run_cfg, _ = _mlflow_run_config(rid, uri)
+            elif rid is not None:
+                MlflowClient(uri).get_run(rid)
+        except Exception as e:  # noqa: BLE001 - another store, or no config: fall back to model.*
+            log.info("MLflow run %s (from the checkpoint path) not usable in %s: %s", rid, uri, e)
+            rid = None
+        log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
+    return run_cfg, ckpts, (str(rid) if rid else None)
+
+
+def _benchmarks(cfg: DictConfig) -> Dict[str, tuple]:
+    """name -> (prompt source, k), with the global ``limit`` / ``k`` overrides applied."""
+    if not cfg.get("eval_data"):
+        raise ValueError("no benchmarks selected: set eval_data=[math500,aime24,aime25] (conf/eval_data/)")
+    out = {}
+    for name, bench in cfg.eval_data.items():
+        node = OmegaConf.to_container(bench.source, resolve=True)
+        if cfg.limit is not None:
+            node["limit"] = int(cfg.limit)
+        out[str(name)] = (instantiate(node), int(cfg.k if cfg.k is not None else bench.samples_per_prompt))
+    return out
+
+
+def evaluate(cfg: DictConfig) -> Dict[str, Any]:
+    """Run the evaluation described by ``cfg`` (conf/evaluate.yaml); returns ``{"run_id", "entries",
+    "summary"}`` where each entry is ``{"checkpoint", "step", "base", "metrics": {benchmark: {...}}}``."""
+    import torch
+
+    from fspo.evaluation import context_length, evaluate_benchmark, load_checkpoint, load_into
+    from fspo.evaluation_summary import MlflowRecorder, summarize
+    from fspo.mlflow_utils import flatten_params
+    from fspo.models.loading import load_policy
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.hf import HFEngine
+
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_cfg, ckpts, train_run_id = _training_run(cfg)
+    m = cfg.mlflow
+    if m.attach and not train_run_id:
+        raise ValueError("mlflow.attach=true needs the training run: set train_run_id=<MLflow run id>")
+    benchmarks = _benchmarks(cfg)  # data problems surface before any model is loaded
+    if run_cfg is None and ckpts and cfg.use_run_model:
+        log.warning("no training run config found for %s: building the model from model.* here", ckpts[0])
+    from_run = run_cfg is not None and bool(cfg.use_run_model)
+    model_kw = OmegaConf.to_container(run_cfg.model if from_run else cfg.model, resolve=True)
+    policy, tokenizer = load_policy(**model_kw, seed=int(run_cfg.get("seed", cfg.seed) if from_run else cfg.seed))
+    engine = instantiate(cfg.rollout.engine)
+    device = str(cfg.device)
+    if device == "auto":  # vLLM keeps its own copy on the GPU: the policy is only a weight source there
+        device = "cuda" if torch.cuda.is_available() and isinstance(engine, HFEngine) else "cpu"
+    policy.to(device).eval()
+    (out_dir / "engine").mkdir(exist_ok=True)
+    engine.setup(policy, tokenizer, str(out_dir / "engine"))
+    reward_fn = instantiate(cfg.reward)
+    s = cfg.sampling
+    sampling = SamplingConfig(n=1, temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
+                              max_new_tokens=int(s.max_new_tokens))
+    tags = {"fspo.kind": "eval", "eval/model": model_kw.get("name"), "eval/train_run_id": train_run_id,
+            **dict(m.tags or {})}
+    recorder = MlflowRecorder(str(m.tracking_uri), out_dir, experiment_name=str(m.experiment_name),
+                              run_id=train_run_id if m.attach else None,
+                              run_name=m.run_name, tags=tags, artifact_location=m.artifact_location)
+    recorder.log_params(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    recorder.log_json(OmegaConf.to_container(cfg, resolve=True), "eval/evaluate_config.json")
+    targets: List[Optional[Path]] = ([None] if cfg.include_base or not ckpts else []) + list(ckpts)
+    entries, seen, ok = [], set(), False
+    try:
+        for target in targets:
+            step = 0 if target is None and ckpts else None
+            if target is not None:
+                state, step = load_checkpoint(target)
+                if step is not None and step in seen:
+                    log.info("skipping %s: step %s already evaluated", target, step)
+                    continue
+                load_into(policy, state)
+                del state
+            seen.add(step)
+            engine.sync_weights(policy)
+            metrics = {}
+            for name, (source, k) in benchmarks.items():
+                res = evaluate_benchmark(
+                    name, source, k, engine, tokenizer, reward_fn, sampling,
+                    context_len=context_length(policy, engine), max_prompt_len=cfg.max_prompt_len,
+                    on_long_prompt=str(cfg.on_long_prompt), fit_context=bool(cfg.fit_context),
+                    prompts_per_call=cfg.prompts_per_call or (max(1, engine.batch_size // k) if isinstance(
+                        engine, HFEngine) else None), keep_completions=bool(cfg.save_completions),
+                    seed=(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**31)
+                folder = f"eval/{name}" + ("" if step is None else f"/step_{step}")
+                metrics[name] = recorder.log_benchmark(res, step, str(target) if target else None, folder)
+                log.info("%s %s: Avg@%d = %.4f (%s)", target or "model", name, k, metrics[name]["avg_at_k"],
+                         {x: round(v, 4) for x, v in metrics[name].items() if x != "avg_at_k"})
+            mean = sum(v["avg_at_k"] for v in metrics.values()) / len(metrics)
+            recorder.log_metrics({"eval/average/avg_at_k": mean}, step or 0)
+            entries.append({"checkpoint": str(target) if target else None, "step": step,
+                            "base": target is None and bool(ckpts), "metrics": metrics})
+        summary = summarize(entries) if ckpts else None
+        if summary is not None:
+            recorder.log_summary(summary)
+        ok = True
+    finally:
+        recorder.close(ok)
+        if hasattr(reward_fn, "close"):
+            reward_fn.close()
+    return {"run_id": recorder.run_id, "entries": entries, "summary": summary}
+
+
+@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig):
+    """Hydra entry point; see the module docstring."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if cfg.output_dir is None:
+        with open_dict(cfg):
+            cfg.output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        result = evaluate(cfg)
+    except Exception as e:  # noqa: BLE001 - user errors become one clear line
+        msg = user_error(e)
+        if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    last = result["entries"][-1]["metrics"] if result["entries"] else {}
+    return sum(v["avg_at_k"] for v in last.values()) / max(len(last), 1)
+
+
+if __name__ == "__main__":
+    main()
