@@ -5,7 +5,8 @@ Owns: `FSDP2Strategy` (Lightning's `ModelParallelStrategy`, every rank data-para
 then the root, from `RLModule.configure_model`), and the helpers the step uses so that W ranks
 each holding 1/W of the data compute exactly what one process computes on all of it:
 
-- `dp_rank_size`: the data-parallel rank and size (1 rank, 0, without torch.distributed);
+- `dp_rank_size`: the data-parallel rank and size ((0, 1) without torch.distributed);
+- `pad_slice`: equal-sized, padded slices of a validation batch (padding is not scored);
 - `rank_slice`: each rank's contiguous slice of the step's prompts (whole groups per rank);
 - `gather_rollout`: the whole rollout batch on every rank (token ids, masks, advantages: small),
   so PPO mini-batches are drawn from the GLOBAL batch with the same permutation as on one process;
@@ -13,9 +14,7 @@ each holding 1/W of the data compute exactly what one process computes on all of
 - `sync_count`: the most micro-batches any rank has (FSDP forwards/backwards are collectives:
   ranks with fewer run zero-weight dummies);
 - `reduce_sum` / `any_rank` / `reduce_step_stats`: exact sums of counts across ranks;
-- `clip_grad_norm`: global gradient norm over sharded (DTensor) gradients;
-- `launch_rank` / `RankZeroStub`: the rank before the process group exists, and the logger that
-  ranks other than 0 get (MLflow is written by rank 0 only).
+- `clip_grad_norm`: global gradient norm over sharded (DTensor) gradients.
 
 Loss scale: mini-batch denominators (tokens, sequences) come from the global mini-batch and FSDP
 SUMS gradients across ranks (``set_gradient_divide_factor(1.0)``), so the summed per-rank
@@ -23,13 +22,11 @@ gradients equal the one-process gradient. Leaves out: the loss (fspo/module.py) 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loggers.logger import DummyExperiment, Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
@@ -139,41 +136,6 @@ def configure_sharding(module) -> None:
 def is_sharded(model: nn.Module) -> bool:
     """True when any parameter of ``model`` is a DTensor (FSDP2 / tensor parallel)."""
     return any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
-def launch_rank() -> int:
-    """This process's global rank as its launcher set it (torchrun ``RANK``, SLURM ``SLURM_PROCID``,
-    Lightning's own launcher ``NODE_RANK``/``LOCAL_RANK``), readable before torch.distributed starts;
-    0 when launched alone."""
-    for key in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    others = [os.environ.get(k, "0") for k in ("NODE_RANK", "LOCAL_RANK")]
-    return 0 if all(v in ("", "0") for v in others) else 1  # Lightning's launcher: only "is it 0" is known
-
-
-class RankZeroStub(Logger):
-    """The logger of ranks other than 0: every call is accepted and does nothing, ``run_id`` is None,
-    ``experiment`` swallows any method call.
-
-    Lightning's loggers write on rank 0 only anyway; building the MLflow client on every rank would
-    race on the store (SQLite schema creation) and open runs that never get data.
-    """
-
-    run_id = None
-    name = "rank_zero_stub"
-    version = 0
-
-    @property
-    def experiment(self):
-        """A no-op object (Lightning's ``DummyExperiment``)."""
-        return DummyExperiment()
-
-    def log_metrics(self, metrics, step=None) -> None:
-        """Do nothing."""
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        """Do nothing."""
 
 
 def _active() -> bool:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from fspo.callbacks import RolloutCallback
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.distributed import RankZeroStub, launch_rank
+from fspo.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.module import RLModule
 from fspo.mlflow_utils import flatten_params, log_final_artifacts

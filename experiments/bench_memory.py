@@ -1,0 +1,163 @@
+"""Peak memory per rank of one RL training step, 1 process versus 2 FSDP ranks (trainer=fsdp).
+
+For each model (the tiny Qwen3, ~0.8M parameters, and a random ~100M-parameter Qwen3) and each
+world size (1: one process, no strategy; 2: `fspo.distributed.FSDP2Strategy` under torchrun) it runs
+one RL step of the real `RLModule` (2 PPO mini-batches, AdamW) on a synthetic rollout of 16
+sequences (prompt 32 + response 96 tokens) and reports per rank:
+
+- ``load_peak_mib``: the RSS high-water mark after building the policy (every rank builds the full
+  model before sharding, as fspo/train.py does);
+- ``step_peak_mib``: on CPU the RSS high-water mark during the step, after resetting it
+  (``/proc/self/clear_refs``; freed memory is returned to the OS first with ``malloc_trim``); on GPU
+  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+- ``step_delta_mib``: ``step_peak_mib`` minus the memory in use when the step started (what the
+  step itself adds: gradients, AdamW state, activations, gathered layers);
+- ``state_mib``: parameter + gradient + AdamW-state bytes this rank holds (local shard numel x 4 x 4).
+
+    python experiments/bench_memory.py                 # prints a table, writes .bench/bench_memory.json
+    python experiments/bench_memory.py --models tiny --worlds 1,2
+
+Each (model, world) runs in fresh processes (torchrun for world > 1) so the peaks do not mix.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = {"tiny": {}, "qwen3_100m": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=12,
+                                         num_key_value_heads=4, head_dim=64, intermediate_size=2048)}
+
+
+def _rss_peak_mib(field: str = "VmHWM") -> float:
+    """``field`` of /proc/self/status in MiB (VmHWM: RSS high-water mark, VmRSS: current RSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _rollout(b: int = 16, p: int = 32, t: int = 96, seed: int = 0):
+    import torch
+
+    from fspo.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    return RolloutBatch(prompt_ids=torch.randint(4, 100, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                        response_ids=torch.randint(4, 100, (b, t), generator=g) * mask, response_mask=mask,
+                        group_ids=torch.arange(b) // 4, advantages=torch.randn(b, generator=g), rewards=torch.zeros(b),
+                        overlong=lengths == t, old_log_probs=-4.6 * mask.float()).validate()
+
+
+def worker(model_name: str, out: str) -> None:
+    """One RL step on this process's share of `_rollout` (run by `main`, under torchrun when world > 1)."""
+    import lightning as L
+    import torch
+
+    from fspo.clipping.fspo import FSPOClip
+    from fspo.diagnostics import FairnessMetrics, LengthBins
+    from fspo.distributed import FSDP2Strategy, dp_rank_size
+    from fspo.losses import Aggregator
+    from fspo.models.tiny import build_tiny_model
+    from fspo.module import PPOConfig, RLModule
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    policy = build_tiny_model(seed=0, **MODELS[model_name])
+    n_params = sum(p.numel() for p in policy.parameters())
+    load_peak = _rss_peak_mib()
+    diag = FairnessMetrics(LengthBins(width=16, max_len=96))
+    module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, lr=1e-5,
+                      micro_batch_max_tokens=1024), diag, seed=0)
+    full = _rollout()
+    record = {}
+
+    class Step(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            rank, size = dp_rank_size(pl_module)
+            k = full.batch_size // size
+            part = full.select(torch.arange(rank * k, (rank + 1) * k))
+            part.group_ids = part.group_ids - part.group_ids.min()
+            batch["rollout"] = part
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.policy.parameters())
+            record["state_mib"] = local * 4 * 4 / 2**20
+            _reset_peak()
+            record["step_base_mib"] = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() \
+                else _rss_peak_mib("VmRSS")
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            cuda = torch.cuda.is_available()
+            record["step_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()
+            record["peak_kind"] = "cuda max_memory_allocated" if cuda else "RSS high-water mark"
+            record["step_delta_mib"] = record["step_peak_mib"] - record["step_base_mib"]
+
+    strategy = FSDP2Strategy(layer_class="Qwen3DecoderLayer") if world > 1 else "auto"
+    trainer = L.Trainer(accelerator="auto", devices=world, strategy=strategy, logger=False, max_epochs=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, limit_val_batches=0, callbacks=[Step()])
+    from torch.utils.data import DataLoader
+
+    trainer.fit(module, train_dataloaders=DataLoader([{"prompts": ["x"]}], batch_size=None))
+    record.update(model=model_name, params=n_params, world=world, rank=trainer.global_rank, load_peak_mib=load_peak)
+    Path(out).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main(argv=None) -> None:
+    """Run every (model, world) in fresh processes, print a table, write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,qwen3_100m")
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--out", default=".bench/bench_memory.json")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a.worker, a.worker_out)
+    # glibc: serve every allocation >= 128 KiB by mmap, so freed tensors leave the RSS at once and the
+    # high-water mark tracks live memory (else per-thread arenas keep freed chunks and inflate it)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in a.models.split(","):
+            for world in (int(w) for w in a.worlds.split(",")):
+                base = Path(tmp) / f"{model}_w{world}"
+                launch = [sys.executable] if world == 1 else \
+                    [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                cmd = launch + [__file__, "--worker", model, "--worker-out", str(base)]
+                subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+                rows += [json.loads(base.with_suffix(f".rank{r}.json").read_text()) for r in range(world)]
+    print(f"{'model':<11} {'params':>10} {'world':>5} {'rank':>4} {'load peak':>10} {'step peak':>10} "
+          f"{'step adds':>10} {'param+grad+Adam':>16}   (MiB)")
+    for r in rows:
+        print(f"{r['model']:<11} {r['params']:>10} {r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} "
+              f"{r['step_peak_mib']:>10.0f} {r['step_delta_mib']:>10.0f} {r['state_mib']:>16.1f}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {a.out} ({rows[0]['peak_kind'] if rows else ''})")
+
+
+if __name__ == "__main__":
+    main()
