@@ -32,6 +32,7 @@ from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.weights import drain, iter_full_state_dict
 from fspo.types import RolloutBatch
 
+SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
 INSTALL_HINT = (
     "the vLLM rollout engine needs the `vllm` package: on GPUs run `pip install 'fspo[vllm]'`; "
     "for the CPU tests run `bash .ci/install_vllm_cpu.sh` and use .venv-vllm/bin/python; "
@@ -85,6 +86,7 @@ class VLLMEngine(RolloutEngine):
         self.batch_size = batch_size
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm = None
+        self.rank = 0
         self._asleep = False
         self._synced = False
 
@@ -103,7 +105,7 @@ class VLLMEngine(RolloutEngine):
 
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
+        rank = self.rank = dist.get_rank() if world > 1 else 0
         path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
         path.mkdir(parents=True, exist_ok=True)
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
@@ -207,8 +209,8 @@ class VLLMEngine(RolloutEngine):
 
         SamplingParams: n, temperature, top_p, top_k (<= 0 -> -1, off), max_tokens =
         max_new_tokens, logprobs=0 (the sampled token's log-prob only) and, when ``params.seed`` is
-        set, seed ``seed + k*n`` for prompt k (vLLM gives sample j of it ``seed + k*n + j``), so no
-        two samples of one call share a random stream. ``overlong`` is ``finish_reason == "length"``.
+        set, seed ``seed + k*n + r*SEED_STRIDE`` for prompt k on rank r (vLLM gives sample j of it
+        that + j), so no two samples of one call, nor of two ranks, share a random stream. ``overlong`` is ``finish_reason == "length"``.
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before setup(model, tokenizer, workdir)")
@@ -223,22 +225,17 @@ class VLLMEngine(RolloutEngine):
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                               top_k=params.top_k if params.top_k > 0 else -1,
                               max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
-                              seed=None if params.seed is None else params.seed + k * params.n)
+                              seed=None if params.seed is None
+                              else params.seed + k * params.n + self.rank * SEED_STRIDE)
                for k in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         rows = []
         for k, out in enumerate(outs):
-            comps = sorted(out.outputs, key=lambda c: c.index)
-            for c in comps:
-                ids = list(c.token_ids)
-                lps = [_sampled_logprob(step, t) for step, t in zip(c.logprobs or [], ids)]
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)  # step[t] holds the sampled token's Logprob (logprobs=0)
+                lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
                 rows.append((k, prompts[k], ids, lps, c.finish_reason == "length"))
         return to_rollout_batch(rows, self.pad_token_id)
-
-
-def _sampled_logprob(step, token_id: int) -> float:
-    """Log-prob of ``token_id`` from one step of vLLM's logprobs output (dict or flat form)."""
-    return float(step[token_id].logprob)
 
 
 def _pad_id(tokenizer, model) -> int:
