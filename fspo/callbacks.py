@@ -21,6 +21,8 @@ padded (by repeating the last prompt) to a multiple of the rank count; padding i
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,8 +32,42 @@ import lightning as L
 import torch
 
 from fspo.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.rewards.base import RewardOutput
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[int], overlong: List[bool],
+                   max_new_tokens: int) -> RewardOutput:
+    """``reward_fn`` on the batch, made safe for the update: if the call raises (or returns the wrong
+    number of scores) each sample is scored alone and a sample whose call raises scores 0 and counts
+    in ``errors``; a non-finite score becomes 0 and is flagged in the ``nonfinite`` component (logged
+    as ``reward/nonfinite``, the fraction of such samples)."""
+    n = len(texts)
+    try:
+        out = reward_fn(texts, refs, lengths, overlong, max_new_tokens)
+        if len(out.scores) != n:
+            raise ValueError(f"reward function returned {len(out.scores)} scores for {n} completions")
+        scores, comps, errors = [float(x) for x in out.scores], dict(out.components), int(out.errors)
+    except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
+        log.warning("reward function failed on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
+        scores, rows, errors = [], [], 0
+        for i in range(n):
+            try:
+                o = reward_fn(texts[i:i + 1], refs[i:i + 1], lengths[i:i + 1], overlong[i:i + 1], max_new_tokens)
+                scores.append(float(o.scores[0]))
+                rows.append({k: float(v[0]) for k, v in o.components.items()})
+                errors += int(o.errors)
+            except Exception:  # noqa: BLE001
+                scores.append(0.0)
+                rows.append({})
+                errors += 1
+        comps = {k: [r.get(k, 0.0) for r in rows] for k in sorted({k for r in rows for k in r})}
+    bad = [not math.isfinite(x) for x in scores]
+    comps["nonfinite"] = [float(b) for b in bad]
+    return RewardOutput(scores=[0.0 if b else x for x, b in zip(scores, bad)], components=comps, errors=errors)
 
 
 class RolloutCallback(L.Callback):
@@ -87,9 +123,8 @@ class RolloutCallback(L.Callback):
     def _score(self, rollout: RolloutBatch, answers: List[str], params: SamplingConfig):
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         refs = [answers[int(g)] for g in rollout.group_ids]
-        out = self.reward_fn(texts, refs, rollout.lengths.tolist(), rollout.overlong.tolist(),
-                             params.max_new_tokens)
-        return out
+        return guarded_reward(self.reward_fn, texts, refs, rollout.lengths.tolist(), rollout.overlong.tolist(),
+                              params.max_new_tokens)
 
     # ------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -3,7 +3,9 @@
 Owns: `train(cfg)` — build the policy, data, reward, clip rule, module, rollout callback, MLflow
 logger and Lightning Trainer from ``cfg`` (see conf/config.yaml), validate once before training,
 fit, and log the run-level diagnostics and their figures as MLflow artifacts. Returns the final
-metrics. Leaves out: Hydra's command line (experiments/run.py) and every component's internals.
+metrics. With ``resume=auto`` it continues the newest checkpoint in ``output_dir`` and its MLflow
+run (fspo/resume.py); checkpoints and signal stops are fspo/checkpointing.py's. Leaves out:
+Hydra's command line (experiments/run.py) and every component's internals.
 """
 from __future__ import annotations
 
@@ -15,15 +17,18 @@ from typing import Any, Dict
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.callbacks import RolloutCallback
+from fspo.checkpointing import StepCheckpoint, checkpoint_dir, slurm_plugins
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.module import RLModule
 from fspo.mlflow_utils import flatten_params, log_final_artifacts
+from fspo.resume import build_logger, log_params_once, mark_preempted, record_run_id, resolve_resume
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,11 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     L.seed_everything(int(cfg.seed), workers=True)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
+    # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
+    logger = RankZeroStub() if launch_rank() != 0 else \
+        build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
+                           **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
 
     # policy and tokenizer
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
@@ -61,19 +71,23 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed))
 
-    # logging; several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
-    logger = RankZeroStub() if launch_rank() != 0 else \
-        instantiate(cfg.logger, tags={"method": str(cfg.method), "model": str(cfg.model.name),
-                                      "seed": str(cfg.seed), **{str(k): str(v) for k, v in cfg.tags.items()}})
-    logger.log_hyperparams(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    # logging and checkpoints
+    log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    record_run_id(logger, out_dir)
+    ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
+                          run_id_fn=lambda: getattr(logger, "run_id", None))
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
-    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout],
-                          val_check_interval=val_every if val_source is not None else None,
+    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout, ckpt],
+                          plugins=slurm_plugins(), val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)
-    if val_source is not None:
+    if val_source is not None and plan.ckpt_path is None:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
-    trainer.fit(module, datamodule=data)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
+    except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
+        mark_preempted(logger, int(module.rl_step))
+        raise
     if val_source is not None and cfg.steps % val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
 

@@ -33,6 +33,33 @@ def collate_prompts(items: List[dict]) -> dict:
             "index": torch.tensor([x["index"] for x in items], dtype=torch.long)}
 
 
+class _WholeRun:
+    """The prompt sampler as Lightning's batch sampler: iterates from the sampler's position (which
+    `load_state_dict` restores) but its length is the whole run (``steps``), because on a mid-run
+    resume Lightning's restored loop progress already counts the steps done; a length of the
+    remaining steps would end the epoch early."""
+
+    def __init__(self, sampler: PromptStepSampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return self.sampler.steps
+
+
+class _PromptLoader(DataLoader):
+    """DataLoader whose state is the prompt sampler's position, so Lightning treats it as resumable
+    (its ``_Stateful`` protocol) and restores the same position the datamodule state holds."""
+
+    def state_dict(self) -> dict:
+        return self.batch_sampler.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.sampler.load_state_dict(state)
+
+
 class PromptDataModule(L.LightningDataModule):
     """``train_source``/``val_source``: PromptSources; ``steps`` RL steps of ``prompts_per_step`` prompts."""
 
@@ -48,7 +75,8 @@ class PromptDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
 
     def train_dataloader(self):
-        return DataLoader(_Prompts(self.train_source), batch_sampler=self.sampler, collate_fn=collate_prompts)
+        return _PromptLoader(_Prompts(self.train_source), batch_sampler=_WholeRun(self.sampler),
+                            collate_fn=collate_prompts)
 
     def val_dataloader(self):
         if self.val_source is None:
