@@ -86,6 +86,10 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(records, group_by)
+    # Lightning marks a run FINISHED after its first validate(); a finished job has run-level metrics
+    incomplete = [r.name for r in records if not any(k.startswith("run/") for k in r.metrics)]
+    if incomplete:
+        log.warning("runs without run-level diagnostics (still running, or ended early?): %s", incomplete)
 
     benches, t1 = table1(groups)
     fair = fairness_rows(groups)
@@ -104,6 +108,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     fig_paths = _save(figs, out / "figures")
 
     source = f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; grouped by {', '.join(group_by)}."
+    if incomplete:
+        source += f"\n\n**Warning**: runs without run-level diagnostics (still running?): {', '.join(incomplete)}."
     (out / "report.md").write_text(_markdown(title, source, records, benches, t1_md, fair_md, fig_paths, out))
 
     run_id = None

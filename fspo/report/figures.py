@@ -100,9 +100,23 @@ def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
             theory.update(th)
         out[f"clip_fraction_by_length_{safe_name(g)}"] = plot_clip_fraction_by_length(
             {g: obs} if obs else ([], []), th, title=f"Clip fraction by length: {g}")
-    out["clip_fraction_by_length"] = plot_clip_fraction_by_length(
-        observed or ([], []), theory or None, title="Observed sequence clip fraction by length (dashed: theory)")
+    fig = plot_clip_fraction_by_length(observed or ([], []), theory or None,
+                                       title="Observed sequence clip fraction by length (dashed: theory)")
+    _match_colors(fig, list(groups))
+    out["clip_fraction_by_length"] = fig
     return out
+
+
+def _match_colors(fig: Figure, groups: Sequence[str]) -> None:
+    """Give each group's observed line and its theory line (label ``<group> theory ...``) one colour."""
+    ax = fig.axes[0]
+    for line in ax.get_lines():
+        label = line.get_label()
+        for i, g in enumerate(groups):
+            if label == g or label.startswith(f"{g} theory"):
+                line.set_color(f"C{i % 10}")
+    if ax.get_legend() is not None:
+        ax.legend(fontsize=8)
 
 
 def lre_figure(groups: Groups) -> Figure:
