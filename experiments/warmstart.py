@@ -4,10 +4,14 @@ Owns: making `fspo/assets/tiny_warmstart/` (config, safetensors, tokenizer), the
 the default RL run, so RL begins from a policy that is partly right (as the paper starts from base
 models). The committed checkpoint was made by this script with its defaults:
 
-    python experiments/warmstart.py --steps 300 --out fspo/assets/tiny_warmstart
+    python experiments/warmstart.py --steps 400 --slip 0.5 --out fspo/assets/tiny_warmstart
 
 Training: next-token cross-entropy on the response tokens (the worked solution + EOS) only, AdamW,
-cosine schedule; the step count is chosen to stop well short of mastery. Prints greedy and
+cosine schedule. The demonstrations carry a realistic, learnable flaw, like the answer-reporting
+habits RL fixes first in base models: in a fraction ``--slip`` (default 0.5) of them the worked
+steps are right but the "Answer:" line reports the running total from before the last step. The
+warm-started policy therefore computes well but reports the final answer correctly only about half
+the time, a partly-right policy whose improvement under RL is measurable in minutes on a CPU. Prints greedy and
 sampled (temperature 1) accuracy on held-out problems, and writes them to ``warmstart.json``.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -25,11 +30,22 @@ from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rewards.arithmetic import ArithmeticReward
 
 
-def make_batch(samples, tok, device="cpu"):
-    """Left-pad prompt+solution+EOS; labels are -100 outside the response."""
+def slipped_solution(nums, ops) -> str:
+    """The worked solution with the answer line reporting the total before the last step."""
+    sol, _ = worked_solution(nums, ops)
+    lines = sol.split("\n")
+    before_last = lines[-3].split("=")[-1] if len(lines) >= 3 else str(nums[0])
+    return "\n".join(lines[:-1] + [f"Answer: {before_last}"])
+
+
+def make_batch(samples, tok, device="cpu", slip: float = 0.0, rng=None):
+    """Left-pad prompt+solution+EOS; labels are -100 outside the response. A fraction ``slip`` of
+    the solutions (drawn with ``rng``) report the wrong total in their answer line."""
     seqs, labels = [], []
     for s in samples:
         sol, _ = worked_solution(s.meta["nums"], s.meta["ops"])
+        if slip > 0 and rng.random() < slip:
+            sol = slipped_solution(s.meta["nums"], s.meta["ops"])
         p = tok(s.prompt, add_special_tokens=False)["input_ids"]
         r = tok(sol, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + r)
@@ -62,12 +78,13 @@ def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-size", type=int, default=20000)
     ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--slip", type=float, default=0.5)
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--max-ops", type=int, default=9)
     ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
@@ -84,10 +101,11 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))
     g = torch.Generator().manual_seed(a.seed)
+    slip_rng = random.Random(a.seed)
     history, t0 = [], time.time()
     for step in range(1, a.steps + 1):
         idx = torch.randint(len(train), (a.batch_size,), generator=g).tolist()
-        ids, att, lab = make_batch([train[i] for i in idx], tok)
+        ids, att, lab = make_batch([train[i] for i in idx], tok, slip=a.slip, rng=slip_rng)
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
         opt.zero_grad()
         loss.backward()
@@ -97,7 +115,8 @@ def main(argv=None):
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
             rec = {"step": step, "loss": float(loss.detach()), "greedy_acc": accuracy(model, tok, val, 0.0),
-                   "sampled_acc": accuracy(model, tok, val, 1.0), "elapsed_s": time.time() - t0}
+                   "sampled_acc": accuracy(model, tok, val, 1.0), "paper_decoding_acc": accuracy(model, tok, val, 0.6),
+                   "elapsed_s": time.time() - t0}
             model.train()
             history.append(rec)
             print(json.dumps(rec), flush=True)

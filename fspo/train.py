@@ -42,6 +42,8 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
 def train(cfg: DictConfig) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats."""
     L.seed_everything(int(cfg.seed), workers=True)
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
@@ -83,6 +85,8 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
                           limit_val_batches=None if val_source is not None else 0)
     if val_source is not None and plan.ckpt_path is None:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
+        if getattr(logger, "run_id", None):  # rank 0: validate() marked the MLflow run finished
+            logger.experiment.update_run(logger.run_id, status="RUNNING")
     try:
         trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
     except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
