@@ -202,7 +202,7 @@ def any_rank(flag: bool, device=None) -> bool:
 def reduce_step_stats(stats, device=None) -> None:
     """Sum a `fspo.step_stats.StepStats`'s token/loss accumulators over ranks, in place
     (grad norms are already global; ``loss_sum`` is a sum of partial losses)."""
-    keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens")
+    keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
     for k, v in zip(keys, reduce_sum([getattr(stats, k) for k in keys], device)):
         setattr(stats, k, v)
 

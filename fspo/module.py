@@ -126,6 +126,11 @@ class RLModule(L.LightningModule):
     def _diagnostics(self):
         return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
 
+    def _has_gap(self, batch: RolloutBatch) -> bool:
+        """Whether the train-inference gap can be measured: the engine reported log-probs (vLLM's are
+        raw, i.e. at temperature 1) and the trainer's are at temperature 1 too."""
+        return batch.engine_log_probs is not None and float(self.ppo.logprob_temperature) == 1.0
+
     def _updates_per_step(self, batch_size: int) -> int:
         return self.ppo.epochs * math.ceil(batch_size / self.ppo.mini_batch_size)
 
@@ -148,6 +153,8 @@ class RLModule(L.LightningModule):
         t0 = time.perf_counter()
         if rollout.old_log_probs is None and not single_update:
             rollout.old_log_probs = self.compute_old_log_probs(rollout)
+        if self._has_gap(rollout) and rollout.old_log_probs is not None:
+            stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, rollout.response_mask)
         rollout = gather_rollout(rollout)
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
@@ -180,7 +187,11 @@ class RLModule(L.LightningModule):
         for idx in self._micro_batches(mb):
             micro = dummy if idx is None else mb.select(idx).trim()
             logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy)
-            old = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
+            old = micro.old_log_probs
+            if old is None:  # single update per step: this pass's log-probs are the old ones
+                old = logp.detach()
+                if idx is not None and self._has_gap(micro):
+                    stats.add_gap(micro.engine_log_probs, old, micro.response_mask)
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs)

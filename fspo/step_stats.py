@@ -7,6 +7,8 @@ statistics are token-weighted over every micro-batch of every update in the step
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
+    rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| over sampled response tokens: the
+                     train-inference mismatch (logged only when the engine reports log-probs)
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class StepStats:
     skipped: int = 0
     nonfinite: bool = False
     metrics_time: float = 0.0
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
 
     @torch.no_grad()
     def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
@@ -42,6 +46,13 @@ class StepStats:
             self.ent_sum += float((entropy * m).sum())
             self.ent_tokens += n
 
+    @torch.no_grad()
+    def add_gap(self, engine: Tensor, trainer: Tensor, mask: Tensor) -> None:
+        """Accumulate |engine - trainer| log-prob differences on the response tokens of ``mask``."""
+        m = mask.bool()
+        self.gap_sum += float((engine.float() - trainer.float()).abs()[m].sum())
+        self.gap_tokens += float(m.sum())
+
     def compute(self) -> Dict[str, float]:
         updates = len(self.grad_norms)
         out = {
@@ -52,6 +63,8 @@ class StepStats:
         }
         if updates:
             out["train/grad_norm"] = sum(self.grad_norms) / updates
+        if self.gap_tokens:
+            out["rollout/logprob_gap"] = self.gap_sum / self.gap_tokens
         if self.ent_tokens:
             out["train/entropy"] = self.ent_sum / self.ent_tokens
         return out

@@ -186,3 +186,14 @@ def test_prompt_plus_new_tokens_beyond_max_positions_is_a_clear_error():
         eng.generate([prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=7))
     msg = str(e.value)
     assert "max_position_embeddings" in msg and "max_new_tokens" in msg and "16" in msg
+
+
+def test_min_new_tokens_suppresses_eos():
+    """min_new_tokens=4: the chain a -> b -> c -> EOS cannot stop before 4 tokens (EOS comes later)."""
+    eng = engine_for(chain_model())
+    out = eng.generate([ids("a"), ids("c")], SamplingConfig(n=2, temperature=1.0, max_new_tokens=8,
+                                                           min_new_tokens=4, seed=0))
+    assert out.lengths.min() >= 4
+    assert (out.response_ids[:, :3] != EOS).all()
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingConfig(max_new_tokens=8, min_new_tokens=9)

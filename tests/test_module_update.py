@@ -175,3 +175,31 @@ def test_nonfinite_update_skips_only_its_mini_batch():
 def test_nonfinite_update_raises_when_asked():
     with pytest.raises(FloatingPointError, match="nonfinite"):
         run_update(_nan_rollout(), mini_batch_size=B, nonfinite="raise")
+
+
+def _engine_rollout(offset: float) -> RolloutBatch:
+    """make_rollout() as a fresh rollout (no old log-probs) whose engine log-probs are the policy's
+    own shifted by +-``offset`` per token (alternating sign), 0 on padding."""
+    rollout = make_rollout()
+    rollout.old_log_probs = None
+    with torch.no_grad():
+        lp, _ = response_log_probs(build_tiny_model(seed=0), rollout)
+    sign = torch.where(torch.arange(lp.shape[1]) % 2 == 0, 1.0, -1.0)
+    rollout.engine_log_probs = ((lp + offset * sign) * rollout.response_mask).float()
+    return rollout
+
+
+@pytest.mark.parametrize("mini_batch_size", [4, B])  # old log-probs pass | single update (loss pass)
+def test_train_inference_gap_is_logged(mini_batch_size):
+    """rollout/logprob_gap = mean_t |logp_engine - logp_trainer| over response tokens: with the
+    engine's log-probs off by exactly +-0.01 on every token it reads 0.01."""
+    _, _, metrics = run_update(_engine_rollout(0.01), mini_batch_size=mini_batch_size)
+    assert metrics["rollout/logprob_gap"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_train_inference_gap_needs_temperature_one():
+    """Engine log-probs are at temperature 1 (vLLM's raw log-probs): not compared with tempered ones."""
+    _, _, metrics = run_update(_engine_rollout(0.01), mini_batch_size=4, logprob_temperature=0.7)
+    assert "rollout/logprob_gap" not in metrics
+    _, _, metrics = run_update(make_rollout(), mini_batch_size=4)  # no engine log-probs: no gap
+    assert "rollout/logprob_gap" not in metrics

@@ -24,7 +24,10 @@ from fspo.types import RolloutBatch
 
 @dataclass
 class SamplingConfig:
-    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters."""
+    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
+
+    ``min_new_tokens`` suppresses EOS until that many tokens are generated (HF ``min_new_tokens``,
+    vLLM ``min_tokens``); benchmarks set it to ``max_new_tokens`` for fixed-length responses."""
 
     n: int = 8
     temperature: float = 1.0
@@ -32,6 +35,7 @@ class SamplingConfig:
     top_k: int = 0
     max_new_tokens: int = 128
     seed: Optional[int] = None
+    min_new_tokens: int = 0
 
     def __post_init__(self):
         if self.n < 1:
@@ -42,6 +46,9 @@ class SamplingConfig:
             raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"rollout.sampling.min_new_tokens must be in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
 
 
 class RolloutEngine:

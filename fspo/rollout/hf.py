@@ -80,7 +80,8 @@ class HFEngine(RolloutEngine):
                     ids, mask = left_pad(expanded[s:s + self.batch_size], pad_id)
                     out = model.generate(
                         input_ids=ids.to(device), attention_mask=mask.to(device),
-                        max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+                        max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
+                        do_sample=params.temperature > 0,
                         temperature=params.temperature if params.temperature > 0 else None,
                         top_p=params.top_p if params.temperature > 0 else None,
                         top_k=params.top_k if params.top_k > 0 and params.temperature > 0 else None,

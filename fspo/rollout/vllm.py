@@ -57,7 +57,8 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: must be 1 (weight sync streams through an in-process closure).
         enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
         max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
-        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...).
+        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto" is the policy's parameter
+            dtype (vLLM's own "auto" would downcast a float32 model to bfloat16 on CPU).
         seed: engine seed (per-request seeds come from `SamplingConfig.seed`).
         enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
         kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
@@ -120,7 +121,10 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        kw = dict(model=str(path), tokenizer=str(path), dtype=self.dtype, seed=self.seed + rank,
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + rank,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
                   gpu_memory_utilization=self.gpu_memory_utilization,
                   tensor_parallel_size=self.tensor_parallel_size,
@@ -138,7 +142,10 @@ class VLLMEngine(RolloutEngine):
         if self.batch_size is not None:
             kw["max_num_seqs"] = int(self.batch_size)
         kw.update(self.llm_kwargs)
-        self.llm = vllm.LLM(**kw)
+        # not under inference mode (Lightning's validation runs in it): weights created there are
+        # inference tensors, which later in-place weight syncs outside it may not update
+        with torch.inference_mode(False):
+            self.llm = vllm.LLM(**kw)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.pad_token_id = _pad_id(tokenizer, model)
         self._synced = not sharded
@@ -224,7 +231,8 @@ class VLLMEngine(RolloutEngine):
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                               top_k=params.top_k if params.top_k > 0 else -1,
-                              max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+                              max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens,
+                              logprobs=0, detokenize=False,
                               seed=None if params.seed is None
                               else params.seed + k * params.n + self.rank * SEED_STRIDE)
                for k in range(len(prompts))]
