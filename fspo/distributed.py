@@ -203,8 +203,12 @@ def reduce_step_stats(stats, device=None) -> None:
     """Sum a `fspo.step_stats.StepStats`'s token/loss accumulators over ranks, in place
     (grad norms are already global; ``loss_sum`` is a sum of partial losses)."""
     keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
-    for k, v in zip(keys, reduce_sum([getattr(stats, k) for k in keys], device)):
+    usages = (stats.usage, stats.usage_old)
+    vals = reduce_sum([getattr(stats, k) for k in keys] + [x for u in usages for x in (u.slots, u.tokens)], device)
+    for k, v in zip(keys, vals):
         setattr(stats, k, v)
+    for i, u in enumerate(usages):
+        u.slots, u.tokens = vals[len(keys) + 2 * i], vals[len(keys) + 2 * i + 1]
 
 
 def _pad(t: Tensor, width: int, left: bool) -> Tensor:

@@ -8,6 +8,11 @@ for the policy loss (so both sides of the ratio come from the same computation).
 computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Position ids
 are ``cumsum(attention_mask) - 1`` so left padding does not shift positions, as in generation.
 Optionally returns the per-token entropy of the same distribution (no gradient).
+
+With ``pack_width`` set, the sequences are packed into rows without padding (fspo/packing.py:
+block-diagonal attention from restarting position ids) and the response logits are gathered back
+to the [B, T] layout, so the result is the same as the padded pass. ``usage`` (a
+`fspo.packing.TokenUsage`) counts the token slots computed vs real tokens (padding waste).
 """
 from __future__ import annotations
 
@@ -16,19 +21,43 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from fspo.packing import TokenUsage, pack_batch
 from fspo.types import RolloutBatch
 
 
-def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0,
-                       with_entropy: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """(logp [B, T] float32, entropy [B, T] float32 or None) for ``batch``'s responses."""
+def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> Tensor:
     input_ids = batch.input_ids()
     attn = batch.attention_mask()
+    if usage is not None:
+        usage.add(input_ids.numel(), int(attn.sum()))
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    use_cache=False).logits
-    logits = logits[:, p - 1:p + t - 1].float()
+    return logits[:, p - 1:p + t - 1]
+
+
+def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage]) -> Tensor:
+    lay = pack_batch(batch, width)
+    if usage is not None:
+        usage.add(lay.slots, lay.real_tokens)
+    logits = model(input_ids=lay.input_ids, attention_mask=None, position_ids=lay.position_ids,
+                   use_cache=False).logits
+    return logits.flatten(0, 1)[lay.logit_index]
+
+
+def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False,
+                       pack_width: Optional[int] = None,
+                       usage: Optional[TokenUsage] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(logp [B, T] float32, entropy [B, T] float32 or None) for ``batch``'s responses.
+
+    ``pack_width``: None for the padded pass, else the packed row width (at least the longest
+    sequence; see the module docstring)."""
+    if pack_width is None:
+        logits = _padded_logits(model, batch, usage)
+    else:
+        logits = _packed_logits(model, batch, pack_width, usage)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)

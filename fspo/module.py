@@ -28,7 +28,8 @@ from fspo.batching import minibatch_indices, token_budget_micro_batches
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
                               reduce_step_stats, reduce_sum, share, sync_count)
 from fspo.logprobs import response_log_probs
-from fspo.step_stats import StepStats
+from fspo.packing import TokenUsage, packed_micro_batches, row_width
+from fspo.step_stats import StepStats, peak_memory_mib
 from fspo.types import RolloutBatch
 
 
@@ -39,6 +40,8 @@ class PPOConfig:
     mini_batch_size: int = 32
     epochs: int = 1
     micro_batch_max_tokens: int = 8192
+    packing: bool = True         # pack sequences into rows without padding (fspo/packing.py)
+    pack_row_factor: float = 2.0  # packed row width = this x the longest sequence (within the budget)
     max_grad_norm: float = 1.0
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -95,33 +98,44 @@ class RLModule(L.LightningModule):
         configure_sharding(self)
 
     # ---------------------------------------------------------------- forward helpers
-    def log_probs(self, batch: RolloutBatch, with_entropy: bool = False):
-        logp, ent = response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy)
+    def log_probs(self, batch: RolloutBatch, with_entropy: bool = False, pack_width: Optional[int] = None,
+                  usage: Optional[TokenUsage] = None):
+        logp, ent = response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy,
+                                       pack_width=pack_width, usage=usage)
         # a +-inf log-prob would be clipped to a finite loss by most rules, yet poison the EMA sigma and
         # the diagnostics: make it NaN, so the update's non-finite guard skips the update
         return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
 
     @torch.no_grad()
-    def compute_old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_old_log_probs(self, batch: RolloutBatch, usage: Optional[TokenUsage] = None) -> torch.Tensor:
         """log pi_old for every response token, micro-batched, float32 [B, T]."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.response_ids.device)
-        for idx in self._micro_batches(batch):
+        groups, width = self._micro_batches(batch)
+        for idx in groups:
             if idx is None:  # dummy forward: FSDP forwards are collectives (see _micro_batches)
-                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=out.device)).trim())
+                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=out.device)).trim(),
+                               pack_width=width)
                 continue
             mb = batch.select(idx)
-            lp, _ = self.log_probs(mb.trim())
+            lp, _ = self.log_probs(mb.trim(), pack_width=width, usage=usage)
             out[idx, :lp.shape[1]] = lp
         return out
 
     def _micro_batches(self, batch: RolloutBatch):
-        """Token-budget micro-batches; with several data-parallel ranks, padded with ``None`` (a
-        zero-weight dummy) to the largest count on any rank: FSDP forward/backward are collectives."""
-        total = batch.prompt_mask.sum(-1) + batch.lengths
-        groups = token_budget_micro_batches(total.cpu(), self.ppo.micro_batch_max_tokens)
+        """(index groups, packed row width or None): token-budget micro-batches, packed
+        (fspo/packing.py) or padded and sorted by length (fspo/batching.py). With several
+        data-parallel ranks, padded with ``None`` (a zero-weight dummy) to the largest count on
+        any rank: FSDP forward/backward are collectives."""
+        total = (batch.prompt_mask.sum(-1) + batch.lengths).cpu()
+        budget = self.ppo.micro_batch_max_tokens
+        if self.ppo.packing:
+            groups = packed_micro_batches(total, budget, self.ppo.pack_row_factor)
+            width = row_width(total, budget, self.ppo.pack_row_factor)
+        else:
+            groups, width = token_budget_micro_batches(total, budget), None
         if dp_rank_size(self)[1] > 1:
             groups = groups + [None] * (sync_count(len(groups), self.device) - len(groups))
-        return groups
+        return groups, width
 
     def _diagnostics(self):
         return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
@@ -152,7 +166,7 @@ class RLModule(L.LightningModule):
         single_update = self._updates_per_step(global_size) == 1
         t0 = time.perf_counter()
         if rollout.old_log_probs is None and not single_update:
-            rollout.old_log_probs = self.compute_old_log_probs(rollout)
+            rollout.old_log_probs = self.compute_old_log_probs(rollout, usage=stats.usage_old)
         if self._has_gap(rollout) and rollout.old_log_probs is not None:
             stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, rollout.response_mask)
         rollout = gather_rollout(rollout)
@@ -184,17 +198,21 @@ class RLModule(L.LightningModule):
             mb = mb.select(rows.to(mb.response_ids.device))
         opt.zero_grad()
         observed = []
-        for idx in self._micro_batches(mb):
+        groups, width = self._micro_batches(mb)
+        for idx in groups:
             micro = dummy if idx is None else mb.select(idx).trim()
-            logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy)
+            logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy, pack_width=width,
+                                       usage=None if idx is None else stats.usage)
             old = micro.old_log_probs
             if old is None:  # single update per step: this pass's log-probs are the old ones
                 old = logp.detach()
                 if idx is not None and self._has_gap(micro):
                     stats.add_gap(micro.engine_log_probs, old, micro.response_mask)
+            t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs)
+            stats.loss_time += time.perf_counter() - t_l
             loss = agg.loss if idx is not None else agg.loss * 0.0
             if any_rank(not bool(torch.isfinite(loss)), self.device):  # every rank takes the same branch
                 stats.nonfinite = True
@@ -249,6 +267,8 @@ class RLModule(L.LightningModule):
         tokens = reduce_sum([rollout.lengths.sum()], self.device)[0]
         step_time = sum(v for k, v in self.timings.items() if k.startswith("time/"))
         metrics["perf/step_time_s"] = step_time
+        metrics["perf/peak_memory_mib"] = peak_memory_mib(self.device)
+        metrics["perf/loss_metrics_share"] = (stats.loss_time + self.timings["time/metrics"]) / max(step_time, 1e-9)
         metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
         self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
 

@@ -1,12 +1,16 @@
 """Per-step training statistics that are not length diagnostics: loss, KL, entropy, grad norm.
 
-Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch. Token
+Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch, and
+`peak_memory_mib`. Token
 statistics are token-weighted over every micro-batch of every update in the step:
 
     train/kl       = mean_t k3_t,  k3_t = r_t - 1 - log r_t,  r_t = exp(logp_new - logp_old)
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
+    perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
+                     (old log-probs and training; fspo/packing.py); perf/train_tokens and
+                     perf/old_log_probs_tokens count the real (prompt + response) tokens of each pass
     rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| over sampled response tokens: the
                      train-inference mismatch (logged only when the engine reports log-probs)
 """
@@ -17,6 +21,8 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+from fspo.packing import TokenUsage
 
 
 @dataclass
@@ -32,6 +38,9 @@ class StepStats:
     metrics_time: float = 0.0
     gap_sum: float = 0.0
     gap_tokens: float = 0.0
+    loss_time: float = 0.0  # seconds in the clip rule + aggregation (forward)
+    usage: TokenUsage = field(default_factory=TokenUsage)      # token slots of the training passes
+    usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
 
     @torch.no_grad()
     def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
@@ -63,8 +72,27 @@ class StepStats:
         }
         if updates:
             out["train/grad_norm"] = sum(self.grad_norms) / updates
+        both = TokenUsage(self.usage.slots + self.usage_old.slots, self.usage.tokens + self.usage_old.tokens)
+        if both.tokens:
+            out["perf/padding_waste"] = both.waste
+            out["perf/train_tokens"] = self.usage.tokens
+            out["perf/old_log_probs_tokens"] = self.usage_old.tokens
+        out["perf/loss_time_s"] = self.loss_time
         if self.gap_tokens:
             out["rollout/logprob_gap"] = self.gap_sum / self.gap_tokens
         if self.ent_tokens:
             out["train/entropy"] = self.ent_sum / self.ent_tokens
         return out
+
+
+def peak_memory_mib(device) -> float:
+    """Peak memory since the last call: CUDA max allocated (then reset) on a GPU, else the process's
+    peak resident set size so far (Linux ``ru_maxrss``, which never decreases)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from conftest import CONF
 from fspo.batching import token_budget_micro_batches
+from fspo.packing import packed_micro_batches
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.logprobs import response_log_probs
 from fspo.losses import Aggregator
@@ -110,17 +111,21 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
     return module, rec.grads, metrics
 
 
+@pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("clip_name,agg_mode", [("fspo", "token-mean"), ("grpo", "token-mean"),
                                                 ("gspo", "seq-mean-token-mean"), ("rloo", "seq-mean-token-sum")])
-def test_micro_batching_does_not_change_the_update(clip_name, agg_mode):
+def test_micro_batching_does_not_change_the_update(clip_name, agg_mode, packing):
     rollout = make_rollout()
     small_budget = 24
     # the small budget really splits each 4-sequence mini-batch (rows * longest <= 24 tokens)
     totals = rollout.prompt_mask.sum(-1) + rollout.lengths
     assert len(token_budget_micro_batches(totals, small_budget)) >= 5
+    assert len(packed_micro_batches(totals, small_budget)) >= 5
 
-    one, g_one, m_one = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=100_000)
-    many, g_many, m_many = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=small_budget)
+    one, g_one, m_one = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=100_000,
+                                   packing=packing)
+    many, g_many, m_many = run_update(rollout, clip_name, agg_mode, sgd=True, micro_batch_max_tokens=small_budget,
+                                      packing=packing)
 
     assert len(g_one) == len(g_many) == 2  # 8 sequences / mini-batches of 4
     for step, (a, b) in enumerate(zip(g_one, g_many)):
@@ -203,3 +208,21 @@ def test_train_inference_gap_needs_temperature_one():
     assert "rollout/logprob_gap" not in metrics
     _, _, metrics = run_update(make_rollout(), mini_batch_size=4)  # no engine log-probs: no gap
     assert "rollout/logprob_gap" not in metrics
+
+
+def test_packing_does_not_change_the_update():
+    """Packed rows (block-diagonal attention) and padded micro-batches give the same gradients and
+    metrics; the packed pass computes fewer padded slots (perf/padding_waste)."""
+    rollout = make_rollout()
+    _, g_pack, m_pack = run_update(rollout, sgd=True, packing=True, micro_batch_max_tokens=40)
+    _, g_pad, m_pad = run_update(rollout, sgd=True, packing=False, micro_batch_max_tokens=40)
+    assert len(g_pack) == len(g_pad) == 2
+    for a, b in zip(g_pad, g_pack):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-4, msg=name)
+    for key in ("train/loss", "train/kl", "clip/seq_frac"):
+        assert m_pack[key] == pytest.approx(m_pad[key], abs=1e-6, rel=1e-5), key
+    assert m_pack["perf/train_tokens"] == m_pad["perf/train_tokens"] > 0
+    assert m_pack["perf/old_log_probs_tokens"] == m_pad["perf/old_log_probs_tokens"] == 0  # given old log-probs
+    assert 0.0 <= m_pack["perf/padding_waste"] < m_pad["perf/padding_waste"]
+    assert 0.0 < m_pack["perf/loss_metrics_share"] < 1.0

@@ -32,8 +32,8 @@ def inject_nan(monkeypatch, at_step: int) -> None:
     """Make every log-prob forward of RL step ``at_step`` return NaN on its first row."""
     original = RLModule.log_probs
 
-    def log_probs(self, batch, with_entropy=False):
-        logp, ent = original(self, batch, with_entropy)
+    def log_probs(self, batch, with_entropy=False, **kw):
+        logp, ent = original(self, batch, with_entropy, **kw)
         if int(self.rl_step) == at_step:
             logp = logp.clone()
             logp[0] = float("nan")

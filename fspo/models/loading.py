@@ -3,7 +3,8 @@
 Owns: `load_policy`. Sources, by ``model.source``:
   - ``warmstart``: the committed supervised warm start of the tiny model (fspo/assets/tiny_warmstart,
     made by experiments/warmstart.py), or ``model.path`` if set;
-  - ``random``: a freshly initialised tiny Qwen3 with the project's tokenizer (no files);
+  - ``random``: a freshly initialised Qwen3 with the project's tokenizer (no files): the tiny
+    config, with any ``model.arch`` keys overriding it (conf/model/qwen3_100m.yaml: ~100M params);
   - ``pretrained``: ``model.path`` (a local folder) if set, else the hub id ``model.hub_id``.
 Offline, a hub id with no local copy fails fast (hub timeouts capped at 10 s) with a message
 saying how to point at local weights. Leaves out: sharding (the module's configure_model).
@@ -41,13 +42,13 @@ def _from_dir(path: Path, dtype: torch.dtype):
 
 
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
-                dtype: str = "float32", seed: int = 0, **_ignored):
+                dtype: str = "float32", seed: int = 0, arch: dict | None = None, **_ignored):
     """(model, tokenizer) for the given model config fields (see the module docstring)."""
     torch_dtype = _dtype(dtype)
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer
 
-        return build_tiny_model(seed=seed).to(torch_dtype), build_tokenizer()
+        return build_tiny_model(seed=seed, **(arch or {})).to(torch_dtype), build_tokenizer()
     if source == "warmstart":
         p = Path(path) if path else WARMSTART_DIR
         if not (p / "config.json").exists():

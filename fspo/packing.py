@@ -1,0 +1,143 @@
+"""Sequence packing: several (prompt + response) sequences per row, no padding between them.
+
+Owns: `pack_rows` (first-fit-decreasing bin packing of lengths into rows of a fixed width),
+`packed_micro_batches` (token-budget micro-batches of packed rows), `PackedLayout` / `pack_batch`
+(the model inputs of a packed micro-batch and where each response token's logit sits) and
+`TokenUsage` (padded slots vs real tokens, the padding-waste counter).
+
+How the model sees a packed row: ``attention_mask=None`` and ``position_ids`` restarting at 0 for
+every sequence. Hugging Face models then build a block-diagonal causal mask from the position ids
+(``transformers.masking_utils.find_packed_sequence_indices``: a position step other than +1 starts
+a new sequence; flash-attention kernels use the same ids as varlen boundaries), so each token
+attends only to earlier tokens of its own sequence and RoPE positions are those of the sequence
+alone: the log-probs equal the padded computation's (tests/test_packing.py pins this to 1e-5).
+The unused tail of a row is filler whose positions restart at 0 (its own block, ignored).
+
+    padding waste = (rows * width - real tokens) / real tokens
+
+Leaves out: the log-prob arithmetic (fspo/logprobs.py) and which micro-batches the trainer runs
+(fspo/module.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from fspo.types import RolloutBatch
+
+
+@dataclass
+class TokenUsage:
+    """Token slots the forward passes computed (``slots``) vs real tokens in them (``tokens``)."""
+
+    slots: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, slots: int, tokens: int) -> None:
+        self.slots += float(slots)
+        self.tokens += float(tokens)
+
+    @property
+    def waste(self) -> float:
+        """Padded tokens / real tokens (0 when nothing was counted)."""
+        return (self.slots - self.tokens) / self.tokens if self.tokens else 0.0
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> List[List[int]]:
+    """First-fit decreasing: index lists, one per row, each row's lengths summing to <= ``width``.
+
+    Sequences are placed longest first into the first row with room; ``width`` must be at least
+    the longest length. Deterministic (ties keep index order)."""
+    lengths = [int(x) for x in lengths]
+    if lengths and max(lengths) > width:
+        raise ValueError(f"pack_rows: a sequence of {max(lengths)} tokens does not fit rows of width {width}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for i in order:
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def row_width(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0) -> int:
+    """Packed row width: ``row_factor`` x the longest sequence, within [longest, max(longest, max_tokens)].
+
+    Rows of exactly the longest length pack badly when lengths exceed half of it (a sequence of
+    0.8 x longest shares its row with nothing): at 4x spread that wastes ~10%, twice the longest
+    ~3-5% (tests/test_packing.py). Wider rows cost attention work where the kernel computes the
+    masked block-diagonal attention in full (sdpa with a mask); flash-attention varlen does not."""
+    longest = int(total_lengths.max()) if total_lengths.numel() else 1
+    return max(longest, min(int(row_factor * longest), max(longest, int(max_tokens))))
+
+
+def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0) -> List[Tensor]:
+    """Micro-batches whose packed size ``rows * width <= max_tokens`` (width: `row_width`).
+
+    The sequences are packed into rows (`pack_rows`) and consecutive rows are grouped
+    ``max(1, max_tokens // width)`` at a time; returns index tensors into the batch (one per
+    micro-batch). Pack each micro-batch with `pack_batch(..., width)` at the same width."""
+    if max_tokens < 1:
+        raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
+    if total_lengths.numel() == 0:
+        return []
+    width = row_width(total_lengths, max_tokens, row_factor)
+    rows = pack_rows(total_lengths.tolist(), width)
+    per = max(1, max_tokens // width)
+    return [torch.tensor([i for row in rows[s:s + per] for i in row], dtype=torch.long)
+            for s in range(0, len(rows), per)]
+
+
+@dataclass
+class PackedLayout:
+    """Model inputs of a packed micro-batch and the map back to the [B, T] response layout.
+
+    ``input_ids`` / ``position_ids`` [R, W]; ``logit_index`` [B, T]: flat index into the R * W
+    positions of the logit that predicts response token t of sequence i (0 on response padding)."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    logit_index: Tensor
+    real_tokens: int
+
+    @property
+    def slots(self) -> int:
+        return self.input_ids.numel()
+
+
+def pack_batch(batch: RolloutBatch, width: int = 0, pad_token_id: int = 0) -> PackedLayout:
+    """Pack ``batch``'s sequences (prompt tokens then response tokens, padding dropped) into rows of
+    ``max(width, longest sequence)`` tokens by `pack_rows`."""
+    p_len = batch.prompt_mask.sum(-1).tolist()
+    r_len = batch.response_mask.sum(-1).tolist()
+    totals = [int(p) + int(r) for p, r in zip(p_len, r_len)]
+    width = max([int(width)] + totals)
+    rows = pack_rows(totals, width)
+    device = batch.response_ids.device
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
+    pos = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    T = batch.response_ids.shape[1]
+    index = torch.zeros(batch.batch_size, T, dtype=torch.long, device=device)
+    P = batch.prompt_ids.shape[1]
+    ar = torch.arange(width, device=device)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            p, n = int(p_len[i]), int(r_len[i])
+            ids[r, off:off + p] = batch.prompt_ids[i, P - p:]
+            ids[r, off + p:off + p + n] = batch.response_ids[i, :n]
+            pos[r, off:off + p + n] = ar[:p + n]
+            # response token t is predicted by the logit at position p - 1 + t of its sequence
+            index[i, :n] = r * width + off + p - 1 + torch.arange(n, device=device)
+            off += p + n
+        pos[r, off:] = ar[:width - off]  # filler: a separate block (positions restart at 0)
+    return PackedLayout(input_ids=ids, position_ids=pos, logit_index=index, real_tokens=sum(totals))
