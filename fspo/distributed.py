@@ -185,6 +185,15 @@ def reduce_sum(values: Sequence[float], device=None) -> List[float]:
     return t.tolist()
 
 
+def rank_offset(n: int, rank: int, size: int, device=None) -> int:
+    """Where this rank's ``n`` rows start in the rank-order concatenation (`gather_rollout`):
+    the sum of ``n`` over the ranks before it (0 on one process)."""
+    if size == 1:
+        return 0
+    sizes = reduce_sum([n if r == rank else 0 for r in range(size)], device)
+    return int(sum(sizes[:rank]))
+
+
 def sync_count(n: int, device=None) -> int:
     """max over ranks of ``n`` (e.g. micro-batches this rank runs)."""
     if not _active():

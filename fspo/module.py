@@ -10,13 +10,14 @@ Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` pas
 shuffled into mini-batches of ``mini_batch_size`` sequences; each mini-batch is one optimizer
 step, its loss accumulated over token-budget micro-batches with the mini-batch's total token
 and sequence counts as denominators, so micro-batching never changes the loss. Old log-probs
-come from this module's own forward pass before the first update; when there is exactly one
-update per step (one epoch, one mini-batch) the policy has not changed since generation and the
-loss pass's own detached log-probs are used instead (one forward saved).
+come from this module's own no-grad forward pass before the first update. With one epoch, the
+rows of the step's first mini-batch are left out of that pass: the policy has not changed since
+generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
+old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
+one update per step it skips all of it.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -26,7 +27,7 @@ import torch
 
 from fspo.batching import minibatch_indices, token_budget_micro_batches
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
-                              reduce_step_stats, reduce_sum, share, sync_count)
+                              rank_offset, reduce_step_stats, reduce_sum, share, sync_count)
 from fspo.logprobs import response_log_probs
 from fspo.packing import TokenUsage, packed_micro_batches, row_width
 from fspo.step_stats import StepStats, peak_memory_mib
@@ -107,18 +108,29 @@ class RLModule(L.LightningModule):
         return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
 
     @torch.no_grad()
-    def compute_old_log_probs(self, batch: RolloutBatch, usage: Optional[TokenUsage] = None) -> torch.Tensor:
-        """log pi_old for every response token, micro-batched, float32 [B, T]."""
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.response_ids.device)
-        groups, width = self._micro_batches(batch)
+    def compute_old_log_probs(self, batch: RolloutBatch, usage: Optional[TokenUsage] = None,
+                              skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """log pi_old for every response token, micro-batched, float32 [B, T]; rows in ``skip``
+        (indices) are not computed and hold NaN (their old log-probs come from the loss pass)."""
+        device = batch.response_ids.device
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=device)
+        rows = torch.arange(batch.batch_size, device=device)
+        if skip is not None and skip.numel():
+            out[skip.to(device)] = float("nan")
+            keep = torch.ones(batch.batch_size, dtype=torch.bool, device=device)
+            keep[skip.to(device)] = False
+            rows = rows[keep]
+        sub = batch.select(rows) if rows.numel() < batch.batch_size else batch
+        groups, width = self._micro_batches(sub) if rows.numel() else ([], None)
+        if rows.numel() == 0 and dp_rank_size(self)[1] > 1:  # this rank has nothing, others may
+            groups = [None] * sync_count(0, self.device)
         for idx in groups:
             if idx is None:  # dummy forward: FSDP forwards are collectives (see _micro_batches)
-                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=out.device)).trim(),
+                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=device)).trim(),
                                pack_width=width)
                 continue
-            mb = batch.select(idx)
-            lp, _ = self.log_probs(mb.trim(), pack_width=width, usage=usage)
-            out[idx, :lp.shape[1]] = lp
+            lp, _ = self.log_probs(sub.select(idx).trim(), pack_width=width, usage=usage)
+            out[rows[idx.to(device)], :lp.shape[1]] = lp
         return out
 
     def _micro_batches(self, batch: RolloutBatch):
@@ -145,9 +157,6 @@ class RLModule(L.LightningModule):
         raw, i.e. at temperature 1) and the trainer's are at temperature 1 too."""
         return batch.engine_log_probs is not None and float(self.ppo.logprob_temperature) == 1.0
 
-    def _updates_per_step(self, batch_size: int) -> int:
-        return self.ppo.epochs * math.ceil(batch_size / self.ppo.mini_batch_size)
-
     # ---------------------------------------------------------------- training
     def training_step(self, batch, batch_idx):
         rollout: Optional[RolloutBatch] = batch.get("rollout") if isinstance(batch, dict) else None
@@ -163,31 +172,39 @@ class RLModule(L.LightningModule):
         rank, world = dp_rank_size(self)
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
-        single_update = self._updates_per_step(global_size) == 1
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
+        plan = [mb for _ in range(self.ppo.epochs)
+                for mb in minibatch_indices(global_size, self.ppo.mini_batch_size, g)]
         t0 = time.perf_counter()
-        if rollout.old_log_probs is None and not single_update:
-            rollout.old_log_probs = self.compute_old_log_probs(rollout, usage=stats.usage_old)
-        if self._has_gap(rollout) and rollout.old_log_probs is not None:
-            stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, rollout.response_mask)
+        supplied = rollout.old_log_probs is not None
+        if not supplied:
+            # the first mini-batch is trained before any update: its loss pass gives its old log-probs
+            # (with one epoch; with more, its rows recur after updates and need theirs computed here)
+            offset = rank_offset(rollout.batch_size, rank, world, self.device)
+            first = plan[0] - offset if self.ppo.epochs == 1 else plan[0][:0]
+            first = first[(first >= 0) & (first < rollout.batch_size)]
+            rollout.old_log_probs = self.compute_old_log_probs(rollout, usage=stats.usage_old, skip=first)
+            if self._has_gap(rollout):  # the skipped rows' gap is taken in their loss pass (_update)
+                computed = rollout.response_mask.clone()
+                computed[first.to(computed.device)] = 0
+                stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, computed)
         rollout = gather_rollout(rollout)
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
-        updates = 0
-        for _ in range(self.ppo.epochs):
-            for mb_idx in minibatch_indices(rollout.batch_size, self.ppo.mini_batch_size, g):
-                mb = rollout.select(mb_idx.to(rollout.response_ids.device))
-                self._update(mb, opt, stats, on_policy=(updates == 0),
-                             rows=share(torch.arange(mb.batch_size), rank, world))
-                updates += 1
+        for updates, mb_idx in enumerate(plan):
+            mb = rollout.select(mb_idx.to(rollout.response_ids.device))
+            self._update(mb, opt, stats, on_policy=(updates == 0), old_from_loss=(updates == 0 and not supplied),
+                         rows=share(torch.arange(mb.batch_size), rank, world))
         sched.step()
         self.timings["time/train"] = time.perf_counter() - t0
         self._log_step(local, stats, batch.get("rollout_metrics", {}))
         self.rl_step += 1
 
-    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, rows=None) -> None:
-        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches).
+    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,
+                rows=None) -> None:
+        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches); with
+        ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones.
 
         The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
         FSDP sums the ranks' gradients)."""
@@ -204,7 +221,7 @@ class RLModule(L.LightningModule):
             logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy, pack_width=width,
                                        usage=None if idx is None else stats.usage)
             old = micro.old_log_probs
-            if old is None:  # single update per step: this pass's log-probs are the old ones
+            if old_from_loss:  # no update yet this step: this pass's log-probs are the old ones
                 old = logp.detach()
                 if idx is not None and self._has_gap(micro):
                     stats.add_gap(micro.engine_log_probs, old, micro.response_mask)

@@ -226,3 +226,48 @@ def test_packing_does_not_change_the_update():
     assert m_pack["perf/old_log_probs_tokens"] == m_pad["perf/old_log_probs_tokens"] == 0  # given old log-probs
     assert 0.0 <= m_pack["perf/padding_waste"] < m_pad["perf/padding_waste"]
     assert 0.0 < m_pack["perf/loss_metrics_share"] < 1.0
+
+
+def _fresh_rollout() -> RolloutBatch:
+    rollout = make_rollout()
+    rollout.old_log_probs = None  # as from the rollout callback: the module computes them
+    return rollout
+
+
+def _first_minibatch(mini_batch_size: int) -> torch.Tensor:
+    """The rows of step 0's first mini-batch (seed 0): the module's generator, drawn the same way."""
+    return torch.randperm(B, generator=torch.Generator().manual_seed(0)).split(mini_batch_size)[0]
+
+
+def test_first_minibatch_old_log_probs_come_from_its_loss_pass():
+    """With one epoch, the old-log-prob pass leaves out the first mini-batch (its loss pass's detached
+    log-probs are the old ones: the policy has not changed yet). The update equals the one with every
+    old log-prob given up front, and the pass counts only the other rows' tokens."""
+    rollout = _fresh_rollout()
+    given = make_rollout()
+    with torch.no_grad():
+        lp, _ = response_log_probs(build_tiny_model(seed=0), given)
+    given.old_log_probs = (lp * given.response_mask).float()  # exact pi_old for every row
+    _, g_fresh, m_fresh = run_update(rollout, sgd=True, mini_batch_size=4)
+    _, g_given, m_given = run_update(given, sgd=True, mini_batch_size=4)
+    assert len(g_fresh) == len(g_given) == 2
+    for a, b in zip(g_given, g_fresh):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-4, msg=name)
+    totals = rollout.prompt_mask.sum(-1) + rollout.lengths
+    first = _first_minibatch(4)
+    rest = torch.ones(B, dtype=torch.bool)
+    rest[first] = False
+    assert m_fresh["perf/old_log_probs_tokens"] == float(totals[rest].sum()) < float(totals.sum())
+    assert m_fresh["train/loss"] == pytest.approx(m_given["train/loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("mini_batch_size,epochs,rows", [(B, 1, "none"), (4, 2, "all")])
+def test_old_log_prob_pass_size(mini_batch_size, epochs, rows):
+    """One update per step: no old-log-prob forward at all. Two epochs: the first mini-batch's rows
+    recur after an update, so every row's old log-probs are computed up front."""
+    rollout = _fresh_rollout()
+    _, grads, m = run_update(rollout, mini_batch_size=mini_batch_size, epochs=epochs)
+    assert len(grads) == epochs * (B // mini_batch_size)
+    totals = rollout.prompt_mask.sum(-1) + rollout.lengths
+    assert m["perf/old_log_probs_tokens"] == (0.0 if rows == "none" else float(totals.sum()))
