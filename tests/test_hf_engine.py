@@ -52,8 +52,8 @@ def chain_model() -> torch.nn.Module:
     return model
 
 
-def engine_for(model, batch_size: int = 256) -> HFEngine:
-    eng = HFEngine(batch_size=batch_size)
+def engine_for(model, batch_size: int = 256, compact: bool = True) -> HFEngine:
+    eng = HFEngine(batch_size=batch_size, compact=compact)
     eng.setup(model, TOK, "/nonexistent-unused")
     return eng
 
@@ -84,8 +84,9 @@ def test_completion_mask_by_hand():
     assert overlong.tolist() == [False, False, True, False]
 
 
-def test_generate_left_pads_masks_eos_and_flags_overlong():
-    eng = engine_for(chain_model())
+@pytest.mark.parametrize("compact", [True, False])
+def test_generate_left_pads_masks_eos_and_flags_overlong(compact):
+    eng = engine_for(chain_model(), compact=compact)
     prompts = [ids("Q:a"), ids("QQQ:c"), ids("x")]
     out = eng.generate(prompts, SamplingConfig(n=1, temperature=1.0, max_new_tokens=5, seed=0))
     out.validate()
@@ -102,15 +103,17 @@ def test_generate_left_pads_masks_eos_and_flags_overlong():
     assert TOK.batch_decode(out.response_ids, skip_special_tokens=True) == ["bc", "", "xxxxx"]
 
 
-def test_trims_to_longest_completion():
-    eng = engine_for(chain_model())
+@pytest.mark.parametrize("compact", [True, False])
+def test_trims_to_longest_completion(compact):
+    eng = engine_for(chain_model(), compact=compact)
     out = eng.generate([ids("a"), ids("c")], SamplingConfig(n=1, temperature=0.0, max_new_tokens=50))
     assert out.response_ids.shape == (2, 3)  # generation stops once every row has its EOS
     assert out.lengths.tolist() == [3, 1] and out.overlong.tolist() == [False, False]
 
 
-def test_group_ids_and_row_order_for_n_samples():
-    eng = engine_for(chain_model())
+@pytest.mark.parametrize("compact", [True, False])
+def test_group_ids_and_row_order_for_n_samples(compact):
+    eng = engine_for(chain_model(), compact=compact)
     prompts = [ids("Q:a"), ids("c"), ids("Q:x")]
     out = eng.generate(prompts, SamplingConfig(n=3, temperature=1.0, max_new_tokens=4, seed=1))
     assert out.batch_size == 9
@@ -122,21 +125,24 @@ def test_group_ids_and_row_order_for_n_samples():
     assert out.overlong.tolist() == [False] * 6 + [True] * 3
 
 
-def test_generate_batch_size_chunks_give_the_same_batch():
+@pytest.mark.parametrize("compact", [True, False])
+def test_generate_batch_size_chunks_give_the_same_batch(compact):
     prompts = [ids("Q:a"), ids("c"), ids("QQQQQ:x"), ids("b")]
     params = SamplingConfig(n=2, temperature=1.0, max_new_tokens=6, seed=3)
-    whole = engine_for(chain_model(), batch_size=256).generate(prompts, params)
-    chunked = engine_for(chain_model(), batch_size=3).generate(prompts, params)  # chunks of 3, 3, 2 rows
+    whole = engine_for(chain_model(), batch_size=256, compact=compact).generate(prompts, params)
+    # chunks of 3, 3, 2 rows
+    chunked = engine_for(chain_model(), batch_size=3, compact=compact).generate(prompts, params)
     for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "overlong"):
         assert torch.equal(getattr(whole, f), getattr(chunked, f)), f
 
 
-def test_left_padding_does_not_change_greedy_completion():
+@pytest.mark.parametrize("compact", [True, False])
+def test_left_padding_does_not_change_greedy_completion(compact):
     """A random model's greedy completion of a prompt is the same alone and beside a longer prompt
     (left padding + the attention mask keep positions and context intact). initializer_range=0.5
     makes the random model's outputs depend on context (at 0.02 it repeats one token), so this would
     fail if the pads were attended to or shifted the positions."""
-    eng = engine_for(build_tiny_model(seed=1, initializer_range=0.5))
+    eng = engine_for(build_tiny_model(seed=1, initializer_range=0.5), compact=compact)
     short, long = ids("Q:1+2\nA:"), ids("Q:11+22-33+44\nA:")
     params = SamplingConfig(n=1, temperature=0.0, max_new_tokens=12)
     alone = eng.generate([short], params)
@@ -147,8 +153,9 @@ def test_left_padding_does_not_change_greedy_completion():
     assert both.lengths[1] == t
 
 
-def test_seeded_sampling_is_reproducible():
-    eng = engine_for(build_tiny_model(seed=2))
+@pytest.mark.parametrize("compact", [True, False])
+def test_seeded_sampling_is_reproducible(compact):
+    eng = engine_for(build_tiny_model(seed=2), compact=compact)
     prompts = [ids("Q:1+2\nA:"), ids("Q:3-4\nA:")]
 
     def run(seed):
@@ -188,9 +195,10 @@ def test_prompt_plus_new_tokens_beyond_max_positions_is_a_clear_error():
     assert "max_position_embeddings" in msg and "max_new_tokens" in msg and "16" in msg
 
 
-def test_min_new_tokens_suppresses_eos():
+@pytest.mark.parametrize("compact", [True, False])
+def test_min_new_tokens_suppresses_eos(compact):
     """min_new_tokens=4: the chain a -> b -> c -> EOS cannot stop before 4 tokens (EOS comes later)."""
-    eng = engine_for(chain_model())
+    eng = engine_for(chain_model(), compact=compact)
     out = eng.generate([ids("a"), ids("c")], SamplingConfig(n=2, temperature=1.0, max_new_tokens=8,
                                                            min_new_tokens=4, seed=0))
     assert out.lengths.min() >= 4

@@ -1,4 +1,4 @@
-"""Hugging Face `generate` rollout engine: the CPU default.
+"""Hugging Face rollout engine (the policy module itself, on CPU or GPU): the CPU default.
 
 Owns: `HFEngine` and `completion_mask` (the EOS-aware response mask). Leaves out: scoring and
 advantages (fspo/callbacks.py). The engine shares the trainer's policy module, so `sync_weights`
@@ -11,9 +11,14 @@ including the first EOS; a row with no EOS is ``overlong``. Sampling is seeded p
 ``params.seed`` inside a forked RNG, so the global RNG stream is untouched and runs are
 reproducible step by step.
 
+``compact: true`` (default) decodes with `fspo.rollout.decode.decode_compact`, which drops each
+row from the batch at its EOS (decode cost ~ the sum of the real lengths instead of B x the
+longest; same sampling distribution as ``generate``); ``compact: false`` calls ``model.generate``.
+
 Under FSDP (parameters are DTensors, world size > 1) every forward is a collective, so generate
 runs with ``synced_gpus=True``: a rank whose sequences have all finished keeps joining forward
-passes until every rank has finished. Every rank must call `generate` with the same number of
+passes until every rank has finished (so the compact decoder, whose forward count depends on this
+rank's rows, is not used there). Every rank must call `generate` with the same number of
 sequences (the rollout callback gives each rank an equal share), so the chunk counts match.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import Tensor
 
 from fspo.distributed import is_sharded
 from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.decode import decode_compact
 from fspo.types import RolloutBatch
 
 
@@ -49,12 +55,14 @@ def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 
 
 class HFEngine(RolloutEngine):
-    """`model.generate`-based engine; ``batch_size`` caps sequences per generate call (memory)."""
+    """Engine on the policy module; ``batch_size`` caps sequences per decode call (memory),
+    ``compact`` drops finished rows while decoding (see the module docstring)."""
 
-    def __init__(self, batch_size: int = 256):
+    def __init__(self, batch_size: int = 256, compact: bool = True):
         if batch_size < 1:
             raise ValueError(f"rollout.engine.batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
+        self.compact = compact
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[List[int]], params: SamplingConfig) -> RolloutBatch:
@@ -78,6 +86,11 @@ class HFEngine(RolloutEngine):
                     torch.manual_seed(params.seed)
                 for s in range(0, len(expanded), self.batch_size):
                     ids, mask = left_pad(expanded[s:s + self.batch_size], pad_id)
+                    if self.compact and not synced:
+                        resp = decode_compact(model, ids.to(device), mask.to(device), params,
+                                              tok.eos_token_id, pad_id)
+                        chunks.append((ids, mask, resp.cpu()))
+                        continue
                     out = model.generate(
                         input_ids=ids.to(device), attention_mask=mask.to(device),
                         max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,

@@ -1,0 +1,85 @@
+"""Sampling loop for `HFEngine` that drops finished sequences from the batch as it decodes.
+
+Owns: `decode_compact` (prefill, then one token per step for the rows still running) and
+`logits_pipeline` (the sampling transforms, Hugging Face's own processor classes, in `generate`'s
+order). Leaves out: padding prompts, group bookkeeping and the rollout batch (fspo/rollout/hf.py).
+
+Why: ``model.generate`` keeps every row of the batch in every decode step until the longest
+completion ends, so a batch whose completions average L tokens but reach L_max costs
+B x L_max decode tokens. Here a row leaves the batch (and the KV cache, via
+``DynamicCache.batch_select_indices``) at its EOS, so decoding costs about the sum of the real
+lengths, as continuous batching does in vLLM.
+
+Same distribution as ``model.generate`` with the same settings: logits of the last position,
+EOS masked while fewer than ``min_new_tokens`` were generated (MinNewTokensLengthLogitsProcessor),
+then temperature, top-k, top-p warpers, then ``torch.multinomial(softmax(scores))``; greedy
+(argmax) when temperature is 0. Only the `SamplingConfig` counts: the model's own
+``generation_config`` (e.g. a repetition penalty) is not applied. The random stream differs
+from ``generate``'s once a row has finished, so samples match ``generate`` token for token only
+greedily (tests/test_hf_engine.py checks both).
+
+Contract: ``input_ids``/``attention_mask`` [B, P] left-padded; returns [B, max_new_tokens] int64
+token ids, each row ending at its first EOS (included) and filled with ``pad_id`` after it.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from fspo.rollout.base import SamplingConfig
+
+
+def logits_pipeline(params: SamplingConfig, prompt_len: int, eos_id: int) -> LogitsProcessorList:
+    """The processors ``generate`` applies for ``params``, in its order."""
+    procs = LogitsProcessorList()
+    if params.min_new_tokens:
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, params.min_new_tokens, eos_id))
+    if params.temperature > 0:
+        if params.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:
+            procs.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            procs.append(TopPLogitsWarper(params.top_p))
+    return procs
+
+
+@torch.no_grad()
+def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingConfig,
+                   eos_id: int, pad_id: int) -> torch.Tensor:
+    """Sample up to ``params.max_new_tokens`` tokens per row; finished rows leave the batch."""
+    B, P = input_ids.shape
+    T = int(params.max_new_tokens)
+    device = input_ids.device
+    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    if B == 0 or T == 0:
+        return out
+    procs = logits_pipeline(params, P, eos_id)
+    sample = params.temperature > 0
+    mask = attention_mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    seq = input_ids                        # prompt + tokens so far, for the length-aware processors
+    pos = positions[:, -1:] + 1            # next position of each running row
+    alive = torch.arange(B, device=device)  # original row of each running row
+    for t in range(T):
+        scores = procs(seq, logits)
+        tok = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if sample else scores.argmax(-1)
+        out[alive, t] = tok
+        running = tok != eos_id
+        if t == T - 1 or not bool(running.any()):
+            break
+        if not bool(running.all()):  # finished rows leave the batch and the KV cache
+            keep = running.nonzero().squeeze(1)
+            alive, tok, seq, mask, pos = alive[keep], tok[keep], seq[keep], mask[keep], pos[keep]
+            cache.batch_select_indices(keep)
+        seq = torch.cat([seq, tok[:, None]], 1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True).logits[:, -1].float()
+        pos = pos + 1
+    return out
