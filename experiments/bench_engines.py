@@ -77,12 +77,13 @@ def run_child(args) -> dict:
 
         t = time.perf_counter()
         eng = VLLMEngine(dtype="float32", enforce_eager=not args.vllm_compile, kv_cache_space=1.0,
-                         max_model_len=256)
+                         max_model_len=max(256, args.max_new_tokens + 64))
         eng.setup(model, tok, work)
         row["vllm_setup_s"] = round(time.perf_counter() - t, 1)
         b, secs = timed(lambda: eng.generate(prompts, sampling), args.repeats)
         row["vllm_tokens"] = int(b.response_mask.sum())
         row["vllm_tok_s"] = round(row["vllm_tokens"] / statistics.median(secs), 1)
+        row["vllm_threads"] = torch.get_num_threads()  # vLLM's CPU worker may rebind the thread count
         _, sync_secs = timed(lambda: eng.sync_weights(model), args.repeats)
         row["sync_s"] = round(statistics.median(sync_secs), 3)
         eng.shutdown()
@@ -93,10 +94,28 @@ def run_child(args) -> dict:
 
 def print_table(rows) -> None:
     cols = ["model", "params_m", "group", "max_new_tokens", "hf_tok_s", "vllm_tok_s", "vllm_over_hf",
-            "sync_s", "vllm_setup_s"]
+            "sync_s", "vllm_setup_s", "threads", "vllm_threads"]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" | ".join(f"{str(r.get(c, '-')):>14}" for c in cols))
+
+
+def log_mlflow(rows, uri: str) -> None:
+    """One MLflow run per row in experiment ``bench_engines``: settings as params, rates as metrics."""
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("bench_engines")
+    exp_id = exp.experiment_id if exp else client.create_experiment("bench_engines")
+    for r in rows:
+        run = client.create_run(exp_id, run_name=f"{r['model']}_G{r['group']}_T{r['max_new_tokens']}")
+        for k in ("model", "params_m", "prompts", "group", "max_new_tokens", "threads"):
+            client.log_param(run.info.run_id, k, str(r[k]))
+        for k in ("hf_tok_s", "vllm_tok_s", "vllm_over_hf", "sync_s", "vllm_setup_s"):
+            if k in r:
+                client.log_metric(run.info.run_id, f"bench/{k}", float(r[k]))
+        client.set_terminated(run.info.run_id)
+    print(f"logged {len(rows)} runs to MLflow {uri} experiment bench_engines")
 
 
 def main(argv=None) -> None:
@@ -104,36 +123,39 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=8, help="G samples per prompt")
+    p.add_argument("--group", type=int, nargs="+", default=[8], help="G samples per prompt (several: a sweep)")
     p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 128])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (slow start)")
     p.add_argument("--out", default=".bench/bench_engines.json")
+    p.add_argument("--tracking-uri", default="sqlite:///.bench/mlflow.db",
+                   help="MLflow store for one run per row in experiment 'bench_engines' ('' to skip)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        args.max_new_tokens = args.max_new_tokens[0]
+        args.max_new_tokens, args.group = args.max_new_tokens[0], args.group[0]
         print("BENCH_ROW " + json.dumps(run_child(args)), flush=True)
         return
     rows = []
-    for name in args.models:
-        for mnt in args.max_new_tokens:
-            cmd = [sys.executable, __file__, "--child", name, "--max-new-tokens", str(mnt),
-                   "--prompts", str(args.prompts), "--group", str(args.group), "--repeats",
-                   str(args.repeats), "--engines", *args.engines] + (["--vllm-compile"] if args.vllm_compile else [])
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in res.stdout.splitlines() if ln.startswith("BENCH_ROW ")]
-            if res.returncode or not line:
-                sys.stderr.write(res.stderr[-4000:])
-                raise SystemExit(f"bench_engines: child for {name} (max_new_tokens={mnt}) failed")
-            rows.append(json.loads(line[0][len("BENCH_ROW "):]))
-            print(f"done: {rows[-1]}", flush=True)
+    for name, mnt, G in [(n, m, g) for n in args.models for m in args.max_new_tokens for g in args.group]:
+        cmd = [sys.executable, __file__, "--child", name, "--max-new-tokens", str(mnt),
+               "--prompts", str(args.prompts), "--group", str(G), "--repeats",
+               str(args.repeats), "--engines", *args.engines] + (["--vllm-compile"] if args.vllm_compile else [])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("BENCH_ROW ")]
+        if res.returncode or not line:
+            sys.stderr.write(res.stderr[-4000:])
+            raise SystemExit(f"bench_engines: child for {name} (max_new_tokens={mnt}, G={G}) failed")
+        rows.append(json.loads(line[0][len("BENCH_ROW "):]))
+        print(f"done: {rows[-1]}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(rows=rows, vllm_compile=args.vllm_compile, argv=sys.argv[1:]), f, indent=2)
     print()
     print_table(rows)
     print(f"wrote {args.out}")
+    if args.tracking_uri:
+        log_mlflow(rows, args.tracking_uri)
 
 
 if __name__ == "__main__":
