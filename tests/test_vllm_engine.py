@@ -134,11 +134,42 @@ def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
     engine.shutdown()  # also tears down the default process group (vLLM's teardown)
 
 
-def _spawn(with_engine, tmp_path):
+def _tp_worker(rank, world, port, workdir, queue):
+    """Both ranks form ONE engine (tensor_parallel_size=2), starting from dummy weights; each
+    asks for its own prompt and must get back exactly its rows, with log-probs of the real policy."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref, model = build_tiny_model(seed=3), build_tiny_model(seed=3)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    from fspo.rollout.vllm import VLLMEngine
+
+    tok = build_tokenizer()
+    engine = VLLMEngine(dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_space=0.05,
+                        tensor_parallel_size=2)
+    engine.setup(model, tok, workdir)
+    engine.sync_weights(model)
+    prompt = tok.encode(f"{rank + 1}+{rank + 1}=")
+    b = engine.generate([prompt], SamplingConfig(n=3, max_new_tokens=8, seed=7))
+    mine = [r[m.bool()].tolist() for r, m in zip(b.prompt_ids, b.prompt_mask)]
+    gap = mean_abs(hf_response_logprobs(ref, b) - b.engine_log_probs, b.response_mask)
+    tp = engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    queue.put((rank, (mine == [prompt] * 3, b.group_ids.tolist(), gap, b.response_ids.tolist(), tp)))
+    engine.shutdown()
+
+
+def _spawn(with_engine, tmp_path, target=None):
     ctx = torch.multiprocessing.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, with_engine, str(tmp_path), queue))
-             for r in range(2)]
+    args = ((lambda r: (r, 2, port, str(tmp_path), queue)) if target else
+            (lambda r: (r, 2, port, with_engine, str(tmp_path), queue)))
+    procs = [ctx.Process(target=target or _fsdp_worker, args=args(r)) for r in range(2)]
     for p in procs:
         p.start()
     out = dict(queue.get(timeout=300) for _ in procs)
@@ -161,6 +192,30 @@ def test_iter_full_state_dict_gathers_fsdp2_dtensors(tmp_path):
 def test_fsdp2_one_engine_per_rank_syncs_from_dtensors(tmp_path):
     out = _spawn(True, tmp_path)
     assert out[0] < 1e-3 and out[1] < 1e-3  # engines started from dummy weights, synced from shards
+
+
+@needs_vllm
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_2_shards_one_engine_over_two_ranks(tmp_path):
+    out = _spawn(None, tmp_path, target=_tp_worker)
+    for rank in (0, 1):
+        own_prompt, groups, gap, _, tp = out[rank]
+        assert tp == 2  # one engine sharded over both processes, not two whole engines
+        assert own_prompt and groups == [0, 0, 0]  # each rank gets back only its own prompt's G rows
+        assert gap < 1e-3  # dummy weights replaced by the synced policy, shard by shard
+    assert out[0][3] != out[1][3]  # different prompts, different completions
+
+
+@needs_vllm
+def test_tensor_parallel_without_enough_processes_is_a_clear_error(tmp_path):
+    from fspo.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(dtype="float32", enforce_eager=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="trainer.devices=2"):
+        engine.setup(build_tiny_model(seed=0), build_tokenizer(), str(tmp_path))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        VLLMEngine(tensor_parallel_size=0)
 
 
 def test_vllm_yaml_matches_engine_signature():

@@ -9,13 +9,19 @@ the conversion of vLLM outputs into a `RolloutBatch`. Leaves out: the weight sou
 - The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, single worker),
   so `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
   ``llm.collective_rpc``: no weight file is written after setup and, under FSDP, one parameter
-  at a time is gathered (fspo/rollout/weights.py). Hence ``tensor_parallel_size`` must be 1 for now.
+  at a time is gathered (fspo/rollout/weights.py).
 - Engine log-probs are vLLM's raw log-probs of the sampled tokens (before temperature/top-p),
   i.e. log pi(y_t | h_t) of the policy itself, comparable to the trainer's.
 - Under torch.distributed (world size > 1, e.g. FSDP) every rank calls `setup` and gets its own
   engine through vLLM's ``external_launcher`` backend (vLLM joins the trainer's process group;
   building an engine on one rank only deadlocks in vLLM's group creation); each rank then
   generates for its own prompts, and `sync_weights` on every rank gathers each DTensor once.
+- ``tensor_parallel_size = k > 1`` needs k trainer processes per engine (world size a multiple
+  of k; e.g. ``trainer=fsdp trainer.devices=k`` under torchrun/SLURM): consecutive ranks
+  ``[g*k, (g+1)*k)`` form one vLLM engine with one tensor-parallel shard per process (vLLM's
+  external launcher). The members of a group gather their prompts, generate them together with
+  the same seeds, and each keeps the rows of its own prompts; each member's sync streams the full
+  weights and vLLM's loaders keep that member's shard.
 - Sleep mode (``llm.sleep(level=1)``) frees GPU memory between rollouts; on CPU it is a no-op.
 - Side effects on the host process (vLLM's, CPU only): it binds memory to the NUMA node and makes
   ``torch.set_num_threads`` a no-op for the rest of the process.
@@ -54,7 +60,8 @@ class VLLMEngine(RolloutEngine):
 
     Args:
         gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
-        tensor_parallel_size: must be 1 (weight sync streams through an in-process closure).
+        tensor_parallel_size: vLLM shards per engine; > 1 needs that many trainer processes per
+            engine (module docstring).
         enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
         max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
         dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto" is the policy's parameter
@@ -72,10 +79,8 @@ class VLLMEngine(RolloutEngine):
                  kv_cache_space: Optional[float] = None, batch_size: Optional[int] = None,
                  llm_kwargs: Optional[dict] = None):
         import_vllm()
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"rollout.engine.tensor_parallel_size={tensor_parallel_size}: VLLMEngine streams "
-                "weights to an in-process vLLM worker and supports only tensor_parallel_size=1 for now")
+        if int(tensor_parallel_size) < 1:
+            raise ValueError(f"rollout.engine.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep_mode = enable_sleep_mode
@@ -88,6 +93,8 @@ class VLLMEngine(RolloutEngine):
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm = None
         self.rank = 0
+        self.replica = 0      # engine index (rank // tensor_parallel_size), set in setup
+        self.tp_group = None  # torch.distributed group of this engine's tensor-parallel members
         self._asleep = False
         self._synced = False
 
@@ -107,6 +114,16 @@ class VLLMEngine(RolloutEngine):
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = self.rank = dist.get_rank() if world > 1 else 0
+        tp = int(self.tensor_parallel_size)
+        if tp > 1 and (world == 1 or world % tp):
+            raise ValueError(
+                f"rollout.engine.tensor_parallel_size={tp} needs the trainer to run a multiple of {tp} "
+                f"processes (one vLLM shard each), got world size {world}: launch with e.g. "
+                f"trainer=fsdp trainer.devices={tp} (torchrun or SLURM), or set tensor_parallel_size=1")
+        if tp > 1:  # every rank takes part in creating every group
+            groups = [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
+        self.replica = rank // tp  # engine index: the seed and request seeds of the whole group
         path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
         path.mkdir(parents=True, exist_ok=True)
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
@@ -124,7 +141,7 @@ class VLLMEngine(RolloutEngine):
         dtype = self.dtype
         if dtype == "auto":
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + rank,
+        kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
                   gpu_memory_utilization=self.gpu_memory_utilization,
                   tensor_parallel_size=self.tensor_parallel_size,
@@ -216,8 +233,10 @@ class VLLMEngine(RolloutEngine):
 
         SamplingParams: n, temperature, top_p, top_k (<= 0 -> -1, off), max_tokens =
         max_new_tokens, logprobs=0 (the sampled token's log-prob only) and, when ``params.seed`` is
-        set, seed ``seed + k*n + r*SEED_STRIDE`` for prompt k on rank r (vLLM gives sample j of it
-        that + j), so no two samples of one call, nor of two ranks, share a random stream. ``overlong`` is ``finish_reason == "length"``.
+        set, seed ``seed + k*n + r*SEED_STRIDE`` for prompt k on engine r (vLLM gives sample j of it
+        that + j), so no two samples of one call, nor of two engines, share a random stream.
+        ``overlong`` is ``finish_reason == "length"``. With tensor parallelism every member of the
+        group calls this (a collective) and gets the rows of its own prompts.
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before setup(model, tokenizer, workdir)")
@@ -228,21 +247,27 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
 
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        mine, offset = len(prompts), 0
+        if self.tp_group is not None:  # the group generates the union of its members' prompts
+            parts = [None] * torch.distributed.get_world_size(self.tp_group)
+            torch.distributed.all_gather_object(parts, prompts, group=self.tp_group)
+            offset = sum(len(p) for p in parts[:torch.distributed.get_rank(self.tp_group)])
+            prompts = [p for part in parts for p in part]
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                               top_k=params.top_k if params.top_k > 0 else -1,
                               max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens,
                               logprobs=0, detokenize=False,
                               seed=None if params.seed is None
-                              else params.seed + k * params.n + self.rank * SEED_STRIDE)
+                              else params.seed + k * params.n + self.replica * SEED_STRIDE)
                for k in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         rows = []
-        for k, out in enumerate(outs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
+        for k in range(offset, offset + mine):
+            for c in sorted(outs[k].outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)  # step[t] holds the sampled token's Logprob (logprobs=0)
                 lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
-                rows.append((k, prompts[k], ids, lps, c.finish_reason == "length"))
+                rows.append((k - offset, prompts[k], ids, lps, c.finish_reason == "length"))
         return to_rollout_batch(rows, self.pad_token_id)
 
 
