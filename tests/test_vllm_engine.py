@@ -156,7 +156,8 @@ def _tp_worker(rank, world, port, workdir, queue):
     engine.setup(model, tok, workdir)
     engine.sync_weights(model)
     prompt = tok.encode(f"{rank + 1}+{rank + 1}=")
-    b = engine.generate([prompt], SamplingConfig(n=3, max_new_tokens=8, seed=7))
+    # seeds differ by rank, as the rollout callback makes them: the group must still sample as one
+    b = engine.generate([prompt], SamplingConfig(n=3, max_new_tokens=8, seed=7 + 7919 * rank))
     mine = [r[m.bool()].tolist() for r, m in zip(b.prompt_ids, b.prompt_mask)]
     gap = mean_abs(hf_response_logprobs(ref, b) - b.engine_log_probs, b.response_mask)
     tp = engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size

@@ -7,7 +7,9 @@ skips in the main environment. What it pins beyond "it logs like the HF engine d
 - ``rollout/logprob_gap`` (mean |logp_vLLM - logp_trainer| on the sampled tokens) is logged every
   step and stays below 1e-3 in float32, so the per-step weight sync keeps the engine on-policy
   even after the policy has moved (steps 1 and 2 sample from updated weights);
-- ``time/weight_sync`` is logged every step, and the policy does change between steps (KL > 0).
+- ``time/weight_sync`` is logged every step, and the policy does change between steps (KL > 0);
+- with ``tensor_parallel_size=2`` under torchrun (2 gloo processes, FSDP) the two ranks' single
+  sharded engine stays on-policy too.
 """
 from __future__ import annotations
 
@@ -64,3 +66,28 @@ def test_three_steps_with_vllm_log_to_mlflow(compose_cfg, mlflow_uri):
     assert any(m.value > 0 for m in hist["train/kl"][:-1]), [m.value for m in hist["train/kl"]]
     acc = client.get_metric_history(run.info.run_id, "val/accuracy")
     assert sorted(m.step for m in acc) == [0, STEPS]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_2_under_fsdp_two_processes(tmp_path):
+    """`torchrun --nproc_per_node=2 experiments/run.py trainer=fsdp rollout=vllm
+    rollout.engine.tensor_parallel_size=2`: both ranks form one vLLM engine (a shard each), the
+    sharded policy is synced into it every step, and the engine stays on-policy (gap < 1e-3)
+    although the rollout callback seeds the two ranks differently."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(REPO / "experiments" / "run.py"),
+           "trainer=fsdp", "rollout=vllm", "rollout.engine.tensor_parallel_size=2",
+           "rollout.engine.enforce_eager=true", "rollout.engine.kv_cache_space=0.05", *SMALL,
+           f"output_dir={tmp_path}/run", f"logger.tracking_uri={uri}", "logger.experiment_name=tp2"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tp2").experiment_id])
+    assert run.info.status == "FINISHED"
+    gaps = [m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_gap")]
+    assert len(gaps) == 2 and all(0.0 <= g < 1e-3 for g in gaps), gaps

@@ -29,6 +29,7 @@ the conversion of vLLM outputs into a `RolloutBatch`. Leaves out: the weight sou
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -250,9 +251,12 @@ class VLLMEngine(RolloutEngine):
         mine, offset = len(prompts), 0
         if self.tp_group is not None:  # the group generates the union of its members' prompts
             parts = [None] * torch.distributed.get_world_size(self.tp_group)
-            torch.distributed.all_gather_object(parts, prompts, group=self.tp_group)
-            offset = sum(len(p) for p in parts[:torch.distributed.get_rank(self.tp_group)])
-            prompts = [p for part in parts for p in part]
+            torch.distributed.all_gather_object(parts, (prompts, params.seed), group=self.tp_group)
+            offset = sum(len(p) for p, _ in parts[:torch.distributed.get_rank(self.tp_group)])
+            prompts = [p for part, _ in parts for p in part]
+            # every shard must sample the same tokens: the first member's seed for the whole group
+            # (callers may seed ranks differently, e.g. fspo/callbacks.py adds 7919 * rank)
+            params = replace(params, seed=parts[0][1])
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                               top_k=params.top_k if params.top_k > 0 else -1,
