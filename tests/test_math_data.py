@@ -91,7 +91,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="limit must be a positive integer"):
         load_math_source("math500", limit=0)
     with pytest.raises(ValueError, match="on_bad_row must be one of"):
-        load_math_source("aime25", data_dir=str(DATA), on_bad_row="ignore")
+        load_math_source("aime25", data_dir="/nonexistent", on_bad_row="ignore")  # checked before any file
 
 
 # ---------------------------------------------------------------- normalisation / dedup units

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fspo.data.base import ListSource, Sample
 from fspo.data.dedup import DedupStats, Record, merge_deduplicated
-from fspo.data.math_io import BadRow, RowCollector, open_source, require_str, resolve_data_dir
+from fspo.data.math_io import ON_BAD_ROW, BadRow, RowCollector, open_source, require_str, resolve_data_dir
 from fspo.data.templates import BOXED_INSTRUCTION, TEMPLATES, render
 
 _DAPO_HEAD = "Solve the following math problem step by step."
@@ -140,6 +140,8 @@ def load_math_source(name: str, data_dir: Optional[str] = None, template: str = 
         raise ValueError(f"math dataset {name!r} has only the split {expected!r}, got split={split!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or null, got {limit!r}")
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW}, got {on_bad_row!r}")
     render(template, "")  # fail fast on an unknown template, before reading any file
     stats: Dict[str, Any] = {"skipped": 0}
     if name in TRAIN_SETS:
