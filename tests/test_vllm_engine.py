@@ -69,7 +69,7 @@ def test_missing_vllm_raises_import_error_with_install_command(monkeypatch):
 
 
 def test_to_rollout_batch_padding_and_polarity():
-    from fspo.rollout.vllm import to_rollout_batch
+    from fspo.rollout.rows import to_rollout_batch
 
     rows = [(0, [5, 6, 7], [8, 2], [-0.5, -0.25], False),
             (0, [5, 6, 7], [9, 9, 9], [-1.0, -2.0, -3.0], True),

