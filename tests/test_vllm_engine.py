@@ -104,7 +104,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
+def _sharded_tiny(rank, world, port):
+    """Join a gloo group of ``world`` processes; return (the tiny model, the same model FSDP2-sharded)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -116,6 +117,11 @@ def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return ref, model
+
+
+def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
+    ref, model = _sharded_tiny(rank, world, port)
     assert type(next(model.parameters())).__name__ == "DTensor"
     if not with_engine:
         ref_sd = ref.state_dict()
@@ -137,17 +143,7 @@ def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
 def _tp_worker(rank, world, port, workdir, queue):
     """Both ranks form ONE engine (tensor_parallel_size=2), starting from dummy weights; each
     asks for its own prompt and must get back exactly its rows, with log-probs of the real policy."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    ref, model = build_tiny_model(seed=3), build_tiny_model(seed=3)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    ref, model = _sharded_tiny(rank, world, port)
     from fspo.rollout.vllm import VLLMEngine
 
     tok = build_tokenizer()
