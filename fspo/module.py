@@ -10,11 +10,13 @@ Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` pas
 shuffled into mini-batches of ``mini_batch_size`` sequences; each mini-batch is one optimizer
 step, its loss accumulated over token-budget micro-batches with the mini-batch's total token
 and sequence counts as denominators, so micro-batching never changes the loss. Old log-probs
-come from this module's own no-grad forward pass before the first update. With one epoch, the
-rows of the step's first mini-batch are left out of that pass: the policy has not changed since
+(``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
+(same policy, no extra pass; the train-inference gap is logged as ``rollout/logprob_gap``);
+``recompute`` runs this module's own no-grad forward pass before the first update, leaving out,
+with one epoch, the rows of the step's first mini-batch: the policy has not changed since
 generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
 old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
-one update per step it skips all of it.
+one update per step it skips all of it. Old log-probs already in the batch are used as given.
 """
 from __future__ import annotations
 
@@ -42,13 +44,14 @@ class PPOConfig:
     epochs: int = 1
     micro_batch_max_tokens: int = 8192
     packing: bool = True         # pack sequences into rows without padding (fspo/packing.py)
-    pack_row_factor: float = 2.0  # packed row width = this x the longest sequence (within the budget)
+    pack_row_factor: float = 2.0  # widest packed row = this x the longest (fspo.packing.row_width picks)
     max_grad_norm: float = 1.0
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     warmup_steps: int = 0
     logprob_temperature: float = 1.0
+    old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
     log_entropy: bool = True
     nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
 
@@ -57,6 +60,13 @@ class PPOConfig:
             raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        if self.old_log_probs not in ("recompute", "engine"):
+            raise ValueError(f"ppo.old_log_probs must be 'recompute' or 'engine', got {self.old_log_probs!r}")
+        if self.old_log_probs == "engine" and float(self.logprob_temperature) != 1.0:
+            raise ValueError(
+                f"ppo.old_log_probs=engine takes the engine's log-probs, which are at temperature 1 (raw logits), "
+                f"but ppo.logprob_temperature is {self.logprob_temperature} (it follows rollout.sampling.temperature): "
+                f"set ppo.old_log_probs=recompute")
 
 
 class RLModule(L.LightningModule):
@@ -176,6 +186,12 @@ class RLModule(L.LightningModule):
         plan = [mb for _ in range(self.ppo.epochs)
                 for mb in minibatch_indices(global_size, self.ppo.mini_batch_size, g)]
         t0 = time.perf_counter()
+        if rollout.old_log_probs is None and self.ppo.old_log_probs == "engine":
+            if rollout.engine_log_probs is None:
+                raise ValueError(
+                    "ppo.old_log_probs=engine but the rollout engine reported no log-probs (HFEngine reports them "
+                    "when rollout.engine.compact=true, VLLMEngine always): set ppo.old_log_probs=recompute")
+            rollout.old_log_probs = rollout.engine_log_probs.float() * rollout.response_mask
         supplied = rollout.old_log_probs is not None
         if not supplied:
             # the first mini-batch is trained before any update: its loss pass gives its old log-probs
@@ -194,7 +210,9 @@ class RLModule(L.LightningModule):
         t0 = time.perf_counter()
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
+            # the gap of rows the old-log-prob pass did not compute is taken in the first loss pass
             self._update(mb, opt, stats, on_policy=(updates == 0), old_from_loss=(updates == 0 and not supplied),
+                         gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
                          rows=share(torch.arange(mb.batch_size), rank, world))
         sched.step()
         self.timings["time/train"] = time.perf_counter() - t0
@@ -202,9 +220,10 @@ class RLModule(L.LightningModule):
         self.rl_step += 1
 
     def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,
-                rows=None) -> None:
+                rows=None, gap: bool = False) -> None:
         """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches); with
-        ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones.
+        ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones;
+        with ``gap`` the loss pass's log-probs are compared with the engine's (``rollout/logprob_gap``).
 
         The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
         FSDP sums the ranks' gradients)."""
@@ -220,11 +239,9 @@ class RLModule(L.LightningModule):
             micro = dummy if idx is None else mb.select(idx).trim()
             logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy, pack_width=width,
                                        usage=None if idx is None else stats.usage)
-            old = micro.old_log_probs
-            if old_from_loss:  # no update yet this step: this pass's log-probs are the old ones
-                old = logp.detach()
-                if idx is not None and self._has_gap(micro):
-                    stats.add_gap(micro.engine_log_probs, old, micro.response_mask)
+            old = logp.detach() if old_from_loss else micro.old_log_probs  # no update yet: the old policy
+            if gap and idx is not None and self._has_gap(micro):  # no update yet: the policy the engine sampled
+                stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,

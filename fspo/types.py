@@ -12,15 +12,17 @@ Layout (B sequences, P prompt positions, T response positions):
 - ``response_ids``  LongTensor [B, T]  generated tokens, RIGHT-padded with ``pad_token_id``.
 - ``response_mask`` LongTensor [B, T]  1 on generated tokens (the EOS token included), 0 on padding.
   The length of completion i is ``L_i = response_mask[i].sum()``; L_i = 0 is legal.
-- ``old_log_probs`` FloatTensor [B, T] float32 log pi_old(y_t | h_t) from the trainer's own
-  forward pass (never the engine's); 0 where ``response_mask`` is 0.
+- ``old_log_probs`` FloatTensor [B, T] float32 log pi_old(y_t | h_t): the trainer's own forward
+  pass (``ppo.old_log_probs=recompute``) or the engine's log-probs (``=engine``); 0 where
+  ``response_mask`` is 0.
 - ``advantages``    FloatTensor [B]    one scalar advantage per completion.
 - ``rewards``       FloatTensor [B]    scalar reward per completion.
 - ``group_ids``     LongTensor [B]     index of the prompt a completion answers; the G completions of
   a prompt share a group id and always live in the same batch (whole groups).
 - ``overlong``      BoolTensor [B]     True where generation stopped at max_new_tokens without EOS.
-- ``engine_log_probs`` optional FloatTensor [B, T] log-probs reported by the rollout engine, used only
-  for the train-inference gap diagnostic.
+- ``engine_log_probs`` optional FloatTensor [B, T] float32 log-probs of the sampled tokens reported by
+  the rollout engine, at temperature 1 (raw logits; vLLM's and HFEngine's compact decoder's), 0 on
+  padding: the train-inference gap diagnostic, and the old log-probs under ``ppo.old_log_probs=engine``.
 """
 from __future__ import annotations
 

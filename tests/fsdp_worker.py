@@ -201,6 +201,39 @@ def run_resume(world: int, out: Path) -> None:
         torch.save(results, out / f"resume_w{world}.pt")
 
 
+DECODE_PROMPTS = [["Q:2+7+4-5\nA:", "Q:1+1\nA:"], ["Q:9-3+8-1+6\nA:", "Q:5+5-2+7-1+3-4\nA:"]]  # rank 0 | rank 1
+
+
+def run_decode(world: int, out: Path) -> None:
+    """Greedy `decode_compact(synced=True)` of the committed warm-start model sharded by FSDP2 over
+    the ranks, each rank with its own prompts of `DECODE_PROMPTS` (answers of different lengths, so
+    one rank runs out of rows first); saves every rank's tokens and engine log-probs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fspo.distributed import ShardingConfig, shard_model
+    from fspo.models.loading import load_policy
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.decode import decode_compact
+    from fspo.rollout.hf import left_pad
+
+    own = not torch.distributed.is_initialized()
+    if own:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    model, tok = load_policy(source="warmstart")
+    shard_model(model, init_device_mesh("cpu", (world,)), ShardingConfig())
+    model.eval()
+    ids, mask = left_pad([tok.encode(p) for p in DECODE_PROMPTS[rank]], tok.pad_token_id)
+    dec = decode_compact(model, ids, mask, SamplingConfig(n=1, temperature=0.0, max_new_tokens=60),
+                         tok.eos_token_id, tok.pad_token_id, synced=True)
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, (dec.tokens, dec.log_probs))
+    if rank == 0:
+        torch.save(parts, out / "decode_w2.pt")
+    if own:
+        torch.distributed.destroy_process_group()
+
+
 def run_e2e(out: Path) -> None:
     """`fspo.train.train` with trainer=fsdp (generation, validation, MLflow); saves final metrics."""
     from fspo.train import train
@@ -222,4 +255,5 @@ if __name__ == "__main__":
     for name in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["step", "resume", "e2e"]):
         {"step": lambda: run_step(world_size, out_dir),
          "step_ac": lambda: run_step(world_size, out_dir, AC, "_ac"),
-         "resume": lambda: run_resume(world_size, out_dir), "e2e": lambda: run_e2e(out_dir)}[name]()
+         "resume": lambda: run_resume(world_size, out_dir), "e2e": lambda: run_e2e(out_dir),
+         "decode": lambda: run_decode(world_size, out_dir)}[name]()

@@ -30,7 +30,7 @@ def test_greedy_equals_generate_with_rows_finishing_early():
     prompts = [tok.encode(p) for p in ["Q:2+7+4-5\nA:", "Q:1+1\nA:", "Q:9-3+8-1+6\nA:", "Q:5+5\nA:"]]
     input_ids, mask = left_pad(prompts, tok.pad_token_id)
     params = SamplingConfig(n=1, temperature=0.0, max_new_tokens=60)
-    ours = decode_compact(model, input_ids, mask, params, tok.eos_token_id, tok.pad_token_id)
+    ours = decode_compact(model, input_ids, mask, params, tok.eos_token_id, tok.pad_token_id).tokens
     with torch.no_grad():
         ref = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=60, do_sample=False,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, input_ids.shape[1]:]
@@ -63,7 +63,7 @@ def test_first_token_distribution_matches_the_processed_softmax(temperature, top
     input_ids = torch.tensor([prompt] * n)
     params = SamplingConfig(n=1, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
     torch.manual_seed(0)
-    first = decode_compact(model, input_ids, torch.ones_like(input_ids), params, EOS, PAD)[:, 0]
+    first = decode_compact(model, input_ids, torch.ones_like(input_ids), params, EOS, PAD).tokens[:, 0]
     freq = torch.bincount(first, minlength=p.numel()).double() / n
     assert (freq[~keep] == 0).all()  # nothing outside the top-k / nucleus is ever sampled
     common = expected >= 0.005  # enough expected counts (>= 20) for the normal approximation
@@ -82,7 +82,7 @@ def test_decode_work_is_the_sum_of_real_lengths():
     prompts = [ids("Q:a"), ids("c"), ids("x")]  # completions: "bc</s>" (3), "</s>" (1), "xxxxx" (5, no EOS)
     input_ids, mask = left_pad(prompts, PAD)
     out = decode_compact(model, input_ids, mask, SamplingConfig(n=1, temperature=1.0, max_new_tokens=5, seed=0),
-                         EOS, PAD)
+                         EOS, PAD).tokens
     hook.remove()
     b, c, x = (ids(ch)[0] for ch in "bcx")
     assert out.tolist() == [[b, c, EOS, PAD, PAD], [EOS, PAD, PAD, PAD, PAD], [x] * 5]

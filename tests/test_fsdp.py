@@ -12,7 +12,10 @@ The distributed tests launch ``torchrun --standalone --nproc_per_node=2 tests/fs
   RL step 2 and resumed into a fresh module continues to parameters identical to the uninterrupted run
   (optimizer state, LR schedule, EMA buffers, sampler position and sampling seeds all restored);
 - `fspo.train.train` with ``trainer=fsdp``: HF generation in lockstep, validation, MLflow (one run,
-  written by rank 0), a sharded checkpoint.
+  written by rank 0), a sharded checkpoint;
+- the compact decoder in lockstep (``decode_compact(synced=True)``) on the sharded warm-start model,
+  one rank running out of rows before the other: each rank's tokens and engine log-probs equal
+  one process decoding that rank's prompts alone.
 Plus fast single-process checks of the rank arithmetic and the configs.
 """
 from __future__ import annotations
@@ -38,7 +41,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(out), "step,step_ac,resume,e2e"]
+           str(out), "step,step_ac,resume,e2e,decode"]
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
@@ -127,6 +130,31 @@ def test_train_with_trainer_fsdp_end_to_end(two_ranks):
     client = mlflow.MlflowClient(f"sqlite:///{two_ranks / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # rank 1 opened no run
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_synced_compact_decode_equals_one_process(two_ranks):
+    sys.path.insert(0, str(WORKER.parent))
+    from fsdp_worker import DECODE_PROMPTS
+
+    from fspo.models.loading import load_policy
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.decode import decode_compact
+    from fspo.rollout.hf import left_pad
+
+    parts = _load(two_ranks / "decode_w2.pt")
+    model, tok = load_policy(source="warmstart")
+    model.eval()
+    ends = []
+    for prompts, (tokens, log_probs) in zip(DECODE_PROMPTS, parts):
+        ids, mask = left_pad([tok.encode(p) for p in prompts], tok.pad_token_id)
+        ref = decode_compact(model, ids, mask, SamplingConfig(n=1, temperature=0.0, max_new_tokens=60),
+                             tok.eos_token_id, tok.pad_token_id)
+        assert torch.equal(tokens, ref.tokens)
+        assert torch.allclose(log_probs, ref.log_probs, atol=1e-5)
+        ends.append(int((tokens == tok.eos_token_id).nonzero()[:, 1].max()))
+    assert ends[0] != ends[1]  # one rank ran out of rows first and kept joining the forwards
 
 
 # ---------------------------------------------------------------- single process

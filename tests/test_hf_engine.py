@@ -205,3 +205,30 @@ def test_min_new_tokens_suppresses_eos(compact):
     assert (out.response_ids[:, :3] != EOS).all()
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingConfig(max_new_tokens=8, min_new_tokens=9)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_engine_log_probs_are_the_trainers_at_temperature_one(temperature, top_k):
+    """The compact decoder reports each sampled token's log-prob under the raw logits (temperature 1,
+    no top-k, whatever the sampling settings): the trainer's full-sequence forward gives the same
+    numbers to float noise (the KV cache only changes the summation order); 0 on padding."""
+    from fspo.logprobs import response_log_probs
+    from fspo.models.loading import load_policy
+
+    model, tok = load_policy(source="warmstart")
+    eng = HFEngine()
+    eng.setup(model, tok, "/nonexistent-unused")
+    prompts = [tok.encode(p) for p in ["Q:2+7+4-5\nA:", "Q:1+1\nA:", "Q:9-3+8-1+6\nA:"]]
+    b = eng.generate(prompts, SamplingConfig(n=4, temperature=temperature, top_k=top_k, max_new_tokens=40,
+                                             seed=3))
+    assert b.lengths.unique().numel() > 1  # rows ended at different steps
+    with torch.no_grad():
+        ref, _ = response_log_probs(model, b)
+    m = b.response_mask.bool()
+    assert (b.engine_log_probs[~m] == 0).all()
+    assert (b.engine_log_probs[m] < 0).any()
+    assert torch.allclose(b.engine_log_probs, ref, atol=1e-5), float((b.engine_log_probs - ref).abs().max())
+
+
+def test_generate_path_reports_no_engine_log_probs():
+    assert engine_for(chain_model(), compact=False).generate([ids("Q:a")], SamplingConfig(n=1)).engine_log_probs is None

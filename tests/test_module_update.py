@@ -210,6 +210,35 @@ def test_train_inference_gap_needs_temperature_one():
     assert "rollout/logprob_gap" not in metrics
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_engine_old_log_probs_are_the_engines(epochs):
+    """ppo.old_log_probs=engine: the engine's log-probs (here the policy's own, off by +-0.01 per
+    token) are the old ones: the update equals the one with those numbers given up front, differs
+    from recomputing them, runs no old-log-prob forward, and takes the gap once per row of the
+    first mini-batch (in its loss pass, before any update)."""
+    given = _engine_rollout(0.01)
+    given.old_log_probs = given.engine_log_probs.clone()
+    _, g_eng, m_eng = run_update(_engine_rollout(0.01), sgd=True, epochs=epochs, old_log_probs="engine")
+    _, g_giv, _ = run_update(given, sgd=True, epochs=epochs)
+    _, g_rec, m_rec = run_update(_engine_rollout(0.01), sgd=True, epochs=epochs)
+    assert len(g_eng) == len(g_giv) == len(g_rec) == 2 * epochs
+    for a, b in zip(g_giv, g_eng):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+    assert max(float((a[n] - b[n]).abs().max()) for a, b in zip(g_rec, g_eng) for n in a) > 1e-5
+    assert m_eng["perf/old_log_probs_tokens"] == 0.0 < m_rec["perf/old_log_probs_tokens"]
+    assert m_eng["rollout/logprob_gap"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_engine_old_log_probs_need_engine_log_probs_and_temperature_one():
+    with pytest.raises(ValueError, match="reported no log-probs.*recompute"):
+        run_update(_fresh_rollout(), old_log_probs="engine")
+    with pytest.raises(ValueError, match="temperature 1.*0.7.*ppo.old_log_probs=recompute"):
+        PPOConfig(old_log_probs="engine", logprob_temperature=0.7)
+    with pytest.raises(ValueError, match="'recompute' or 'engine'"):
+        PPOConfig(old_log_probs="rollout")
+
+
 def test_packing_does_not_change_the_update():
     """Packed rows (block-diagonal attention) and padded micro-batches give the same gradients and
     metrics; the packed pass computes fewer padded slots (perf/padding_waste)."""

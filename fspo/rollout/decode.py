@@ -18,10 +18,20 @@ then temperature, top-k, top-p warpers, then ``torch.multinomial(softmax(scores)
 from ``generate``'s once a row has finished, so samples match ``generate`` token for token only
 greedily (tests/test_hf_engine.py checks both).
 
-Contract: ``input_ids``/``attention_mask`` [B, P] left-padded; returns [B, max_new_tokens] int64
-token ids, each row ending at its first EOS (included) and filled with ``pad_id`` after it.
+Contract: ``input_ids``/``attention_mask`` [B, P] left-padded; returns `Decoded`: [B, max_new_tokens]
+int64 token ids, each row ending at its first EOS (included) and filled with ``pad_id`` after it, and
+the float32 log-probability of every sampled token under the raw logits,
+
+    log_probs[i, t] = log softmax(logits[i, t])[tokens[i, t]]     (temperature 1, no processor)
+
+i.e. the engine log-probs of the rollout contract (what vLLM reports), which the trainer may use
+as old log-probs (``ppo.old_log_probs=engine``): same weights, same arithmetic up to the KV cache's
+summation order (gap ~1e-7 in float32). Under FSDP with several ranks (``synced``) every rank
+runs the same number of forwards (see `decode_compact`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -46,16 +56,40 @@ def logits_pipeline(params: SamplingConfig, prompt_len: int, eos_id: int) -> Log
     return procs
 
 
+class Decoded(NamedTuple):
+    """``tokens`` [B, T] int64 (``pad_id`` after each row's EOS); ``log_probs`` [B, T] float32: the
+    log-probability of each sampled token under the model's raw logits (temperature 1, before any
+    processor), 0 after the row's end."""
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+
+
+def _any_running(running: torch.Tensor, synced: bool) -> bool:
+    """Whether any row still runs: this rank's, or with ``synced`` any rank's (an all-reduce)."""
+    flag = torch.tensor([float(bool(running.any()))], device=running.device)
+    if synced:
+        torch.distributed.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
 @torch.no_grad()
 def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingConfig,
-                   eos_id: int, pad_id: int) -> torch.Tensor:
-    """Sample up to ``params.max_new_tokens`` tokens per row; finished rows leave the batch."""
+                   eos_id: int, pad_id: int, synced: bool = False) -> Decoded:
+    """Sample up to ``params.max_new_tokens`` tokens per row; finished rows leave the batch.
+
+    ``synced`` (FSDP, world size > 1: every forward is a collective): every rank runs the same number
+    of forwards, until no row of any rank runs; a rank whose rows have all ended keeps one of them
+    in the batch as an idle row whose samples are thrown away (as ``generate(synced_gpus=True)``)."""
     B, P = input_ids.shape
     T = int(params.max_new_tokens)
     device = input_ids.device
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
-    if B == 0 or T == 0:
-        return out
+    out_lp = torch.zeros((B, T), dtype=torch.float32, device=device)
+    if (B == 0 and not synced) or T == 0:
+        return Decoded(out, out_lp)
+    if B == 0:
+        raise ValueError("decode_compact(synced=True) needs at least one row on every rank")
     procs = logits_pipeline(params, P, eos_id)
     sample = params.temperature > 0
     mask = attention_mask.long()
@@ -65,21 +99,28 @@ def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    use_cache=True, logits_to_keep=1).logits[:, -1].float()
     seq = input_ids                        # prompt + tokens so far, for the length-aware processors
     pos = positions[:, -1:] + 1            # next position of each running row
-    alive = torch.arange(B, device=device)  # original row of each running row
+    alive = torch.arange(B, device=device)  # original row of each row in the batch
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # idle rows (synced only)
     for t in range(T):
         scores = procs(seq, logits)
         tok = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if sample else scores.argmax(-1)
-        out[alive, t] = tok
-        running = tok != eos_id
-        if t == T - 1 or not bool(running.any()):
+        lp = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+        live = ~done
+        out[alive[live], t] = tok[live]
+        out_lp[alive[live], t] = lp[live]
+        running = live & (tok != eos_id)
+        if t == T - 1 or not _any_running(running, synced):
             break
         if not bool(running.all()):  # finished rows leave the batch and the KV cache
             keep = running.nonzero().squeeze(1)
+            if keep.numel() == 0:  # synced, and other ranks still run: keep one idle row
+                keep = torch.zeros(1, dtype=torch.long, device=device)
             alive, tok, seq, mask, pos = alive[keep], tok[keep], seq[keep], mask[keep], pos[keep]
+            done = ~running[keep]
             cache.batch_select_indices(keep)
         seq = torch.cat([seq, tok[:, None]], 1)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
                        use_cache=True).logits[:, -1].float()
         pos = pos + 1
-    return out
+    return Decoded(out, out_lp)

@@ -13,13 +13,15 @@ reproducible step by step.
 
 ``compact: true`` (default) decodes with `fspo.rollout.decode.decode_compact`, which drops each
 row from the batch at its EOS (decode cost ~ the sum of the real lengths instead of B x the
-longest; same sampling distribution as ``generate``); ``compact: false`` calls ``model.generate``.
+longest; same sampling distribution as ``generate``) and reports ``engine_log_probs`` (the sampled
+tokens' temperature-1 log-probs, which ``ppo.old_log_probs=engine`` uses as old log-probs);
+``compact: false`` calls ``model.generate`` and reports none.
 
-Under FSDP (parameters are DTensors, world size > 1) every forward is a collective, so generate
-runs with ``synced_gpus=True``: a rank whose sequences have all finished keeps joining forward
-passes until every rank has finished (so the compact decoder, whose forward count depends on this
-rank's rows, is not used there). Every rank must call `generate` with the same number of
-sequences (the rollout callback gives each rank an equal share), so the chunk counts match.
+Under FSDP (parameters are DTensors, world size > 1) every forward is a collective, so decoding
+runs synced (``decode_compact(synced=True)``, or ``generate(synced_gpus=True)``): a rank whose
+sequences have all finished keeps joining forward passes until every rank has finished. Every
+rank must call `generate` with the same number of sequences (the rollout callback gives each rank
+an equal share), so the chunk counts match.
 """
 from __future__ import annotations
 
@@ -86,10 +88,10 @@ class HFEngine(RolloutEngine):
                     torch.manual_seed(params.seed)
                 for s in range(0, len(expanded), self.batch_size):
                     ids, mask = left_pad(expanded[s:s + self.batch_size], pad_id)
-                    if self.compact and not synced:
-                        resp = decode_compact(model, ids.to(device), mask.to(device), params,
-                                              tok.eos_token_id, pad_id)
-                        chunks.append((ids, mask, resp.cpu()))
+                    if self.compact:
+                        dec = decode_compact(model, ids.to(device), mask.to(device), params,
+                                             tok.eos_token_id, pad_id, synced=synced)
+                        chunks.append((ids, mask, dec.tokens.cpu(), dec.log_probs.cpu()))
                         continue
                     out = model.generate(
                         input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -100,7 +102,7 @@ class HFEngine(RolloutEngine):
                         top_k=params.top_k if params.top_k > 0 and params.temperature > 0 else None,
                         pad_token_id=pad_id, eos_token_id=tok.eos_token_id, use_cache=True,
                         synced_gpus=synced)
-                    chunks.append((ids, mask, out[:, ids.shape[1]:].cpu()))
+                    chunks.append((ids, mask, out[:, ids.shape[1]:].cpu(), None))
         finally:
             model.train(was_training)
         return self._assemble(chunks, len(prompt_token_ids), params, pad_id)
@@ -108,14 +110,18 @@ class HFEngine(RolloutEngine):
     def _assemble(self, chunks, n_prompts: int, params: SamplingConfig, pad_id: int) -> RolloutBatch:
         p = max(c[0].shape[1] for c in chunks)
         t = max(c[2].shape[1] for c in chunks)
-        P, PM, R = [], [], []
-        for ids, mask, resp in chunks:
+        P, PM, R, LP = [], [], [], []
+        for ids, mask, resp, lp in chunks:
             P.append(torch.nn.functional.pad(ids, (p - ids.shape[1], 0), value=pad_id))
             PM.append(torch.nn.functional.pad(mask, (p - mask.shape[1], 0), value=0))
             R.append(torch.nn.functional.pad(resp, (0, t - resp.shape[1]), value=pad_id))
+            if lp is not None:
+                LP.append(torch.nn.functional.pad(lp, (0, t - lp.shape[1]), value=0.0))
         resp = torch.cat(R)
         rmask, overlong = completion_mask(resp, self.tokenizer.eos_token_id)
         resp = torch.where(rmask.bool(), resp, torch.full_like(resp, pad_id))
+        engine_lp = torch.cat(LP) * rmask if len(LP) == len(chunks) else None
         group_ids = torch.arange(n_prompts).repeat_interleave(params.n)
         return RolloutBatch(prompt_ids=torch.cat(P), prompt_mask=torch.cat(PM), response_ids=resp,
-                            response_mask=rmask, group_ids=group_ids, overlong=overlong).trim()
+                            response_mask=rmask, group_ids=group_ids, overlong=overlong,
+                            engine_log_probs=engine_lp).trim()
