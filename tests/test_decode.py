@@ -7,6 +7,7 @@ decode work is the sum of the real lengths, not rows x the longest.
   distribution computed here by hand from the model's logits (temperature, then top-k, then
   top-p renormalisation): within 4 binomial standard deviations for every token of probability
   >= 0.005, total variation < 0.03, and never a token outside the top-k / nucleus;
+- prefill: once per distinct prompt (the n samples of a prompt share its KV cache);
 - work: a forward hook counts the rows of every one-token decode forward; on the chain model of
   tests/test_hf_engine.py (lengths 3, 1, 5) that is sum(len - 1) = 6, where ``generate`` runs
   all 3 rows for 4 steps (12).
@@ -88,3 +89,26 @@ def test_decode_work_is_the_sum_of_real_lengths():
     assert out.tolist() == [[b, c, EOS, PAD, PAD], [EOS, PAD, PAD, PAD, PAD], [x] * 5]
     assert sum(rows) == (3 - 1) + (1 - 1) + (5 - 1) == 6  # generate: 3 rows x 4 decode steps = 12
     assert rows == [2, 2, 1, 1]
+
+
+def test_prefill_runs_once_per_distinct_prompt():
+    """The n samples of a prompt share one prefill (its KV cache is copied row by row): with 2
+    distinct prompts x 3 copies the prefill forward sees 2 rows, and greedy decoding still equals
+    ``model.generate`` on all 6 rows."""
+    model, tok = load_policy(source="warmstart")
+    model.eval()
+    prompts = [tok.encode(p) for p in ["Q:2+7+4-5\nA:", "Q:1+1\nA:"] for _ in range(3)]
+    input_ids, mask = left_pad(prompts, tok.pad_token_id)
+    prefill = []
+    hook = model.model.register_forward_hook(
+        lambda mod, args, kwargs, out: prefill.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    ours = decode_compact(model, input_ids, mask, SamplingConfig(n=1, temperature=0.0, max_new_tokens=40),
+                          tok.eos_token_id, tok.pad_token_id).tokens
+    hook.remove()
+    assert prefill == [2]
+    with torch.no_grad():
+        ref = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, input_ids.shape[1]:]
+    ref = torch.nn.functional.pad(ref, (0, 40 - ref.shape[1]), value=tok.pad_token_id)
+    assert torch.equal(ours, ref)

@@ -10,6 +10,9 @@ B x L_max decode tokens. Here a row leaves the batch (and the KV cache, via
 ``DynamicCache.batch_select_indices``) at its EOS, so decoding costs about the sum of the real
 lengths, as continuous batching does in vLLM.
 
+The prompt is prefilled once per distinct prompt (the ``n`` samples of a prompt share its KV
+cache, copied row by row), not once per sample.
+
 Same distribution as ``model.generate`` with the same settings: logits of the last position,
 EOS masked while fewer than ``min_new_tokens`` were generated (MinNewTokensLengthLogitsProcessor),
 then temperature, top-k, top-p warpers, then ``torch.multinomial(softmax(scores))``; greedy
@@ -95,8 +98,16 @@ def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     mask = attention_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    # prefill each distinct prompt once (the G samples of a prompt share it), then copy its KV cache
+    uniq, inverse = torch.unique(torch.cat([input_ids, mask], 1), dim=0, return_inverse=True)
+    if uniq.shape[0] == B:
+        uniq, inverse = torch.cat([input_ids, mask], 1), None
+    u_mask = uniq[:, P:]
+    logits = model(input_ids=uniq[:, :P], attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    if inverse is not None:
+        logits = logits[inverse]
+        cache.batch_select_indices(inverse)
     seq = input_ids                        # prompt + tokens so far, for the length-aware processors
     pos = positions[:, -1:] + 1            # next position of each running row
     alive = torch.arange(B, device=device)  # original row of each row in the batch
