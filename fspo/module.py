@@ -30,6 +30,7 @@ import torch
 from fspo.batching import minibatch_indices, token_budget_micro_batches
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
                               rank_offset, reduce_step_stats, reduce_sum, share, sync_count)
+from fspo.emit import emit_metrics
 from fspo.logprobs import response_log_probs
 from fspo.packing import TokenUsage, packed_micro_batches, row_width
 from fspo.step_stats import StepStats, peak_memory_mib
@@ -307,13 +308,8 @@ class RLModule(L.LightningModule):
         self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
 
     def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
-        """Log to the experiment logger at step ``rl_step``; mirror into Lightning for the progress bar
-        and ``trainer.callback_metrics`` (Lightning's own step counter is not used for MLflow)."""
-        if self.logger is not None:
-            self.logger.log_metrics(metrics, step=int(self.rl_step))
-        for k, v in metrics.items():
-            self.log(k, float(v), prog_bar=k in prog_bar, logger=False, on_step=on_step, on_epoch=not on_step,
-                     batch_size=1, sync_dist=False)
+        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics`` (fspo/emit.py)."""
+        emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
 
     # ---------------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
