@@ -9,9 +9,11 @@ computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. 
 are ``cumsum(attention_mask) - 1`` so left padding does not shift positions, as in generation.
 Optionally returns the per-token entropy of the same distribution (no gradient).
 
-With ``pack_width`` set, the sequences are packed into rows without padding (fspo/packing.py:
-block-diagonal attention from restarting position ids) and the response logits are gathered back
-to the [B, T] layout, so the result is the same as the padded pass. ``usage`` (a
+With ``pack_width`` set, the sequences are packed without padding and the response logits are
+gathered back to the [B, T] layout, so the result is the same as the padded pass: into one row
+with causal attention per sequence when the model uses segment attention
+(fspo/models/segment_attention.py; ``pack_width`` is then ignored), else into rows of
+``pack_width`` with block-diagonal attention from restarting position ids (fspo/packing.py). ``usage`` (a
 `fspo.packing.TokenUsage`) counts the token slots computed vs real tokens (padding waste).
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from fspo.packing import TokenUsage, pack_batch
+from fspo.models.segment_attention import uses_segment_attention
+from fspo.packing import TokenUsage, pack_batch, pack_segments
 from fspo.types import RolloutBatch
 
 
@@ -38,11 +41,15 @@ def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> T
 
 
 def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage]) -> Tensor:
-    lay = pack_batch(batch, width)
+    if uses_segment_attention(model):  # one unpadded row; the placeholder 4D mask stops mask building
+        lay = pack_segments(batch)
+        kw = dict(attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lay.input_ids.device),
+                  fspo_segments=lay.segments)
+    else:
+        lay, kw = pack_batch(batch, width), dict(attention_mask=None)
     if usage is not None:
         usage.add(lay.slots, lay.real_tokens)
-    logits = model(input_ids=lay.input_ids, attention_mask=None, position_ids=lay.position_ids,
-                   use_cache=False).logits
+    logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, use_cache=False, **kw).logits
     return logits.flatten(0, 1)[lay.logit_index]
 
 

@@ -32,7 +32,8 @@ from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_r
                               rank_offset, reduce_step_stats, reduce_sum, share, sync_count)
 from fspo.emit import emit_metrics
 from fspo.logprobs import response_log_probs
-from fspo.packing import TokenUsage, packed_micro_batches, row_width
+from fspo.models.segment_attention import enable_segment_attention, uses_segment_attention
+from fspo.packing import TokenUsage, packed_micro_batches, row_width, segment_micro_batches
 from fspo.step_stats import StepStats, peak_memory_mib
 from fspo.types import RolloutBatch
 
@@ -83,6 +84,8 @@ class RLModule(L.LightningModule):
                  seed: int = 0):
         super().__init__()
         self.policy = policy
+        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
+            enable_segment_attention(policy)
         self.clip = clip
         self.aggregator = aggregator
         self.ppo = ppo
@@ -151,7 +154,9 @@ class RLModule(L.LightningModule):
         any rank: FSDP forward/backward are collectives."""
         total = (batch.prompt_mask.sum(-1) + batch.lengths).cpu()
         budget = self.ppo.micro_batch_max_tokens
-        if self.ppo.packing:
+        if self.ppo.packing and uses_segment_attention(self.policy):  # one unpadded row per micro-batch
+            groups, width = segment_micro_batches(total, budget), 0
+        elif self.ppo.packing:
             groups = packed_micro_batches(total, budget, self.ppo.pack_row_factor)
             width = row_width(total, budget, self.ppo.pack_row_factor)
         else:

@@ -2,8 +2,14 @@
 
 Owns: `pack_rows` (first-fit-decreasing bin packing of lengths into rows of a fixed width),
 `packed_micro_batches` (token-budget micro-batches of packed rows), `PackedLayout` / `pack_batch`
-(the model inputs of a packed micro-batch and where each response token's logit sits) and
+(the model inputs of a packed micro-batch and where each response token's logit sits),
+`segment_micro_batches` / `pack_segments` (the one-row layout for segment attention) and
 `TokenUsage` (padded slots vs real tokens, the padding-waste counter).
+
+Two layouts. For models using segment attention (fspo/models/segment_attention.py: sdpa models
+under ``ppo.packing``, the default) a micro-batch is ONE row holding its sequences back to back
+(budget = real tokens, no padding, waste 0) and attention runs per sequence. Otherwise
+(flash-attention or eager models) the sequences are packed into rows of a common width:
 
 How the model sees a packed row: ``attention_mask=None`` and ``position_ids`` restarting at 0 for
 every sequence. Hugging Face models then build a block-diagonal causal mask from the position ids
@@ -21,7 +27,7 @@ Leaves out: the log-prob arithmetic (fspo/logprobs.py) and which micro-batches t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -123,6 +129,7 @@ class PackedLayout:
     position_ids: Tensor
     logit_index: Tensor
     real_tokens: int
+    segments: Optional[list] = None  # `pack_segments`: the runs of fspo.models.segment_attention
 
     @property
     def slots(self) -> int:
@@ -156,3 +163,43 @@ def pack_batch(batch: RolloutBatch, width: int = 0, pad_token_id: int = 0) -> Pa
             off += p + n
         pos[r, off:] = ar[:width - off]  # filler: a separate block (positions restart at 0)
     return PackedLayout(input_ids=ids, position_ids=pos, logit_index=index, real_tokens=sum(totals))
+
+
+def segment_micro_batches(total_lengths: Tensor, max_tokens: int) -> List[Tensor]:
+    """Micro-batches of at most ``max_tokens`` real tokens (one longer sequence goes alone), each
+    packed into ONE row by `pack_segments`: first-fit decreasing, so no row is padded at all."""
+    if max_tokens < 1:
+        raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
+    if total_lengths.numel() == 0:
+        return []
+    lengths = total_lengths.tolist()
+    fits = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    bins = [[fits[j] for j in row] for row in pack_rows([lengths[i] for i in fits], int(max_tokens))]
+    bins += [[i] for i, n in enumerate(lengths) if n > max_tokens]
+    return [torch.tensor(b, dtype=torch.long) for b in bins]
+
+
+def pack_segments(batch: RolloutBatch) -> PackedLayout:
+    """All of ``batch``'s sequences in one row [1, N] (N = real tokens), longest first so equal
+    lengths are adjacent, positions restarting at 0 per sequence, and ``segments`` = their runs
+    for segment attention (fspo/models/segment_attention.py)."""
+    from fspo.models.segment_attention import segment_runs
+
+    p_len = batch.prompt_mask.sum(-1).tolist()
+    r_len = batch.response_mask.sum(-1).tolist()
+    totals = [int(p) + int(r) for p, r in zip(p_len, r_len)]
+    order = sorted(range(len(totals)), key=lambda i: -totals[i])
+    device = batch.response_ids.device
+    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    ids, pos = [], []
+    index = torch.zeros(batch.batch_size, T, dtype=torch.long, device=device)
+    off = 0
+    for i in order:
+        p, n = int(p_len[i]), int(r_len[i])
+        ids += [batch.prompt_ids[i, P - p:], batch.response_ids[i, :n]]
+        pos.append(torch.arange(p + n, device=device))
+        index[i, :n] = off + p - 1 + torch.arange(n, device=device)  # the logit predicting response token t
+        off += p + n
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return PackedLayout(input_ids=torch.cat([empty] + ids)[None], position_ids=torch.cat([empty] + pos)[None],
+                        logit_index=index, real_tokens=off, segments=segment_runs([totals[i] for i in order]))
