@@ -3,8 +3,9 @@
 Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
 aggregation -> backward -> optimizer step; validation step logging accuracy) and `PPOConfig`.
 Leaves out: generation, rewards and advantages (fspo/callbacks.py fills ``batch["rollout"]``),
-the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py) and
-the diagnostics (fspo/diagnostics) — the step only wires them together, with no per-method code.
+the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
+forward passes and their micro-batch layouts (fspo/passes.py) and the diagnostics
+(fspo/diagnostics) — the step only wires them together, with no per-method code.
 
 Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
 shuffled into mini-batches of ``mini_batch_size`` sequences; each mini-batch is one optimizer
@@ -27,13 +28,12 @@ from typing import Dict, Optional
 import lightning as L
 import torch
 
-from fspo.batching import minibatch_indices, token_budget_micro_batches
+from fspo.batching import minibatch_indices
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
-                              rank_offset, reduce_step_stats, reduce_sum, share, sync_count)
+                              rank_offset, reduce_step_stats, reduce_sum, share)
 from fspo.emit import emit_metrics
-from fspo.logprobs import response_log_probs
-from fspo.models.segment_attention import enable_segment_attention, uses_segment_attention
-from fspo.packing import TokenUsage, packed_micro_batches, row_width, segment_micro_batches
+from fspo.models.segment_attention import enable_segment_attention
+from fspo import passes
 from fspo.step_stats import StepStats, peak_memory_mib
 from fspo.types import RolloutBatch
 
@@ -112,59 +112,6 @@ class RLModule(L.LightningModule):
         """Shard the policy under `trainer=fsdp` (fspo/distributed.py); a no-op on one device."""
         configure_sharding(self)
 
-    # ---------------------------------------------------------------- forward helpers
-    def log_probs(self, batch: RolloutBatch, with_entropy: bool = False, pack_width: Optional[int] = None,
-                  usage: Optional[TokenUsage] = None):
-        logp, ent = response_log_probs(self.policy, batch, self.ppo.logprob_temperature, with_entropy,
-                                       pack_width=pack_width, usage=usage)
-        # a +-inf log-prob would be clipped to a finite loss by most rules, yet poison the EMA sigma and
-        # the diagnostics: make it NaN, so the update's non-finite guard skips the update
-        return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
-
-    @torch.no_grad()
-    def compute_old_log_probs(self, batch: RolloutBatch, usage: Optional[TokenUsage] = None,
-                              skip: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """log pi_old for every response token, micro-batched, float32 [B, T]; rows in ``skip``
-        (indices) are not computed and hold NaN (their old log-probs come from the loss pass)."""
-        device = batch.response_ids.device
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=device)
-        rows = torch.arange(batch.batch_size, device=device)
-        if skip is not None and skip.numel():
-            out[skip.to(device)] = float("nan")
-            keep = torch.ones(batch.batch_size, dtype=torch.bool, device=device)
-            keep[skip.to(device)] = False
-            rows = rows[keep]
-        sub = batch.select(rows) if rows.numel() < batch.batch_size else batch
-        groups, width = self._micro_batches(sub) if rows.numel() else ([], None)
-        if rows.numel() == 0 and dp_rank_size(self)[1] > 1:  # this rank has nothing, others may
-            groups = [None] * sync_count(0, self.device)
-        for idx in groups:
-            if idx is None:  # dummy forward: FSDP forwards are collectives (see _micro_batches)
-                self.log_probs(batch.select(torch.zeros(1, dtype=torch.long, device=device)).trim(),
-                               pack_width=width)
-                continue
-            lp, _ = self.log_probs(sub.select(idx).trim(), pack_width=width, usage=usage)
-            out[rows[idx.to(device)], :lp.shape[1]] = lp
-        return out
-
-    def _micro_batches(self, batch: RolloutBatch):
-        """(index groups, packed row width or None): token-budget micro-batches, packed
-        (fspo/packing.py) or padded and sorted by length (fspo/batching.py). With several
-        data-parallel ranks, padded with ``None`` (a zero-weight dummy) to the largest count on
-        any rank: FSDP forward/backward are collectives."""
-        total = (batch.prompt_mask.sum(-1) + batch.lengths).cpu()
-        budget = self.ppo.micro_batch_max_tokens
-        if self.ppo.packing and uses_segment_attention(self.policy):  # one unpadded row per micro-batch
-            groups, width = segment_micro_batches(total, budget), 0
-        elif self.ppo.packing:
-            groups = packed_micro_batches(total, budget, self.ppo.pack_row_factor)
-            width = row_width(total, budget, self.ppo.pack_row_factor)
-        else:
-            groups, width = token_budget_micro_batches(total, budget), None
-        if dp_rank_size(self)[1] > 1:
-            groups = groups + [None] * (sync_count(len(groups), self.device) - len(groups))
-        return groups, width
-
     def _diagnostics(self):
         return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
 
@@ -205,7 +152,7 @@ class RLModule(L.LightningModule):
             offset = rank_offset(rollout.batch_size, rank, world, self.device)
             first = plan[0] - offset if self.ppo.epochs == 1 else plan[0][:0]
             first = first[(first >= 0) & (first < rollout.batch_size)]
-            rollout.old_log_probs = self.compute_old_log_probs(rollout, usage=stats.usage_old, skip=first)
+            rollout.old_log_probs = passes.old_log_probs(self, rollout, usage=stats.usage_old, skip=first)
             if self._has_gap(rollout):  # the skipped rows' gap is taken in their loss pass (_update)
                 computed = rollout.response_mask.clone()
                 computed[first.to(computed.device)] = 0
@@ -240,10 +187,10 @@ class RLModule(L.LightningModule):
             mb = mb.select(rows.to(mb.response_ids.device))
         opt.zero_grad()
         observed = []
-        groups, width = self._micro_batches(mb)
+        groups, width = passes.micro_batches(self, mb)
         for idx in groups:
             micro = dummy if idx is None else mb.select(idx).trim()
-            logp, ent = self.log_probs(micro, with_entropy=self.ppo.log_entropy, pack_width=width,
+            logp, ent = passes.log_probs(self, micro, with_entropy=self.ppo.log_entropy, pack_width=width,
                                        usage=None if idx is None else stats.usage)
             old = logp.detach() if old_from_loss else micro.old_log_probs  # no update yet: the old policy
             if gap and idx is not None and self._has_gap(micro):  # no update yet: the policy the engine sampled

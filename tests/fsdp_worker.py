@@ -136,16 +136,21 @@ def run_step(world: int, out: Path, extra=(), tag: str = "") -> dict:
     """One RL step on `fixed_rollout`; returns {"metrics", "params", ...} (saved to out/step_w{world}{tag}.pt)."""
     cfg = compose_config(OVERRIDES + ["trainer=fsdp", *extra], output_dir=out)
     module = build_module(cfg)
-    dummies, plain = [0], module._micro_batches
+    from fspo import passes
 
-    def counted(batch):  # how many zero-weight dummy micro-batches kept the ranks in lockstep
-        groups, width = plain(batch)
+    dummies, plain = [0], passes.micro_batches
+
+    def counted(mod, batch):  # how many zero-weight dummy micro-batches kept the ranks in lockstep
+        groups, width = plain(mod, batch)
         dummies[0] += sum(g is None for g in groups)
         return groups, width
 
-    module._micro_batches = counted
-    trainer = _trainer(cfg, world, out / f"step{world}{tag}", [InjectShare(fixed_rollout())])
-    trainer.fit(module, datamodule=_data(cfg, 1))
+    passes.micro_batches = counted
+    try:
+        trainer = _trainer(cfg, world, out / f"step{world}{tag}", [InjectShare(fixed_rollout())])
+        trainer.fit(module, datamodule=_data(cfg, 1))
+    finally:
+        passes.micro_batches = plain
     res = {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "params": _full_params(module),
            "dummies": reduce_sum([dummies[0]])[0],
            "grad_ckpt": bool(getattr(module.policy, "is_gradient_checkpointing", False))}

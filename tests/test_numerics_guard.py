@@ -21,7 +21,7 @@ from omegaconf import open_dict
 from conftest import SMALL
 from fspo.callbacks import guarded_reward
 from fspo.checkpointing import list_checkpoints
-from fspo.module import RLModule
+from fspo import passes
 from fspo.rewards.arithmetic import ArithmeticReward
 from fspo.rewards.base import RewardOutput
 
@@ -30,16 +30,16 @@ BASE = [o for o in SMALL if not o.startswith("steps=")] + ["reward._target_=test
 
 def inject_nan(monkeypatch, at_step: int) -> None:
     """Make every log-prob forward of RL step ``at_step`` return NaN on its first row."""
-    original = RLModule.log_probs
+    original = passes.log_probs
 
-    def log_probs(self, batch, with_entropy=False, **kw):
-        logp, ent = original(self, batch, with_entropy, **kw)
-        if int(self.rl_step) == at_step:
+    def log_probs(module, batch, with_entropy=False, **kw):
+        logp, ent = original(module, batch, with_entropy, **kw)
+        if int(module.rl_step) == at_step:
             logp = logp.clone()
             logp[0] = float("nan")
         return logp, ent
 
-    monkeypatch.setattr(RLModule, "log_probs", log_probs)
+    monkeypatch.setattr(passes, "log_probs", log_probs)
 
 
 def history(cfg, key: str):
