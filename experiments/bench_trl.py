@@ -16,8 +16,10 @@ reference model / KL (TRL ``beta=0``), and the same updates: the rollout batch o
 sequences is split into mini-batches of ``--mini-batch`` sequences, one AdamW step each, one pass
 (ours: ``ppo.mini_batch_size``, ``ppo.epochs=1``; TRL: ``per_device_train_batch_size`` = mini-batch,
 ``gradient_accumulation_steps=1``, ``steps_per_generation`` = updates per rollout batch,
-``num_iterations=1``; see `trl_args`). With more than one update per rollout batch both sides
-compute old log-probs in an extra no-grad forward; with one update both reuse the loss pass's.
+``num_iterations=1``; see `trl_args`). Old log-probs: with more than one update per rollout batch
+TRL computes them in an extra no-grad forward; ours takes the HF engine's (``ppo.old_log_probs=engine``,
+our default with the HF engine: the same policy's log-probs, recorded while sampling); with one
+update TRL reuses the loss pass's.
 Same model and weights (``--model-source``: the committed warm start or the random tiny Qwen3, loaded
 twice by `fspo.models.loading.load_policy`), float32, same lr (constant, no warm-up), grad-norm clip
 1.0, 1 torch thread (``cpu_threads``), same Python process.
@@ -39,8 +41,9 @@ What differs, and stays different (by design of each framework, not of the work)
   - ours logs ~100 metrics per step to MLflow (a temporary SQLite store) and updates the
     length-fairness diagnostics; TRL computes its metrics (entropy, clip ratios, reward stats) but
     reports to nothing (``report_to="none"``) and only prints them (``logging_steps=1``);
-  - forward/backward batching: ours packs sequences into rows under a token budget
-    (``ppo.micro_batch_max_tokens``); TRL runs each mini-batch as one padded batch with a fused,
+  - forward/backward batching: ours packs each micro-batch's sequences into one unpadded row under a
+    token budget (``ppo.micro_batch_max_tokens``) with causal attention per sequence
+    (fspo/models/segment_attention.py); TRL runs each mini-batch as one padded batch with a fused,
     tiled LM-head log-prob (its ``add_fused_lm_head``);
   - the clip rule: ours ``+method=grpo`` (token clip 0.2/0.28 with dual clip c=3) vs TRL
     ``loss_type="bnpo"`` (token-mean over the mini-batch, like our token-mean), epsilon 0.2/0.28, no

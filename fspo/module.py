@@ -45,8 +45,8 @@ class PPOConfig:
     mini_batch_size: int = 32
     epochs: int = 1
     micro_batch_max_tokens: int = 8192
-    packing: bool = True         # pack sequences into rows without padding (fspo/packing.py)
-    pack_row_factor: float = 2.0  # widest packed row = this x the longest (fspo.packing.row_width picks)
+    packing: bool = True         # no padding: one row per micro-batch, or rows (fspo/passes.py)
+    pack_row_factor: float = 2.0  # rows layout: widest = this x the longest (fspo.packing.row_width picks)
     max_grad_norm: float = 1.0
     lr: float = 1e-6
     weight_decay: float = 0.0
