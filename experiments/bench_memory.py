@@ -1,6 +1,7 @@
 """Peak memory per rank of one RL training step, 1 process versus 2 FSDP ranks (trainer=fsdp).
 
-For each model (the tiny Qwen3, ~0.8M parameters, and a random ~100M-parameter Qwen3) and each
+For each model (the tiny Qwen3, ~0.8M parameters, a random ~100M-parameter Qwen3, and the tiny one
+with Qwen3's real 151,936-token vocabulary, where the logits dominate) and each
 world size (1: one process, no strategy; 2: `fspo.distributed.FSDP2Strategy` under torchrun) it runs
 one RL step of the real `RLModule` (2 PPO mini-batches, AdamW) on a synthetic rollout of 16
 sequences (prompt 32 + response 96 tokens) and reports per rank:
@@ -34,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MODELS = {"tiny": {}, "qwen3_100m": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=12,
-                                         num_key_value_heads=4, head_dim=64, intermediate_size=2048)}
+                                         num_key_value_heads=4, head_dim=64, intermediate_size=2048),
+          "tiny_v152k": dict(vocab_size=151936)}  # Qwen3's real vocabulary: the LM-head / log-prob memory
 
 
 def _rss_peak_mib(field: str = "VmHWM") -> float:

@@ -5,7 +5,10 @@ for the policy loss (so both sides of the ratio come from the same computation).
 
     logp[i, t] = log softmax(logits[i, P - 1 + t] / temperature)[response_ids[i, t]]
 
-computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Position ids
+computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Only the K
+positions that predict response tokens are turned into log-probs (a [K, V] float32 tensor, never
+[B, T, V] with the padding of the response layout; with the one-row layout the LM head itself
+runs on those K positions only), which matters for real vocabularies (151,936 for Qwen3). Position ids
 are ``cumsum(attention_mask) - 1`` so left padding does not shift positions, as in generation.
 Optionally returns the per-token entropy of the same distribution (no gradient).
 
@@ -29,6 +32,7 @@ from fspo.types import RolloutBatch
 
 
 def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> Tensor:
+    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass."""
     input_ids = batch.input_ids()
     attn = batch.attention_mask()
     if usage is not None:
@@ -37,20 +41,25 @@ def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> T
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                    use_cache=False).logits
-    return logits[:, p - 1:p + t - 1]
+    return logits[:, p - 1:p + t - 1][batch.response_mask.bool()]
 
 
 def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage]) -> Tensor:
+    """[K, V] as `_padded_logits`, from a packed pass; the one-row layout computes the LM head only
+    at those K positions (``logits_to_keep``)."""
+    mask = batch.response_mask.bool()
     if uses_segment_attention(model):  # one unpadded row; the placeholder 4D mask stops mask building
         lay = pack_segments(batch)
+        keep = lay.logit_index[mask]
         kw = dict(attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lay.input_ids.device),
-                  fspo_segments=lay.segments)
+                  fspo_segments=lay.segments, logits_to_keep=keep)
     else:
-        lay, kw = pack_batch(batch, width), dict(attention_mask=None)
+        lay, keep = pack_batch(batch, width), None
+        kw = dict(attention_mask=None)
     if usage is not None:
         usage.add(lay.slots, lay.real_tokens)
     logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, use_cache=False, **kw).logits
-    return logits.flatten(0, 1)[lay.logit_index]
+    return logits[0] if keep is not None else logits.flatten(0, 1)[lay.logit_index[mask]]
 
 
 def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False,
@@ -60,20 +69,20 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
 
     ``pack_width``: None for the padded pass, else the packed row width (at least the longest
     sequence; see the module docstring)."""
+    mask = batch.response_mask.bool()
     if pack_width is None:
         logits = _padded_logits(model, batch, usage)
     else:
         logits = _packed_logits(model, batch, pack_width, usage)
-    logits = logits.float()
+    logits = logits.float()  # [K, V]: only the sampled tokens' positions, never [B, T, V]
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - logz
-    mask = batch.response_mask.to(logp.dtype)
-    logp = logp * mask
+    flat = logits.gather(-1, batch.response_ids[mask].unsqueeze(-1)).squeeze(-1) - logz
+    logp = flat.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat)
     ent = None
     if with_entropy:
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
-            ent = (logz - (probs * logits).sum(-1)) * mask
+            ent = logz.new_zeros(batch.response_ids.shape).masked_scatter(mask, logz - (probs * logits).sum(-1))
     return logp, ent
