@@ -100,6 +100,10 @@ def test_only_sdpa_models_are_switched():
     assert not enable_segment_attention(eager) and eager.config._attn_implementation == "eager"
     sdpa = build_tiny_model(seed=0)
     assert enable_segment_attention(sdpa) and sdpa.config._attn_implementation == SEGMENT_ATTENTION
+    # a sliding-window layer would need the window inside each sequence: left on sdpa and its masks
+    window = build_tiny_model(seed=0, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert "sliding_attention" in window.config.layer_types
+    assert not enable_segment_attention(window) and window.config._attn_implementation == "sdpa"
 
 
 def test_rl_update_with_packing_uses_segments_without_waste():

@@ -18,7 +18,7 @@ forward-backward ~8% faster than 1.25-2x-wide masked rows, with no padding waste
 the padded pass to ~5e-6 (tests/test_segment_attention.py).
 
 How it is selected: `enable_segment_attention(model)` switches a model whose attention is
-``sdpa`` to ``SEGMENT_ATTENTION`` (RLModule does it when ``ppo.packing`` is on). Without the
+``sdpa`` (and has no sliding-window layer) to ``SEGMENT_ATTENTION`` (RLModule does it when ``ppo.packing`` is on). Without the
 ``fspo_segments`` keyword (generation, the padded pass) the function IS Hugging Face's sdpa
 attention, with sdpa's mask creation, so nothing else changes. The packed pass passes
 ``fspo_segments`` (the runs) and a placeholder 4D ``attention_mask`` so that transformers builds
@@ -82,9 +82,18 @@ def uses_segment_attention(model) -> bool:
     return getattr(config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
 
+def _full_attention_only(config) -> bool:
+    """No sliding-window layer (segment attention attends to the whole of each sequence)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return all(t == "full_attention" for t in types)
+    return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
+
 def enable_segment_attention(model) -> bool:
-    """Switch an ``sdpa`` model to `SEGMENT_ATTENTION` (other implementations are left alone);
-    returns whether the model now uses it."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
+    """Switch an ``sdpa`` model with full attention in every layer to `SEGMENT_ATTENTION` (other
+    implementations and sliding-window models are left alone); returns whether the model now uses it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and _full_attention_only(config):
         model.set_attn_implementation(SEGMENT_ATTENTION)
     return uses_segment_attention(model)
