@@ -127,8 +127,13 @@ def _fsdp_worker(rank, world, port, with_engine, workdir, queue):
         ref_sd = ref.state_dict()
         names = [k for k, v in iter_full_state_dict(model) if torch.equal(v, ref_sd[k])]
         queue.put((rank, sorted(names)))
+        # both ranks past every collective before either tears gloo down (a rank destroying its group
+        # while the other still talks aborted once in CI: "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-        return
+        queue.close()
+        queue.join_thread()  # the result is flushed to the parent; skip interpreter teardown (gloo threads)
+        os._exit(0)
     from fspo.rollout.vllm import VLLMEngine
 
     tok = build_tokenizer()
