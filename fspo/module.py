@@ -28,12 +28,12 @@ from typing import Dict, Optional
 import lightning as L
 import torch
 
+from fspo import passes
 from fspo.batching import minibatch_indices
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
                               rank_offset, reduce_step_stats, reduce_sum, share)
 from fspo.emit import emit_metrics
 from fspo.models.segment_attention import enable_segment_attention
-from fspo import passes
 from fspo.step_stats import StepStats, peak_memory_mib
 from fspo.types import RolloutBatch
 
