@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from fspo.models.segment_attention import segment_runs
 from fspo.types import RolloutBatch
 
 
@@ -101,8 +102,10 @@ def row_width(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0, t
     return min(w for w in widths if slots[w] <= fewest * (1 + tolerance))
 
 
-def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0) -> List[Tensor]:
-    """Micro-batches whose packed size ``rows * width <= max_tokens`` (width: `row_width`).
+def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0,
+                         width: Optional[int] = None) -> List[Tensor]:
+    """Micro-batches whose packed size ``rows * width <= max_tokens`` (``width``: given by the
+    caller, or `row_width`).
 
     The sequences are packed into rows (`pack_rows`) and consecutive rows are grouped
     ``max(1, max_tokens // width)`` at a time; returns index tensors into the batch (one per
@@ -111,7 +114,7 @@ def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: flo
         raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
     if total_lengths.numel() == 0:
         return []
-    width = row_width(total_lengths, max_tokens, row_factor)
+    width = width or row_width(total_lengths, max_tokens, row_factor)
     rows = pack_rows(total_lengths.tolist(), width)
     per = max(1, max_tokens // width)
     return [torch.tensor([i for row in rows[s:s + per] for i in row], dtype=torch.long)
@@ -183,8 +186,6 @@ def pack_segments(batch: RolloutBatch) -> PackedLayout:
     """All of ``batch``'s sequences in one row [1, N] (N = real tokens), longest first so equal
     lengths are adjacent, positions restarting at 0 per sequence, and ``segments`` = their runs
     for segment attention (fspo/models/segment_attention.py)."""
-    from fspo.models.segment_attention import segment_runs
-
     p_len = batch.prompt_mask.sum(-1).tolist()
     r_len = batch.response_mask.sum(-1).tolist()
     totals = [int(p) + int(r) for p, r in zip(p_len, r_len)]

@@ -37,8 +37,8 @@ def micro_batches(module, batch: RolloutBatch) -> Tuple[List[Optional[torch.Tens
     if ppo.packing and uses_segment_attention(module.policy):
         groups, width = segment_micro_batches(total, budget), 0
     elif ppo.packing:
-        groups = packed_micro_batches(total, budget, ppo.pack_row_factor)
-        width = row_width(total, budget, ppo.pack_row_factor)
+        width = row_width(total, budget, ppo.pack_row_factor)  # packs at up to 5 widths: once
+        groups = packed_micro_batches(total, budget, width=width)
     else:
         groups, width = token_budget_micro_batches(total, budget), None
     if dp_rank_size(module)[1] > 1:

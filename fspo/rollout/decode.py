@@ -70,9 +70,10 @@ class Decoded(NamedTuple):
 
 def _any_running(running: torch.Tensor, synced: bool) -> bool:
     """Whether any row still runs: this rank's, or with ``synced`` any rank's (an all-reduce)."""
+    if not synced:
+        return bool(running.any())
     flag = torch.tensor([float(bool(running.any()))], device=running.device)
-    if synced:
-        torch.distributed.all_reduce(flag)
+    torch.distributed.all_reduce(flag)
     return bool(flag.item() > 0)
 
 
@@ -99,9 +100,10 @@ def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     # prefill each distinct prompt once (the G samples of a prompt share it), then copy its KV cache
-    uniq, inverse = torch.unique(torch.cat([input_ids, mask], 1), dim=0, return_inverse=True)
-    if uniq.shape[0] == B:
-        uniq, inverse = torch.cat([input_ids, mask], 1), None
+    rows = torch.cat([input_ids, mask], 1)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if uniq.shape[0] == B:  # no prompt repeats: keep the batch order
+        uniq, inverse = rows, None
     u_mask = uniq[:, P:]
     logits = model(input_ids=uniq[:, :P], attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
