@@ -221,8 +221,7 @@ def run_decode(world: int, out: Path) -> None:
     from fspo.rollout.decode import decode_compact
     from fspo.rollout.hf import left_pad
 
-    own = not torch.distributed.is_initialized()
-    if own:
+    if not torch.distributed.is_initialized():  # after the Lightning scenarios their group is still up
         torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     model, tok = load_policy(source="warmstart")
@@ -235,8 +234,6 @@ def run_decode(world: int, out: Path) -> None:
     torch.distributed.all_gather_object(parts, (dec.tokens, dec.log_probs))
     if rank == 0:
         torch.save(parts, out / "decode_w2.pt")
-    if own:
-        torch.distributed.destroy_process_group()
 
 
 def run_e2e(out: Path) -> None:
@@ -262,3 +259,12 @@ if __name__ == "__main__":
          "step_ac": lambda: run_step(world_size, out_dir, AC, "_ac"),
          "resume": lambda: run_resume(world_size, out_dir), "e2e": lambda: run_e2e(out_dir),
          "decode": lambda: run_decode(world_size, out_dir)}[name]()
+    # every rank past its last collective and file before gloo is torn down; then leave without the
+    # interpreter's teardown, where a still-joinable gloo thread aborted the process now and then
+    # ("terminate called without an active exception", exit -6)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
