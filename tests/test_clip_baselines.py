@@ -99,10 +99,10 @@ def test_rloo_hand_computed():
     assert res.clip_lower[:, 0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
     assert res.clip_dual[:, 0].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
     all_finite(res, lp, m)
-    # gradient: row 0 unclipped, per token -(L/N) A exp(S) = -(10/N) * 1.34986
+    # gradient: row 0 unclipped, per token -(1/N) A exp(S) = -(1/N) * 1.34986 (paper eq. rloo's weight)
     (grad,) = torch.autograd.grad(aggregate(res.token_loss, m, "token-mean").loss, lp)
     n = m.sum()
-    torch.testing.assert_close(grad[0, :10], torch.full((10,), -(10 / n) * math.exp(0.3)))
+    torch.testing.assert_close(grad[0, :10], torch.full((10,), -(1 / n) * math.exp(0.3)))
     assert grad[1:5].abs().sum() == 0
 
 

@@ -94,10 +94,10 @@ def test_extremes_no_nan():
         loss = aggregate(res.token_loss, m, mode).loss
         (g,) = torch.autograd.grad(loss, lp, retain_graph=True)
         assert finite(loss, g)
-    # only row 0 (in band) carries gradient under token-mean: -(L/N) A exp(S) per token
+    # only row 0 (in band) carries gradient under token-mean: -(1/N) A exp(S) per token (paper weight)
     (g,) = torch.autograd.grad(aggregate(res.token_loss, m, "token-mean").loss, lp)
     n_tok = m.sum()
-    torch.testing.assert_close(g[0, :32768], torch.full((32768,), -(32768 / n_tok) * math.exp(5.0)))
+    torch.testing.assert_close(g[0, :32768], torch.full((32768,), -(1 / n_tok) * math.exp(5.0)))
     assert g[1:].abs().sum() == 0
 
 
@@ -123,7 +123,8 @@ def test_padding_garbage_and_bf16():
 
 
 def test_gradient_exact_closed_form():
-    # grad of token-mean loss wrt logp_new[i, t] = -(L_i / N) A_i exp(S_i) m_t, or 0 if a clip binds
+    # grad of token-mean loss wrt logp_new[i, t] = -(1 / N) A_i exp(S_i) m_t, or 0 if a clip binds
+    # (ratio_grad="length_weighted": L_i times that)
     g = torch.Generator().manual_seed(1)
     B, T = 64, 50
     lengths = torch.randint(0, T + 1, (B,), generator=g)
@@ -138,8 +139,12 @@ def test_gradient_exact_closed_form():
     s = ((lp - olp) * m).sum(-1).detach()
     clipped = res.clipped.any(-1)
     assert clipped.any() and (~clipped).any()
-    coef = torch.where(clipped, 0.0, -(lengths / m.sum()) * adv * torch.exp(s))
+    coef = torch.where(clipped, 0.0, -(1 / m.sum()) * adv * torch.exp(s))
     torch.testing.assert_close(grad, coef[:, None] * m, rtol=1e-5, atol=1e-8)
+    res_lw = FSPOClip(c_upper=0.02, c_lower=0.025, c_dual=0.04, ratio_grad="length_weighted")(lp, olp, adv, m)
+    torch.testing.assert_close(res_lw.token_loss, res.token_loss)  # same value, other gradient
+    (grad_lw,) = torch.autograd.grad(aggregate(res_lw.token_loss, m, "token-mean").loss, lp)
+    torch.testing.assert_close(grad_lw, (coef * lengths)[:, None] * m, rtol=1e-5, atol=1e-8)
 
 
 def test_all_clipped_batch_zero_grad():

@@ -3,7 +3,8 @@
 Owns: argument validation helpers (one ValueError naming the setting), `prepare` (shape checks and
 the float32 upcast every rule does first), per-sequence/per-token advantage layouts, the verl
 ratio-space clip `ratio_clip` (GRPO, RLOO and GSPO share it) and `RatioClipRule`, the base of the
-three ratio-space rules. Leaves out: the log-space FSPO band (fspo.py) and aggregation (losses.py).
+three ratio-space rules, the two gradient forms of a sequence ratio (`seq_log_ratio_per_token`),
+the float-safety cap mask and `seq_result`. Leaves out: the log-space FSPO band (fspo.py) and aggregation (losses.py).
 """
 from __future__ import annotations
 
@@ -89,13 +90,14 @@ def token_advantage(advantages: Tensor, p: Prepared) -> Tensor:
 
 def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: Optional[float],
                clamp: Tuple[Optional[float], Optional[float]] = (-MAX_LOG_RATIO, MAX_LOG_RATIO),
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """verl's `compute_policy_loss_vanilla` surrogate, elementwise on any shape.
 
     r = exp(clamp(log_ratio)); l1 = -A r; l2 = -A clip(r, 1 - low, 1 + high); l = max(l1, l2);
     where A < 0 and a dual clip c is set: l = min(l, -A c).
-    Returns (loss, upper, lower, dual): upper = (l2 > l1) & (A > 0), lower = (l2 > l1) & (A < 0),
-    dual = (l > -A c) & (A < 0) - the same strict comparisons verl uses for its clip fractions.
+    Returns (loss, upper, lower, dual, in_band): upper = (l2 > l1) & (A > 0), lower = (l2 > l1) &
+    (A < 0), dual = (l > -A c) & (A < 0) - the same strict comparisons verl uses for its clip
+    fractions; in_band = 1 - low <= r <= 1 + high (the paper's acceptance event, any sign of A).
     """
     ratio = torch.exp(torch.clamp(log_ratio, min=clamp[0], max=clamp[1]))
     neg_adv = -adv
@@ -105,11 +107,13 @@ def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: 
     clipped = l2 > l1
     neg = adv < 0
     upper, lower = clipped & (adv > 0), clipped & neg
+    rd = ratio.detach()
+    in_band = (rd >= 1.0 - low) & (rd <= 1.0 + high)
     if clip_c is None:
-        return loss, upper, lower, torch.zeros_like(upper)
+        return loss, upper, lower, torch.zeros_like(upper), in_band
     l3 = neg_adv * clip_c
     dual = (loss > l3) & neg
-    return torch.where(neg, torch.minimum(loss, l3), loss), upper, lower, dual
+    return torch.where(neg, torch.minimum(loss, l3), loss), upper, lower, dual, in_band
 
 
 class RatioClipRule(ClipRule):
@@ -140,14 +144,48 @@ class RatioClipRule(ClipRule):
         return {}
 
 
-def seq_result(seq_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
-               p: Prepared) -> ClipResult:
-    """Broadcast per-sequence loss [B] and binding decisions [B] over each sequence's tokens."""
+RATIO_GRADS = ("per_token", "length_weighted")
+
+
+def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:
+    """[B, T] float32 per-token log of a sequence-level ratio, in one of two gradient forms.
+
+    ``per_token`` (verl's convention for sequence ratios, its GSPO): sg(seq_value_i) + logp_t -
+    sg(logp_t): value seq_value_i on every token, d/dlogp_t = 1 on that token alone, so an
+    aggregation weight k_i per token gives each token of sequence i the gradient A_i s_i k_i.
+    ``length_weighted``: ``full`` (seq_value with its graph through S_i) on every token: d/dlogp_t
+    = dS_i/dlogp_t summed over the sequence's L_i copies, i.e. L_i times the per-token form under
+    token-mean (the form this project used before; kept for comparison only). Padding holds 0.
+    """
+    if ratio_grad == "length_weighted":
+        return full.unsqueeze(-1) * p.maskf
+    lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
+    return (lp - lp.detach() + seq_value.detach().unsqueeze(-1)) * p.maskf
+
+
+def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[float], high: Optional[float]
+             ) -> Tensor:
+    """Where a float-safety clamp of ``log_ratio`` to [low, high] (None: unbounded) zeroes the
+    gradient and no clip of the rule binds (A != 0; a zero advantage has no gradient anyway)."""
+    out = torch.zeros_like(binding)
+    if high is not None:
+        out |= log_ratio.detach() > high
+    if low is not None:
+        out |= log_ratio.detach() < low
+    return out & ~binding & (adv != 0)
+
+
+def seq_result(token_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
+               in_band: Tensor, cap: Tensor, p: Prepared) -> ClipResult:
+    """A `ClipResult` from the per-token loss [B, T] and per-sequence decisions [B] broadcast over
+    each sequence's tokens (all masks False on padding)."""
     m = p.mask
     return ClipResult(
-        token_loss=seq_loss.unsqueeze(-1) * p.maskf,
+        token_loss=token_loss * p.maskf,
         seq_log_ratio=seq_log_ratio.detach(),
         clip_upper=upper.unsqueeze(-1) & m,
         clip_lower=lower.unsqueeze(-1) & m,
         clip_dual=dual.unsqueeze(-1) & m,
+        in_band=in_band.unsqueeze(-1) & m,
+        clip_cap=cap.unsqueeze(-1) & m,
     )

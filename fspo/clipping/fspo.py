@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, check_choice, check_positive, prepare,
-                                   seq_advantage, seq_result, token_log_ratio)
+from fspo.clipping._common import (MAX_LOG_RATIO, RATIO_GRADS, check_choice, check_positive, prepare,
+                                   seq_advantage, seq_log_ratio_per_token, seq_result, token_log_ratio)
 from fspo.clipping.base import ClipResult, ClipRule
 
 Scale = Union[float, Tensor]
@@ -52,12 +52,21 @@ class FSPOClip(ClipRule):
         J_i   = min(exp(S_i) A_i, exp(clip(S_i, lo, hi)) A_i)
         loss_i = -J_i, and for A_i < 0: loss_i = min(loss_i, -A_i exp(du))       (log-space dual clip)
 
-    broadcast over the sequence's tokens (so "token-mean" aggregation weights sequence i by L_i).
-    Binding: upper = A > 0 and S > hi; lower = A < 0 and S < lo; dual = A < 0 and S > du.
+    on every token of sequence i. ``ratio_grad="per_token"`` (default; verl's form of a sequence
+    ratio): the exponent on token t is sg(S_i) + logp_t - sg(logp_t) where no clip binds, so
+    d token_loss[i, t] / d logp_{i,t} = -A_i exp(S_i) and "token-mean" gives every token of every
+    unclipped sequence -A_i exp(S_i) / sum L: the gradient of paper eq. obj-fspo (A_i exp(S_i) / G
+    per token, the same whatever L_i) up to the mini-batch constant G / sum L. Clipped sequences
+    stay in the denominator with zero gradient. ``ratio_grad="length_weighted"``: the exponent is
+    S_i itself (full gradient through S on each of the L_i tokens), so under token-mean sequence i
+    pulls with L_i times the paper's weight - the form this project used before; for comparison.
+    Binding: upper = A > 0 and S > hi; lower = A < 0 and S < lo; dual = A < 0 and S > du (not
+    lower). Acceptance (``in_band``, the paper's event, any sign of A): lo <= S <= hi. With
+    ``c_dual=None`` a negative-advantage S above the float-safety cap 20 is ``clip_cap``, not dual.
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
     "fixed" | "ema", ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
-    running estimates), ``sigma0`` > 0 (EMA warm start).
+    running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
     """
 
     level = "sequence"
@@ -66,9 +75,10 @@ class FSPOClip(ClipRule):
 
     def __init__(self, c_upper: float = 0.03, c_lower: float = 0.03, c_dual: Optional[float] = 0.03,
                  band: str = "fixed", drift: str = "zero", z: float = 1.0, alpha: float = 0.1,
-                 sigma0: float = 0.03) -> None:
+                 sigma0: float = 0.03, ratio_grad: str = "per_token") -> None:
         super().__init__()
         own = type(self).__name__
+        self.ratio_grad = check_choice(own, "ratio_grad", ratio_grad, RATIO_GRADS)
         self.c_upper = check_positive(own, "c_upper", c_upper)
         self.c_lower = check_positive(own, "c_lower", c_lower)
         if c_dual is not None:
@@ -118,11 +128,16 @@ class FSPOClip(ClipRule):
         sd = s.detach()
         upper = (a > 0) & (sd > hi)
         lower = (a < 0) & (sd < lo)
-        dual = (a < 0) & (sd > du)
-        # the exponent the pessimistic min selects; a bound (no gradient) where a clip binds
-        e = torch.where(upper, hi, torch.where(lower, lo, torch.where(dual, du, s)))
-        e = e.clamp(max=MAX_LOG_RATIO)  # changes only A == 0 rows, whose loss is 0 anyway
-        return seq_result(-a * torch.exp(e), s, upper, lower, dual, p)
+        dual = (a < 0) & (sd > du) if self.c_dual is not None else torch.zeros_like(upper)
+        cap = (a < 0) & (sd > MAX_LOG_RATIO) & ~dual  # c_dual = null: only the float-safety cap holds
+        in_band = (sd >= lo) & (sd <= hi)
+        # per-token exponent: the sequence's log-ratio (its gradient form set by ratio_grad) where no
+        # clip binds, the bound (no gradient) where one does
+        tok = seq_log_ratio_per_token(p, sd, self.ratio_grad, s)
+        bound = torch.where(upper, hi, torch.where(lower, lo, torch.where(dual, du, MAX_LOG_RATIO)))
+        e = torch.where((upper | lower | dual | cap).unsqueeze(-1), bound.unsqueeze(-1), tok)
+        e = e.clamp(max=MAX_LOG_RATIO)  # changes only A == 0 rows (loss 0) once cap is taken above
+        return seq_result(-a.unsqueeze(-1) * torch.exp(e), s, upper, lower, dual, in_band, cap, p)
 
     # --- running estimates ------------------------------------------------------------------
     @torch.no_grad()
@@ -177,4 +192,4 @@ class FSPOClip(ClipRule):
 
     def extra_repr(self) -> str:
         return (f"c_upper={self.c_upper}, c_lower={self.c_lower}, c_dual={self.c_dual}, band={self.band}"
-                f", drift={self.drift}, z={self.z}, alpha={self.alpha}")
+                f", drift={self.drift}, z={self.z}, alpha={self.alpha}, ratio_grad={self.ratio_grad}")

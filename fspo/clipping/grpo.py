@@ -8,8 +8,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from fspo.clipping._common import (RatioClipRule, prepare, ratio_clip, token_advantage,
-                                   token_log_ratio)
+from fspo.clipping._common import (MAX_LOG_RATIO, RatioClipRule, cap_mask, prepare, ratio_clip,
+                                   token_advantage, token_log_ratio)
 from fspo.clipping.base import ClipResult
 
 
@@ -20,6 +20,7 @@ class GRPOClip(RatioClipRule):
     loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), and for A < 0
     loss_t = min(loss_t, -A * clip_ratio_c) (dual clip). Paper settings (Table 5): low 0.2,
     high 0.28, dual 3.0. ``token_loss`` is 0 on padding; masks follow verl's strict comparisons.
+    ``in_band`` (per token): 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip binding.
     """
 
     level = "token"
@@ -32,8 +33,10 @@ class GRPOClip(RatioClipRule):
                 response_mask: Tensor) -> ClipResult:
         p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
         d = token_log_ratio(p)
-        loss, up, lo, du = ratio_clip(d, token_advantage(advantages, p), self.clip_ratio_low,
-                                      self.clip_ratio_high, self.clip_ratio_c)
+        adv = token_advantage(advantages, p)
+        loss, up, lo, du, ok = ratio_clip(d, adv, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
+        cap = cap_mask(d, adv, up | lo | du, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         m = p.mask
         return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m)
+                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
+                          clip_cap=cap & m)

@@ -1,15 +1,15 @@
 """GSPO's length-normalised sequence clip, in verl's token-level form.
 
-Owns: `GSPOClip`. Leaves out: aggregation - verl's GSPO always uses seq-mean-token-mean
-(fspo/clipping/registry.py does the same); a training preset should select that mode.
+Owns: `GSPOClip`. Leaves out: aggregation (fspo/losses.py). Under seq-mean-token-mean (the GSPO
+paper's and verl's default for it, and conf/method/gspo.yaml's) every token of sequence i gets
+-A_i s_i / (B L_i): the gradient of paper eq. gspo, A_i s_i (1/L_i) sum_t grad logp_t / G.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from fspo.clipping._common import (RatioClipRule, prepare, ratio_clip, token_advantage,
-                                   token_log_ratio)
+from fspo.clipping._common import (RatioClipRule, cap_mask, prepare, ratio_clip, seq_log_ratio_per_token,
+                                   token_advantage, token_log_ratio)
 from fspo.clipping.base import ClipResult
 
 #: verl clamps GSPO's log ratio from above only, at 10.
@@ -23,7 +23,8 @@ class GSPOClip(RatioClipRule):
     each token: log s_{i,t} = sg[S_i / L_i] + logp_t - sg[logp_t], clamped at max 10;
     loss_{i,t} = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - low, 1 + high)); no dual clip.
     Paper settings: low 3e-4, high 4e-4. The value of s_{i,t} is the same for every token of a
-    sequence, so the binding masks are per sequence.
+    sequence, so the binding masks are per sequence. ``in_band``: 1 - low <= s_i <= 1 + high (the
+    paper's acceptance event); ``clip_cap``: log s_i > 10 with no clip binding (A < 0).
     """
 
     level = "sequence"
@@ -36,13 +37,15 @@ class GSPOClip(RatioClipRule):
         p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
         s = token_log_ratio(p).sum(-1)
         s_norm = (s / p.lengths.clamp(min=1.0)).detach()
-        lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
-        log_ratio = lp - lp.detach() + s_norm.unsqueeze(-1)
-        loss, up, lo, du = ratio_clip(log_ratio, token_advantage(advantages, p), self.clip_ratio_low,
-                                      self.clip_ratio_high, None, clamp=(None, GSPO_MAX_LOG_RATIO))
+        log_ratio = seq_log_ratio_per_token(p, s_norm, "per_token", s_norm)
+        adv = token_advantage(advantages, p)
+        loss, up, lo, du, ok = ratio_clip(log_ratio, adv, self.clip_ratio_low, self.clip_ratio_high, None,
+                                          clamp=(None, GSPO_MAX_LOG_RATIO))
+        cap = cap_mask(log_ratio, adv, up | lo | du, None, GSPO_MAX_LOG_RATIO)
         m = p.mask
         return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=s.detach(),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m)
+                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
+                          clip_cap=cap & m)
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. c_gspo)."""
