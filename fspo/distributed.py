@@ -10,6 +10,7 @@ each holding 1/W of the data compute exactly what one process computes on all of
 - `rank_slice`: each rank's contiguous slice of the step's prompts (whole groups per rank);
 - `gather_rollout`: the whole rollout batch on every rank (token ids, masks, advantages: small),
   so PPO mini-batches are drawn from the GLOBAL batch with the same permutation as on one process;
+  `gather_group_ids`: its group ids alone, before the gather (mini-batches of whole groups);
   `share` then gives each rank a balanced contiguous part of every mini-batch;
 - `sync_count`: the most micro-batches any rank has (FSDP forwards/backwards are collectives:
   ranks with fewer run zero-weight dummies);
@@ -225,6 +226,25 @@ def _pad(t: Tensor, width: int, left: bool) -> Tensor:
     return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra)) if extra else t
 
 
+def _offset_groups(parts: List[Tensor]) -> List[Tensor]:
+    """Each rank's group ids shifted past the previous ranks' (rank order), so they stay unique."""
+    offset, groups = 0, []
+    for g in parts:
+        groups.append(g + offset)
+        offset += int(g.max()) + 1 if g.numel() else 0
+    return groups
+
+
+def gather_group_ids(group_ids: Tensor) -> Tensor:
+    """The group ids `gather_rollout` will give the global batch (rank order, offset to stay
+    unique), on ``group_ids``'s device; identity on one rank."""
+    if not _active():
+        return group_ids
+    parts: List[Optional[Tensor]] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, group_ids.cpu())
+    return torch.cat(_offset_groups(parts)).to(group_ids.device)
+
+
 def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
     """Concatenate every rank's rollout batch in rank order (prompts re-left-padded, responses
     re-right-padded with 0, group ids offset so they stay unique); identity on one rank."""
@@ -234,10 +254,7 @@ def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
     dist.all_gather_object(parts, batch.to("cpu"))
     p = max(b.prompt_ids.shape[1] for b in parts)
     t = max(b.response_ids.shape[1] for b in parts)
-    offset, groups = 0, []
-    for b in parts:
-        groups.append(b.group_ids + offset)
-        offset += int(b.group_ids.max()) + 1 if b.batch_size else 0
+    groups = _offset_groups([b.group_ids for b in parts])
     kw = {}
     for f in fields(RolloutBatch):
         vals = [getattr(b, f.name) for b in parts]

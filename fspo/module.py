@@ -8,9 +8,11 @@ forward passes and their micro-batch layouts (fspo/passes.py) and the diagnostic
 (fspo/diagnostics) — the step only wires them together, with no per-method code.
 
 Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
-shuffled into mini-batches of ``mini_batch_size`` sequences; each mini-batch is one optimizer
-step, its loss accumulated over token-budget micro-batches with the mini-batch's total token
-and sequence counts as denominators, so micro-batching never changes the loss. Old log-probs
+shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
+shuffled one by one; ``prompts``: whole groups of G, as verl counts ``ppo_mini_batch_size``;
+fspo/batching.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
+micro-batches with the mini-batch's total token and sequence counts as denominators, so
+micro-batching never changes the loss. Old log-probs
 (``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
 (same policy, no extra pass; the train-inference gap is logged as ``rollout/logprob_gap``);
 ``recompute`` runs this module's own no-grad forward pass before the first update, leaving out,
@@ -29,9 +31,9 @@ import lightning as L
 import torch
 
 from fspo import passes
-from fspo.batching import minibatch_indices
-from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_rollout,
-                              rank_offset, reduce_step_stats, reduce_sum, share)
+from fspo.batching import MINI_BATCH_UNITS, check_mini_batch, minibatch_plan
+from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
+                              gather_rollout, rank_offset, reduce_step_stats, reduce_sum, share)
 from fspo.emit import emit_metrics
 from fspo.models.segment_attention import enable_segment_attention
 from fspo.step_stats import StepStats, peak_memory_mib
@@ -40,9 +42,21 @@ from fspo.types import RolloutBatch
 
 @dataclass
 class PPOConfig:
-    """PPO-style update settings (paper Table 2: batch 128 sequences, mini-batch 32, n = 16)."""
+    """PPO-style update settings.
+
+    ``mini_batch_size`` counts ``mini_batch_unit``: ``"sequences"`` (the default) or ``"prompts"``
+    (whole groups of ``samples_per_prompt`` sequences, verl's ``ppo_mini_batch_size``). The paper
+    (Table 2, run in verl) has 128 prompts x n 16 = 2,048 sequences per step and mini-batch 32
+    prompts (512 sequences): 4 optimizer updates per step (conf/experiment/paper_*.yaml).
+    ``prompts_per_step`` / ``samples_per_prompt`` mirror the root ``prompts_per_step`` and
+    ``rollout.sampling.n`` (conf/config.yaml interpolates them): with both set the batch settings
+    are checked on construction (`fspo.batching.check_mini_batch`), before any model loads.
+    """
 
     mini_batch_size: int = 32
+    mini_batch_unit: str = "sequences"  # what mini_batch_size counts: "sequences" | "prompts"
+    prompts_per_step: Optional[int] = None
+    samples_per_prompt: Optional[int] = None
     epochs: int = 1
     micro_batch_max_tokens: int = 8192
     packing: bool = True         # no padding: one row per micro-batch, or rows (fspo/passes.py)
@@ -60,6 +74,14 @@ class PPOConfig:
     def __post_init__(self):
         if self.epochs < 1:
             raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
+        if self.mini_batch_unit not in MINI_BATCH_UNITS:
+            raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, "
+                             f"got {self.mini_batch_unit!r}")
+        if self.mini_batch_size < 1:
+            raise ValueError(f"ppo.mini_batch_size must be >= 1, got {self.mini_batch_size}")
+        if self.prompts_per_step is not None and self.samples_per_prompt is not None:
+            check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
+                             self.mini_batch_unit)
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         if self.old_log_probs not in ("recompute", "engine"):
@@ -69,6 +91,20 @@ class PPOConfig:
                 f"ppo.old_log_probs=engine takes the engine's log-probs, which are at temperature 1 (raw logits), "
                 f"but ppo.logprob_temperature is {self.logprob_temperature} (it follows rollout.sampling.temperature): "
                 f"set ppo.old_log_probs=recompute")
+
+    @property
+    def updates_per_step(self) -> Optional[int]:
+        """Optimizer updates per RL step (``epochs`` x mini-batches), None without the batch mirrors."""
+        if self.prompts_per_step is None or self.samples_per_prompt is None:
+            return None
+        return self.epochs * check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt),
+                                              self.mini_batch_size, self.mini_batch_unit)
+
+    def minibatch_plan(self, batch_size: int, generator: torch.Generator, group_ids=None) -> list:
+        """The step's mini-batches (row indices of the global batch of ``batch_size`` rows, group ids
+        ``group_ids`` [B]) in training order: `fspo.batching.minibatch_plan`."""
+        return minibatch_plan(batch_size, self.mini_batch_size, self.epochs, generator, self.mini_batch_unit,
+                              group_ids)
 
 
 class RLModule(L.LightningModule):
@@ -136,8 +172,12 @@ class RLModule(L.LightningModule):
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
-        plan = [mb for _ in range(self.ppo.epochs)
-                for mb in minibatch_indices(global_size, self.ppo.mini_batch_size, g)]
+        groups = None
+        if self.ppo.mini_batch_unit == "prompts":  # whole groups: the global batch's group ids
+            if rollout.group_ids is None:
+                raise ValueError("ppo.mini_batch_unit=prompts needs RolloutBatch.group_ids; the rollout has none")
+            groups = gather_group_ids(rollout.group_ids)
+        plan = self.ppo.minibatch_plan(global_size, g, groups)
         t0 = time.perf_counter()
         if rollout.old_log_probs is None and self.ppo.old_log_probs == "engine":
             if rollout.engine_log_probs is None:

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
     bins = LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
-    return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed)
+    return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
+                           acceptance_on_policy=bool(d.get("acceptance_on_policy", False)))
 
 
 def train(cfg: DictConfig) -> Dict[str, Any]:
@@ -44,6 +45,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
+    ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
@@ -63,7 +65,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
 
     # the algorithm: clip rule, aggregation, PPO settings, diagnostics
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
-                      ppo=instantiate(cfg.ppo), diagnostics=build_fairness(cfg, int(cfg.seed)),
+                      ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
                       run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed))
 
     # rollouts
