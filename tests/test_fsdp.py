@@ -197,11 +197,12 @@ def test_fsdp_trainer_config_composes():
 
 
 def test_paper_8xh200_config():
-    """Table 2 on 8 H200s: 128 sequences per step, mini-batch 32, n 16, AdamW 1e-6, 144 steps,
-    prompt 2,000 / response 18,000 tokens, vLLM memory 0.5; 8 FSDP ranks in bf16 with fp32 masters."""
+    """Table 2 on 8 H200s: 128 prompts x n 16 = 2,048 sequences per step, mini-batch 32 prompts, AdamW
+    1e-6, 144 steps, prompt 2,000 / response 18,000 tokens, vLLM memory 0.5 (tests/test_paper_presets.py
+    pins the batch reading); 8 FSDP ranks in bf16 with fp32 masters."""
     c = compose_config(["+experiment=paper_8xh200", "+method=fspo"])
-    assert c.prompts_per_step * c.rollout.sampling.n == 128 and c.rollout.sampling.n == 16
-    assert (c.ppo.mini_batch_size, c.ppo.lr, c.steps) == (32, 1e-6, 144)
+    assert c.prompts_per_step == 128 and c.rollout.sampling.n == 16
+    assert (c.ppo.mini_batch_size, c.ppo.mini_batch_unit, c.ppo.lr, c.steps) == (32, "prompts", 1e-6, 144)
     assert (c.data.max_prompt_len, c.rollout.sampling.max_new_tokens) == (2000, 18000)
     assert c.rollout.engine.gpu_memory_utilization == 0.5 and c.rollout.engine.tensor_parallel_size == 1
     assert c.trainer.strategy._target_ == "fspo.distributed.FSDP2Strategy" and c.trainer.devices == 8

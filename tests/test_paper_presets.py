@@ -1,8 +1,11 @@
 """The paper presets (conf/experiment/paper_*.yaml) compose with every method, in either order, and
 the composed values are the paper's (appendix "Configurations"), written out here independently.
 
-Table 2 (training): prompt / response 2,000 / 18,000 tokens, 128 sequences per step (8 prompts x
-n = 16), mini-batch 32, AdamW lr 1e-6, 144 steps, seed 42, vLLM GPU-util 0.5. FSPO: c_upper =
+Table 2 (training): prompt / response 2,000 / 18,000 tokens, global batch 128, mini-batch 32, n 16,
+AdamW lr 1e-6, 144 steps, seed 42, vLLM GPU-util 0.5. The batch is read in verl's units (prompts;
+the paper ran verl): 128 prompts x 16 = 2,048 sequences per step, mini-batches of 32 whole prompt
+groups (512 sequences), 4 updates per step; 144 x 128 = 18,432 prompts ~ one epoch of the training
+set and Figure 1's 217,454 log-ratios ~ 3/4 of 144 x 2,048 (conf/experiment/paper_qwen3_8b.yaml). FSPO: c_upper =
 c_lower = c_dual = 0.03, token-mean, no KL, entropy coefficient 0, GRPO-style advantage. Baselines
 (ratio space): GRPO 0.2 / 0.28 / dual 3.0, RLOO 0.4 / 0.667 / dual 3.0, GSPO 3e-4 / 4e-4 / no dual.
 Validation: MATH500 subset with the test-time decoding (temperature 0.6, top-p 0.95, top-k 200).
@@ -43,6 +46,78 @@ CLIP = {"fspo": ("fspo.clipping.fspo.FSPOClip", {"c_upper": 0.03, "c_lower": 0.0
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
+def updates_per_step(cfg) -> int:
+    """Optimizer updates of one RL step as the training step plans them (RLModule.training_step:
+    `PPOConfig.minibatch_plan` over the global batch, its rows answering prompts_per_step prompts n
+    times each, group ids as the rollout engines lay them out); checks every mini-batch's shape."""
+    import torch
+
+    ppo = instantiate(cfg.ppo)
+    prompts, n = int(cfg.prompts_per_step), int(cfg.rollout.sampling.n)
+    group_ids = torch.arange(prompts).repeat_interleave(n)  # fspo/rollout/base.py: rows k*n .. k*n+n-1
+    plan = ppo.minibatch_plan(prompts * n, torch.Generator().manual_seed(0), group_ids)
+    assert ppo.updates_per_step == len(plan)
+    for mb in plan:
+        if ppo.mini_batch_unit == "prompts":  # whole groups: every prompt's n samples in one mini-batch
+            assert len(mb) == ppo.mini_batch_size * n
+            assert all(int((group_ids[mb] == g).sum()) == n for g in group_ids[mb].unique())
+    assert sorted(torch.cat(plan).tolist()) == sorted(list(range(prompts * n)) * ppo.epochs)
+    return len(plan)
+
+
+def test_paper_batch_arithmetic():
+    """The reading of Table 2's batch (prompts, as verl counts them) against the paper's own numbers."""
+    cfg = compose_config(["+experiment=paper_qwen3_8b", "+method=fspo"])
+    prompts, n, steps = int(cfg.prompts_per_step), int(cfg.rollout.sampling.n), int(cfg.steps)
+    mini = int(cfg.ppo.mini_batch_size) * n
+    assert (prompts, n, steps, prompts * n, mini) == (128, 16, 144, 2048, 512)
+    assert steps * prompts == 18_432  # ~ one epoch of DAPO-Math-17k + AIME 1983-2023 (the paper: 1 epoch)
+    # Figure 1: n = 217,454 log-ratios; the first of the 4 mini-batches of a step is on-policy (S = 0)
+    off_policy = steps * (prompts * n - mini)
+    assert off_policy == 221_184 and abs(217_454 / off_policy - 1) < 0.02
+    assert steps * 8 * n < 217_454 / 10  # the old reading (8 prompts x 16) could not hold that many
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("override,match", [
+    ("prompts_per_step=8", r"ppo.mini_batch_size=32 prompts .*prompts_per_step=8 .*ppo.mini_batch_unit=sequences"),
+    ("prompts_per_step=48", r"prompts_per_step=48 does not split into whole mini-batches .*ppo.mini_batch_size=32"),
+    ("ppo.mini_batch_unit=groups", r"ppo.mini_batch_unit must be one of sequences, prompts"),
+])
+def test_preset_bad_batch_is_one_clear_error(preset, override, match):
+    from fspo.errors import user_error
+
+    with pytest.raises(Exception) as err:
+        instantiate(compose_config([f"+experiment={preset}", override]).ppo)
+    msg = user_error(err.value)
+    assert msg is not None and "\n" not in msg and "ValueError" in msg
+    assert __import__("re").search(match, msg), msg
+
+
+def test_bad_batch_fails_before_the_model_loads(tmp_path, monkeypatch):
+    """fspo.train.train checks the batch before it loads a model or creates the output folder."""
+    import fspo.train
+    from omegaconf import open_dict
+
+    def no_load(**_):
+        raise AssertionError("the model was loaded before the batch settings were checked")
+
+    monkeypatch.setattr(fspo.train, "load_policy", no_load)
+    cfg = compose_config(["+experiment=paper_qwen3_8b", "+method=fspo", "prompts_per_step=8"])
+    with open_dict(cfg):
+        cfg.output_dir = str(tmp_path / "run")
+    with pytest.raises(Exception, match="ppo.mini_batch_unit=sequences"):
+        fspo.train.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_default_run_batch_is_unchanged():
+    """The root default counts mini-batches in sequences: 16 prompts x 8 = 128 sequences, 4 updates."""
+    cfg = compose_config([])
+    assert (cfg.prompts_per_step, cfg.rollout.sampling.n, cfg.ppo.mini_batch_size) == (16, 8, 32)
+    assert cfg.ppo.mini_batch_unit == "sequences" and updates_per_step(cfg) == 4
+
+
 def test_both_presets_exist():
     assert set(PRESETS) >= set(HUB)
     for preset in PRESETS:  # a hardware layout (e.g. paper_8xh200) builds on a model preset
@@ -70,8 +145,9 @@ def test_preset_with_method_has_the_papers_values(preset, method):
     if preset in HUB:
         assert c["run_name"] == f"{preset}_{method}" and c["model"]["dtype"] == "bfloat16"
     assert c["data"]["max_prompt_len"] == 2000 and c["rollout"]["sampling"]["max_new_tokens"] == 18000
-    assert c["prompts_per_step"] * c["rollout"]["sampling"]["n"] == 128 and c["rollout"]["sampling"]["n"] == 16
-    assert c["ppo"]["mini_batch_size"] == 32 and c["ppo"]["epochs"] == 1
+    assert c["prompts_per_step"] == 128 and c["rollout"]["sampling"]["n"] == 16  # 2,048 sequences per step
+    assert c["ppo"]["mini_batch_size"] == 32 and c["ppo"]["mini_batch_unit"] == "prompts" and c["ppo"]["epochs"] == 1
+    assert updates_per_step(cfg) == 4
     assert c["ppo"]["lr"] == 1e-6 and c["steps"] == 144 and c["seed"] == 42
     assert c["rollout"]["engine"]["_target_"] == "fspo.rollout.vllm.VLLMEngine"
     assert c["rollout"]["engine"]["gpu_memory_utilization"] == 0.5
@@ -131,3 +207,19 @@ def test_preset_validation_set_is_a_math500_subset():
     first = [s.meta["id"] for s in val.samples[:4]]
     assert first == [s.meta["id"] for s in instantiate(cfg.data.val).samples[:4]]  # a fixed (seeded) subset
     assert all("\\boxed{}" in s.prompt for s in val.samples)
+
+
+def test_8xh200_layout_fits_the_batch():
+    """8 FSDP ranks, each with its own vLLM engine: 16 of the 128 prompts per rank (256 sequences, one
+    vLLM batch), 64 of each 512-sequence mini-batch per rank (Table 2's per-GPU micro-batch 32 = 2 of
+    them; here a token budget sets the micro-batches), a full-length sequence fits a micro-batch."""
+    c = compose_config(["+experiment=paper_8xh200", "+method=fspo"])
+    ranks = int(c.trainer.devices) * int(c.trainer.num_nodes)
+    n = int(c.rollout.sampling.n)
+    assert ranks == 8 and c.prompts_per_step % ranks == 0 and c.ppo.mini_batch_size % ranks == 0
+    assert c.prompts_per_step // ranks * n == 256 == c.rollout.engine.batch_size
+    assert c.ppo.mini_batch_size * n // ranks == 64 == 2 * 32
+    assert c.rollout.engine.tensor_parallel_size == 1
+    full = c.data.max_prompt_len + c.rollout.sampling.max_new_tokens
+    assert c.ppo.micro_batch_max_tokens >= full and c.rollout.engine.max_model_len >= full
+    assert updates_per_step(c) == 4
