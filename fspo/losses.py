@@ -1,27 +1,36 @@
-"""Loss aggregation: a [B, T] per-token loss matrix to a scalar, as verl's `agg_loss` does.
+"""Loss aggregation: a [B, T] per-token loss matrix to a scalar, as verl 0.9.1's `agg_loss` does.
 
 Owns: `aggregate`, `AggResult`, `Aggregator` (the Hydra-instantiable wrapper) and `AGG_MODES`.
-Leaves out: the per-token losses themselves (fspo/clipping) and the split of a mini-batch into
-micro-batches (fspo/module.py), which passes the mini-batch denominators in.
+Leaves out: the per-token losses themselves (fspo/clipping), the split of a mini-batch into
+micro-batches (fspo/module.py), which passes the mini-batch denominators in, and verl's data-parallel
+factor dp_size (this function is single-process: dp_size = 1; fspo/clipping/registry.py applies it).
 
-Every mode is a weighted sum of per-sequence token means, loss = sum_i w_i * mean_t(loss_i,t):
+Every mode is a per-token coefficient k_i times each sequence's token sum, loss = sum_i k_i sum_t m l,
+equivalently a weighted sum of per-sequence token means, loss = sum_i w_i mean_t(l_i,t), w_i = k_i L_i:
 
-| mode                      | loss                                   | w_i                       |
-|---------------------------|----------------------------------------|---------------------------|
-| token-mean (the paper's)  | sum_{i,t} m l / total_tokens           | L_i / total_tokens        |
-| seq-mean-token-mean       | sum_{i: L_i>0} mean_t l_i / total_seqs | [L_i > 0] / total_seqs    |
-| seq-mean-token-sum        | sum_i sum_t m l / total_seqs           | L_i / total_seqs          |
-| seq-mean-token-sum-norm   | sum_i sum_t m l / norm_len             | L_i / norm_len            |
+| mode                      | loss                                        | k_i                          |
+|---------------------------|---------------------------------------------|------------------------------|
+| token-mean (the paper's)  | sum_{i,t} m l / total_tokens                | 1 / total_tokens             |
+| token-sum                 | sum_{i,t} m l                               | 1                            |
+| seq-mean-token-mean       | sum_{i: L_i>0} mean_t l_i / total_seqs      | [L_i > 0] / (L_i total_seqs) |
+| seq-mean-token-sum        | sum_i sum_t m l / total_seqs                | 1 / total_seqs               |
+| seq-mean-token-sum-norm   | sum_i sum_t m l / (total_seqs * norm_len)   | 1 / (total_seqs norm_len)    |
 
-So token-mean weights each sequence by its length: with a sequence-level ratio (FSPO, RLOO) the
-sequence's surrogate is repeated on its L_i tokens and counts L_i times.
+The gradient of token t of sequence i is k_i d l_{i,t}. With the per-token form of a sequence-level
+ratio (FSPO's and RLOO's default ``ratio_grad="per_token"``; GSPO's only form: d l_{i,t} / d logp_{i,t}
+is the sequence's surrogate derivative on that token alone) every token of sequence i gets weight k_i:
+under token-mean the same 1 / total_tokens for all sequences, i.e. the paper's per-sequence weight
+up to a batch constant. Only the ``ratio_grad="length_weighted"`` form (the sequence surrogate with
+its full gradient through S_i on each of its L_i tokens) makes token-mean weight sequence i by L_i.
 
-Denominators (verl semantics): ``total_tokens`` defaults to sum(m) of this call, ``total_seqs`` to
-the number of sequences with L_i > 0 (verl excludes fully-masked rows), ``norm_len`` to T (verl's
-max response length; note verl's seq-mean-token-sum-norm has no 1/B). When a mini-batch is split
-into micro-batches, pass the mini-batch's ``total_tokens`` / ``total_seqs`` / ``norm_len`` to every
-micro-batch call: the micro-batch losses then sum to the mini-batch loss. Clipped sequences stay in
-every denominator (paper section Method). A zero denominator gives loss 0 (with a graph).
+Denominators (verl semantics): ``total_tokens`` defaults to sum(m) of this call (verl's
+batch_num_tokens), ``total_seqs`` to the number of sequences with L_i > 0 (verl's global_batch_size;
+verl excludes fully-masked rows), ``norm_len`` to T = response_mask.shape[-1] (verl's
+loss_scale_factor, default the horizon). When a mini-batch is split into micro-batches, pass the
+mini-batch's ``total_tokens`` / ``total_seqs`` / ``norm_len`` to every micro-batch call: the
+micro-batch losses then sum to the mini-batch loss (micro-batches trimmed to their own length need
+an explicit ``norm_len``). Clipped sequences stay in every denominator (paper section Method). A zero
+denominator gives loss 0 (with a graph); verl returns NaN there.
 """
 from __future__ import annotations
 
@@ -63,11 +72,17 @@ def _seq_mean_token_sum(lengths: Tensor, t: int, tokens, seqs, norm) -> Tensor:
 
 
 def _seq_mean_token_sum_norm(lengths: Tensor, t: int, tokens, seqs, norm) -> Tensor:
-    return (1.0 / _den(norm, torch.tensor(float(t), device=lengths.device))).expand_as(lengths)
+    n = _den(seqs, (lengths > 0).sum().float())
+    return (1.0 / (n * _den(norm, torch.tensor(float(t), device=lengths.device)))).expand_as(lengths)
+
+
+def _token_sum(lengths: Tensor, t: int, tokens, seqs, norm) -> Tensor:
+    return torch.ones_like(lengths)
 
 
 _MODES: Dict[str, Callable[..., Tensor]] = {
     "token-mean": _token_mean,
+    "token-sum": _token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,

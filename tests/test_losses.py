@@ -27,8 +27,10 @@ def example():
     ("seq-mean-token-mean", 5.0, [1 / 3, 1 / 3, 1 / 3, 0.0]),
     # seq-mean-token-sum: (10 + 11 + 7) / 3 = 9.3333; w_i = L_i / 3
     ("seq-mean-token-sum", 28 / 3, [4 / 3, 2 / 3, 1 / 3, 0.0]),
-    # seq-mean-token-sum-norm: 28 / T (= 4) = 7; w_i = L_i / 4
-    ("seq-mean-token-sum-norm", 7.0, [1.0, 0.5, 0.25, 0.0]),
+    # seq-mean-token-sum-norm (verl 0.9.1): 28 / (3 sequences * T = 4) = 2.3333; w_i = L_i / 12
+    ("seq-mean-token-sum-norm", 28 / 12, [4 / 12, 2 / 12, 1 / 12, 0.0]),
+    # token-sum: 28; w_i = L_i
+    ("token-sum", 28.0, [4.0, 2.0, 1.0, 0.0]),
 ])
 def test_hand_computed(mode, value, weights):
     loss, m = example()
@@ -44,7 +46,11 @@ def test_explicit_denominators():
     assert aggregate(loss, m, "token-mean", total_tokens=14).loss.item() == pytest.approx(2.0)
     assert aggregate(loss, m, "seq-mean-token-mean", total_seqs=6).loss.item() == pytest.approx(2.5)
     assert aggregate(loss, m, "seq-mean-token-sum", total_seqs=torch.tensor(4)).loss.item() == pytest.approx(7.0)
-    assert aggregate(loss, m, "seq-mean-token-sum-norm", norm_len=8).loss.item() == pytest.approx(3.5)
+    # 28 / (3 * 8) and 28 / (7 * 4)
+    assert aggregate(loss, m, "seq-mean-token-sum-norm", norm_len=8).loss.item() == pytest.approx(7 / 6)
+    assert aggregate(loss, m, "seq-mean-token-sum-norm", total_seqs=7, norm_len=4).loss.item() == pytest.approx(1.0)
+    # token-sum has no denominator: 28 whatever is passed
+    assert aggregate(loss, m, "token-sum", total_tokens=14, total_seqs=6, norm_len=8).loss.item() == pytest.approx(28.0)
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -59,17 +65,25 @@ def test_seq_weights_reconstruct_loss(mode):
     torch.testing.assert_close(out.loss, (out.seq_weights * seq_mean).sum())
 
 
-def test_token_mean_weights_sequences_by_length():
-    # a sequence-level surrogate repeated on its L_i tokens counts L_i times under token-mean:
-    # L = (1, 9), per-sequence losses (10, 0) -> token-mean = 10 * 1 / 10 = 1, seq-mean-token-mean = 5
+def test_token_mean_value_and_per_token_gradient_weights():
+    # L = (1, 9), a per-sequence value (10, 0) repeated on each sequence's tokens: the token-mean
+    # value counts sequence i L_i times (w = L_i / 10): 10 * 1 / 10 = 1; seq-mean-token-mean = 5.
+    # The gradient weight per token is k_i: 1 / 10 for every token of both sequences under token-mean
+    # (so a per-token ratio gradient weights sequences equally); 1 / (2 L_i) under seq-mean-token-mean.
     m = torch.zeros(2, 9)
     m[0, :1] = 1
     m[1, :] = 1
-    tok = torch.tensor([10.0, 0.0])[:, None] * m
+    tok = (torch.tensor([10.0, 0.0])[:, None] * m).requires_grad_(True)
     out = aggregate(tok, m, "token-mean")
     assert out.loss.item() == pytest.approx(1.0)
     torch.testing.assert_close(out.seq_weights, torch.tensor([0.1, 0.9]))
-    assert aggregate(tok, m, "seq-mean-token-mean").loss.item() == pytest.approx(5.0)
+    (g,) = torch.autograd.grad(out.loss, tok)
+    torch.testing.assert_close(g, 0.1 * m)
+    out = aggregate(tok, m, "seq-mean-token-mean")
+    assert out.loss.item() == pytest.approx(5.0)
+    (g,) = torch.autograd.grad(out.loss, tok)
+    torch.testing.assert_close(g[0, 0], torch.tensor(0.5))
+    torch.testing.assert_close(g[1], torch.full((9,), 1 / 18))
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -136,7 +150,9 @@ def test_unknown_mode_and_bad_shapes():
 def test_aggregator_delegates():
     loss, m = example()
     agg = Aggregator("seq-mean-token-sum-norm", norm_len=8)
-    assert agg(loss, m).loss.item() == pytest.approx(3.5)
-    assert agg(loss, m, norm_len=4).loss.item() == pytest.approx(7.0)
+    assert agg(loss, m).loss.item() == pytest.approx(28 / 24)
+    assert agg(loss, m, norm_len=4).loss.item() == pytest.approx(28 / 12)
+    assert agg(loss, m, total_seqs=2).loss.item() == pytest.approx(28 / 16)
+    assert Aggregator("token-sum")(loss, m).loss.item() == pytest.approx(28.0)
     assert Aggregator()(loss, m).loss.item() == pytest.approx(4.0)
     assert "token-mean" in repr(Aggregator())

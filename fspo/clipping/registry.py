@@ -1,16 +1,20 @@
 """verl-compatible policy-loss registry: ``fn(old_log_prob, log_prob, advantages, response_mask,
-loss_agg_mode, config) -> (loss, metrics)``.
+loss_agg_mode, config) -> (loss, metrics)``, matching verl 0.9.1 (tests/test_verl_parity.py).
 
 Owns: `POLICY_LOSSES`, `register_policy_loss`, `get_policy_loss_fn` and the wrappers that build a
 clip rule from verl-style settings, apply it and aggregate. Names: ``vanilla`` (= ``grpo``),
 ``grpo``, ``rloo``, ``gspo``, ``fspo``. ``config`` may be None, a dict, a DictConfig or any object
-with verl's field names: ``clip_ratio`` (fallback for both sides), ``clip_ratio_low``,
-``clip_ratio_high``, ``clip_ratio_c``; for fspo ``c_upper``, ``c_lower``, ``c_dual``. Unset fields
-take the paper's values for that method. As in verl, ``gspo`` always aggregates with
-seq-mean-token-mean whatever ``loss_agg_mode`` says. Metrics (python floats, masked token means):
-``actor/pg_clipfrac`` (upper or lower clip binds), ``actor/ppo_kl`` (mean of logp_old - logp_new,
-clamped to +-20 like verl's vanilla except for gspo),
-``actor/pg_clipfrac_lower`` (verl's name for the dual-clip fraction).
+with verl's field names (a verl ``ActorConfig`` included): ``clip_ratio`` (fallback for both sides),
+``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``; for fspo ``c_upper``, ``c_lower``,
+``c_dual``; for fspo and rloo ``ratio_grad`` ("per_token" | "length_weighted", passed to the rule
+only when set). Unset fields take the paper's values for that method. Every name aggregates with
+``loss_agg_mode`` (fspo/losses.py; gspo's default argument is seq-mean-token-mean, as in verl).
+``config.global_batch_info`` (verl's dict: ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+``loss_scale_factor``; empty by default) sets the aggregation's ``total_tokens``, ``total_seqs`` and
+``norm_len`` and multiplies the loss by ``dp_size``, as verl's `agg_loss` does.
+Metrics (python floats, masked token means): ``actor/pg_clipfrac`` (upper or lower clip binds),
+``actor/ppo_kl`` (mean of logp_old - logp_new, clamped to +-20 like verl's vanilla except for gspo),
+``actor/pg_clipfrac_lower`` (verl's name for the dual-clip fraction; 0 for gspo).
 Leaves out: stateful running estimates (FSPO's EMA band needs the `FSPOClip` module itself).
 """
 from __future__ import annotations
@@ -72,12 +76,38 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float((x.float() * mask).sum() / mask.sum().clamp(min=1.0))
 
 
+def _seq_kwargs(config: Any) -> Dict[str, Any]:
+    """FSPOClip / RLOOClip keyword ``ratio_grad`` from ``config``, only when set."""
+    v = _get(config, "ratio_grad")
+    return {} if v is None else {"ratio_grad": v}
+
+
+def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
+    """verl's ``global_batch_info`` as `aggregate` keywords, and its ``dp_size`` (default 1).
+
+    As in verl, dp_size > 1 requires the global denominator ``mode`` uses (ValueError otherwise)."""
+    info = _get(config, "global_batch_info") or {}
+    totals = {"total_tokens": _get(info, "batch_num_tokens"), "total_seqs": _get(info, "global_batch_size"),
+              "norm_len": _get(info, "loss_scale_factor")}
+    dp = _get(info, "dp_size")
+    dp = 1 if dp is None else dp
+    need = ("batch_num_tokens" if mode == "token-mean" else
+            "global_batch_size" if mode.startswith("seq-mean") else None)
+    if dp != 1 and need is not None and _get(info, need) is None:
+        raise ValueError(f"global_batch_info: {need} is required with loss_agg_mode {mode!r} when "
+                         f"dp_size > 1 (got dp_size={dp!r})")
+    return totals, dp
+
+
 def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
-         response_mask: Tensor, mode: str, kl_clamp: Optional[float] = MAX_LOG_RATIO,
+         response_mask: Tensor, mode: str, config: Any, kl_clamp: Optional[float] = MAX_LOG_RATIO,
          ) -> Tuple[Tensor, Dict[str, float]]:
+    totals, dp = _batch_info(config, mode)
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
-    loss = aggregate(res.token_loss, response_mask, mode).loss
+    loss = aggregate(res.token_loss, response_mask, mode, **totals).loss
+    if dp != 1:
+        loss = loss * dp
     d = torch.where(m.bool(), log_prob.detach().float() - old_log_prob.float(), 0.0)
     if kl_clamp is not None:  # verl's vanilla reports the clamped log-ratio, its gspo the raw one
         d = d.clamp(-kl_clamp, kl_clamp)
@@ -94,31 +124,33 @@ def policy_loss_grpo(old_log_prob, log_prob, advantages, response_mask,
     """GRPO / verl vanilla: `GRPOClip` (token ratio clip 0.2 / 0.28, dual 3.0) + `aggregate`."""
     rule = GRPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
                                              "clip_ratio_c": 3.0}))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
 
 
 @register_policy_loss("rloo")
 def policy_loss_rloo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "token-mean", config: Any = None):
-    """RLOO: `RLOOClip` (sequence ratio clip 0.4 / 0.667, dual 3.0) + `aggregate`."""
+    """RLOO: `RLOOClip` (sequence ratio clip 0.4 / 0.667, dual 3.0; ``ratio_grad``) + `aggregate`."""
     rule = RLOOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.4, "clip_ratio_high": 0.667,
-                                             "clip_ratio_c": 3.0}))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
+                                             "clip_ratio_c": 3.0}), **_seq_kwargs(config))
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
 
 
 @register_policy_loss("gspo")
 def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "seq-mean-token-mean", config: Any = None):
-    """GSPO: `GSPOClip` (clip 3e-4 / 4e-4, no dual), always seq-mean-token-mean like verl."""
+    """GSPO: `GSPOClip` (clip 3e-4 / 4e-4, no dual) + `aggregate` with ``loss_agg_mode`` (verl 0.9.1
+    honours it; its default, seq-mean-token-mean, is the GSPO paper's)."""
     rule = GSPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean",
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                 kl_clamp=None)
 
 
 @register_policy_loss("fspo")
 def policy_loss_fspo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "token-mean", config: Any = None):
-    """FSPO with a fixed band: `FSPOClip(c_upper, c_lower, c_dual)` (paper 0.03 each) + `aggregate`."""
-    kw = {k: _get(config, k) for k in ("c_upper", "c_lower", "c_dual")}
+    """FSPO with a fixed band: `FSPOClip(c_upper, c_lower, c_dual)` (paper 0.03 each; ``ratio_grad``)
+    + `aggregate`."""
+    kw = {k: _get(config, k) for k in ("c_upper", "c_lower", "c_dual", "ratio_grad")}
     rule = FSPOClip(**{k: v for k, v in kw.items() if v is not None})
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode)
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
