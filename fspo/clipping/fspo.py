@@ -21,6 +21,11 @@ Readings of the paper that this file commits to:
   sigma_t = (1 - alpha) sigma_{t-1} + alpha std_batch((S - mu_L) / sqrt(L)) over sequences with L > 0,
   sigma_0 = 0.03; the dual scale is max(c_dual, z sigma_t) so it never falls inside the band.
   sigma_hat is tracked in both modes (a diagnostic in "fixed" mode).
+* Calibrated bands (beyond the paper; fspo/clipping/calibration.py): ``band="power"`` fits
+  std(S_L - mu_L) = sigma L^gamma from running per-length-bin moments, ``band="per_bin"`` uses the
+  running per-bin std interpolated in log L; both clip S to mu_L -+ z scale(L), so the clip
+  probability is 2 Phi(-z) at every L when S_L is Gaussian whatever its law in L (the paper's band
+  assumes gamma = 1/2). The dual bound is mu_L + max(c_dual sqrt(L), z scale(L)).
 * KL drift (paper eq. mu_kl): mu_L = -kl_bar L, kl_bar an EMA of the per-token k3 estimate of
   KL(pi_old || pi_new): mean_t (r_t - 1 - log r_t), r_t = exp(logp_new - logp_old). Tracked in both
   drift modes; used in the band only with drift="kl".
@@ -30,7 +35,7 @@ Readings of the paper that this file commits to:
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from torch import Tensor
 from fspo.clipping._common import (MAX_LOG_RATIO, RATIO_GRADS, check_choice, check_positive, prepare,
                                    seq_advantage, seq_log_ratio_per_token, seq_result, token_log_ratio)
 from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.calibration import CALIBRATORS
 
 Scale = Union[float, Tensor]
 
@@ -65,17 +71,19 @@ class FSPOClip(ClipRule):
     ``c_dual=None`` a negative-advantage S above the float-safety cap 20 is ``clip_cap``, not dual.
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
-    "fixed" | "ema", ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
+    "fixed" | "ema" | "power" | "per_bin" (``calibration``: keyword settings of the calibrator,
+    e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
     running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
     """
 
     level = "sequence"
-    BANDS = ("fixed", "ema")
+    BANDS = ("fixed", "ema") + tuple(CALIBRATORS)
     DRIFTS = ("zero", "kl")
 
     def __init__(self, c_upper: float = 0.03, c_lower: float = 0.03, c_dual: Optional[float] = 0.03,
                  band: str = "fixed", drift: str = "zero", z: float = 1.0, alpha: float = 0.1,
-                 sigma0: float = 0.03, ratio_grad: str = "per_token") -> None:
+                 sigma0: float = 0.03, ratio_grad: str = "per_token",
+                 calibration: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         own = type(self).__name__
         self.ratio_grad = check_choice(own, "ratio_grad", ratio_grad, RATIO_GRADS)
@@ -96,6 +104,9 @@ class FSPOClip(ClipRule):
         self.alpha = a
         self.register_buffer("sigma_hat", torch.tensor(check_positive(own, "sigma0", sigma0)))
         self.register_buffer("kl_bar", torch.tensor(0.0))
+        # band=power|per_bin: the calibrator (its moments are buffers, so they are checkpointed)
+        self.calibrator = CALIBRATORS[self.band](sigma0=float(sigma0), **dict(calibration or {})) \
+            if self.band in CALIBRATORS else None
 
     # --- band -------------------------------------------------------------------------------
     def scales(self) -> Tuple[Scale, Scale, Optional[Scale]]:
@@ -111,12 +122,19 @@ class FSPOClip(ClipRule):
 
     def bounds(self, lengths: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """(lo, hi, du) per sequence [B]; hi and du capped at log-ratio 20 (float safety)."""
-        c_up, c_lo, c_du = self.scales()
-        root, mu = lengths.sqrt(), self.drift_mu(lengths)
-        hi = (mu + c_up * root).clamp(max=MAX_LOG_RATIO)
-        du = (mu + c_du * root).clamp(max=MAX_LOG_RATIO) if c_du is not None \
-            else torch.full_like(hi, MAX_LOG_RATIO)
-        return mu - c_lo * root, hi, du
+        mu = self.drift_mu(lengths)
+        root = lengths.sqrt()
+        if self.calibrator is not None:
+            w = self.z * self.calibrator.scale(lengths).to(mu)
+            up = lo = w
+            dw = None if self.c_dual is None else torch.maximum(self.c_dual * root, w)
+        else:
+            c_up, c_lo, c_du = self.scales()
+            up, lo = c_up * root, c_lo * root
+            dw = None if c_du is None else c_du * root
+        hi = (mu + up).clamp(max=MAX_LOG_RATIO)
+        du = (mu + dw).clamp(max=MAX_LOG_RATIO) if dw is not None else torch.full_like(hi, MAX_LOG_RATIO)
+        return mu - lo, hi, du
 
     # --- loss -------------------------------------------------------------------------------
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
@@ -172,20 +190,27 @@ class FSPOClip(ClipRule):
         kl = (1 - a) * self.kl_bar.double() + a * ksum / ntok.clamp(min=1.0)
         self.sigma_hat.copy_(torch.where(n >= 2, sigma, self.sigma_hat.double()))
         self.kl_bar.copy_(torch.where(ntok > 0, kl, self.kl_bar.double()))
+        if self.calibrator is not None:  # the drift of this batch, as for sigma_hat above
+            self.calibrator.observe(seq_log_ratio, lengths, self.drift_mu(length).to(seq_log_ratio))
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S - mu_L > c_upper sqrt L) + P(S - mu_L < -c_lower sqrt L), S ~ N(mu_L, sigma^2 L),
         with the scales in effect; 2 Phi(-z) when c = z sigma, flat in L. (The band is centred on
         the drift, so the data's drift is assumed to be the band's.)"""
-        from fspo.diagnostics.theory import c_fspo
+        from fspo.diagnostics.theory import c_fspo, c_fspo_symmetric
+        if self.calibrator is not None:  # the band tracks std(S_L) itself: 2 Phi(-z) at every L
+            return c_fspo_symmetric(lengths, self.z)
         c_up, c_lo, _ = self.scales()
         return c_fspo(lengths, sigma, float(c_up), float(c_lo))
 
     def extra_metrics(self) -> Dict[str, float]:
         """Scalars to log: clip/sigma_hat, clip/kl_bar and the scales in effect (clip/c_*)."""
         c_up, c_lo, c_du = self.scales()
-        out = {"clip/sigma_hat": float(self.sigma_hat), "clip/kl_bar": float(self.kl_bar),
-               "clip/c_upper": float(c_up), "clip/c_lower": float(c_lo)}
+        out = {"clip/sigma_hat": float(self.sigma_hat), "clip/kl_bar": float(self.kl_bar)}
+        if self.calibrator is not None:
+            out.update(self.calibrator.metrics())
+            return out
+        out.update({"clip/c_upper": float(c_up), "clip/c_lower": float(c_lo)})
         if c_du is not None:
             out["clip/c_dual"] = float(c_du)
         return out
