@@ -32,18 +32,22 @@ def _data(n=600, T=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     L = torch.randint(0, T + 1, (n,), generator=g)
     mask = (torch.arange(T)[None] < L[:, None]).long()
-    up, lo, du = (mask.bool() & (torch.rand(n, T, generator=g) < p) for p in (0.15, 0.1, 0.03))
+    up, lo, du, cap = (mask.bool() & (torch.rand(n, T, generator=g) < p) for p in (0.15, 0.1, 0.03, 0.02))
+    in_band = mask.bool() & (torch.rand(n, 1, generator=g) < 0.6)  # per sequence, broadcast
     s = torch.randn(n, generator=g) * 0.05 * L.float().sqrt()
     adv = torch.randn(n, generator=g)
     overlong = L == T
-    return L, mask, up, lo, du, s, adv, overlong
+    on_policy = torch.arange(n) % 4 == 0  # a quarter of the rows come in on-policy batches
+    return L, mask, up, lo, du, cap, in_band, s, adv, overlong, on_policy
 
 
 def _feed(fm, rows, micro=50):
-    L, mask, up, lo, du, s, adv, overlong = (x[rows] for x in _data())
+    L, mask, up, lo, du, cap, ib, s, adv, overlong, onp = (x[rows] for x in _data())
     for sl in torch.arange(len(rows)).split(micro):
-        res = ClipResult(torch.zeros(1), s[sl], up[sl], lo[sl], du[sl])
-        fm.update_clip(res, L[sl], mask[sl], adv[sl])
+        for pol in (True, False):
+            k = sl[onp[sl] == pol]
+            res = ClipResult(torch.zeros(1), s[k], up[k], lo[k], du[k], ib[k], cap[k])
+            fm.update_clip(res, L[k], mask[k], adv[k], log_ratio=not pol)
         fm.update_rollout(L[sl], overlong[sl])
 
 
@@ -94,6 +98,9 @@ def test_synced_compute_equals_single_process(synced):
                 torch.testing.assert_close(torch.as_tensor(got[key][name]), torch.as_tensor(arr),
                                            rtol=1e-12, atol=1e-15, equal_nan=True)
         assert synced[r]["local_reservoir_shape"] == (512,)
+    m = want["metrics"]
+    assert 0 < m["band/n_seq"] < m["rollout/n_responses"] and m["clip/seq_frac_cap"] > 0
+    assert m["fairness/lre"] != m["fairness/binding_lre"]
 
 
 @pytest.mark.distributed

@@ -158,10 +158,11 @@ def test_bounded_memory_ten_million_sequences():
     m1 = L1[:, None].bool()
     up = m1 & (torch.rand(B, 1, generator=g) < 0.2)
     no = torch.zeros(B, 1, dtype=torch.bool)
-    res = ClipResult(torch.zeros(1), s, up, no, no)
+    res = ClipResult(torch.zeros(1), s, up, no, no, m1 & ~up)
     adv, overlong = torch.ones(B), L >= 32_768
     for _ in range(100):  # 10 million sequences
-        fm.clip.update(L1, m1, res.clip_upper, res.clip_lower, res.clip_dual, adv)
+        fm.clip.update(L1, m1, res.clip_upper, res.clip_lower, res.clip_dual, adv, in_band=res.in_band,
+                       clip_cap=res.clip_cap)
         fm.log_ratio.update(s, L)
         fm.update_rollout(L, overlong)
     assert _state_shapes(fm) == before
@@ -172,3 +173,4 @@ def test_bounded_memory_ten_million_sequences():
     assert out["logratio/qq_n"] == 4096
     assert out["logratio/sigma_hat"] == pytest.approx(0.03, rel=0.01)
     assert out["clip/seq_frac"] == pytest.approx(int(up.sum()) / int(m1.sum()), rel=1e-12)
+    assert out["band/out_frac"] == pytest.approx(int(up.sum()) / int(m1.sum()), rel=1e-12)

@@ -70,6 +70,10 @@ def test_length_fairness_min_len_excludes_bins_by_upper_edge():
     # LRE = 0.5 * (10*1 + 4*0.5 + 4*2) / 18 = 10/18
     assert length_fairness(counts, clipped, abs_adv, bins)["fairness/lre"] == pytest.approx(10 / 18)
     assert length_fairness(torch.zeros(8), torch.zeros(8), torch.zeros(8), bins) == {}
+    # the binding-clip LRE goes through the same function under its own names
+    assert length_fairness(counts, clipped, abs_adv, bins, min_len=1000, prefix="fairness/binding_") == \
+        pytest.approx({"fairness/binding_lre": 1 / 6, "fairness/binding_lre_w": 1 / 6,
+                       "fairness/binding_q_bar": 0.75, "fairness/binding_n_bins": 2.0})
 
 
 def test_length_bins_edges_labels_and_index():

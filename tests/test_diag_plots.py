@@ -24,6 +24,9 @@ def test_clip_fraction_plot_inputs(tmp_path):
     series = {"RLOO": by_label, "FSPO": (np.array([100.0, 300.0]), np.array([0.3, 0.31]))}
     _saves(plot_clip_fraction_by_length(series, theory_curve=theory), tmp_path / "b.png")
     _saves(plot_clip_fraction_by_length((np.zeros(0), np.zeros(0))), tmp_path / "c.png")
+    fig = plot_clip_fraction_by_length(by_label, binding={"len_00000_00200": 0.05})
+    assert [ln.get_label() for ln in fig.axes[0].get_lines()] == ["observed", "binding clip"]
+    _saves(fig, tmp_path / "d.png")
     with pytest.raises(ValueError, match="observed"):
         plot_clip_fraction_by_length([0.1, 0.2])
 
@@ -46,9 +49,18 @@ def test_fairness_metrics_figures(tmp_path):
     no = torch.zeros(B, T, dtype=torch.bool)
     s = torch.randn(B, generator=g) * 0.03 * L.float().sqrt()
     fm = FairnessMetrics(LengthBins(width=16, max_len=64))
-    fm.update_clip(ClipResult(torch.zeros(1), s, up, no, no), L, mask, torch.ones(B))
+    out_band = mask & (torch.rand(B, 1, generator=g) < 0.3)
+    fm.update_clip(ClipResult(torch.zeros(1), s, up, no, no, mask & ~out_band), L, mask, torch.ones(B))
     figs = fm.figures(theory={"FSPO z=1": lambda x: c_fspo(x, z=1.0)})
     assert set(figs) == {"clip_fraction_by_length", "logratio_qq", "logratio_std_vs_len"}
+    # beside the theory: the out-of-band fraction c(L) = 1 - q(L); the binding clips as a second curve
+    lines = {ln.get_label(): ln for ln in figs["clip_fraction_by_length"].axes[0].get_lines()}
+    assert set(lines) == {"out of band, c(L) = 1 - q(L)", "binding clip", "FSPO z=1"}
+    per_bin = fm.clip.last_per_bin
+    ok = per_bin["band_count"] > 0
+    np.testing.assert_allclose(lines["out of band, c(L) = 1 - q(L)"].get_ydata(), per_bin["out_frac"][ok])
+    np.testing.assert_allclose(lines["binding clip"].get_ydata(), per_bin["seq_frac"][per_bin["count"] > 0])
+    assert not np.allclose(per_bin["out_frac"][ok], per_bin["seq_frac"][ok])
     for name, fig in figs.items():
         _saves(fig, tmp_path / f"{name}.png")
     fm.reset()

@@ -1,6 +1,7 @@
 """Length-fairness diagnostics (paper section "Length-Fairness Diagnostics", DESIGN.md §2).
 
-Owns: length bins, torchmetrics metrics with sum-reduced states (clip fraction by length, LRE,
+Owns: length bins, torchmetrics metrics with sum-reduced states (binding-clip and out-of-band
+fractions by length, the paper's LRE from acceptance and the binding-clip LRE,
 log-ratio statistics, rollout lengths), closed-form theory curves and figures. Leaves out: the
 clip decisions (fspo/clipping) and logging (the training module). Entry point: `FairnessMetrics`.
 """

@@ -10,7 +10,8 @@ Usage in a LightningModule (all ranks call compute(): it is a collective under D
     self.fairness = FairnessMetrics(LengthBins(width=200, max_len=18000), lre_min_len=1000)
     # on each rollout batch:       self.fairness.update_rollout(batch.lengths, batch.overlong)
     # on each (micro-)batch step:  res = self.clip_rule(logp, old_logp, adv, mask)
-    #                              self.fairness.update_clip(res, batch.lengths, mask, adv)
+    #                              self.fairness.update_clip(res, batch.lengths, mask, adv,
+    #                                                        log_ratio=not on_policy)
     # at the logging interval:     self.log_dict(self.fairness.compute()); self.fairness.reset()
 """
 from __future__ import annotations
@@ -45,15 +46,25 @@ def check_metric_names(metrics: Mapping[str, float]) -> None:
 class FairnessMetrics(torch.nn.Module):
     """Length-fairness diagnostics for one training run (see the module docstring for usage).
 
-    Submodules: ``clip`` (ClipFractionByLength: ``clip/*``, ``fairness/*``), ``log_ratio``
+    Submodules: ``clip`` (ClipFractionByLength: ``band/*``, ``fairness/*`` from the paper's
+    acceptance event, ``clip/*`` and ``fairness/binding_*`` from the binding clips), ``log_ratio``
     (LogRatioStats: ``logratio/*``), ``rollout`` (RolloutLengthStats: ``rollout/*``).
     ``metric_kwargs`` go to every torchmetrics Metric (e.g. ``process_group``, ``sync_on_compute``).
+
+    On-policy convention: the first mini-batch of each step is trained before any update, so its
+    S = 0 exactly and it is always in the band. Like the log-ratio statistics (the paper's Figure 1
+    count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance counts (``band/*``,
+    ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
+    fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees.
+    With ``acceptance_on_policy=True`` on-policy batches count for acceptance too (q is pulled
+    towards 1 by a quarter of the sequences with the paper's 4 mini-batches per step).
     """
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0, reservoir_size: int = 4096,
-                 seed: int = 0, **metric_kwargs) -> None:
+                 seed: int = 0, acceptance_on_policy: bool = False, **metric_kwargs) -> None:
         super().__init__()
         self.bins = bins
+        self.acceptance_on_policy = bool(acceptance_on_policy)
         self.clip = ClipFractionByLength(bins, lre_min_len=lre_min_len, **metric_kwargs)
         self.log_ratio = LogRatioStats(bins, reservoir_size=reservoir_size, seed=seed, **metric_kwargs)
         self.rollout = RolloutLengthStats(**metric_kwargs)
@@ -61,17 +72,24 @@ class FairnessMetrics(torch.nn.Module):
 
     @torch.no_grad()
     def update_clip(self, result: ClipResult, lengths: Optional[Tensor], response_mask: Tensor,
-                    advantages: Tensor, log_ratio: bool = True) -> None:
-        """Count one (micro-)batch's binding masks and sequence log-ratios.
+                    advantages: Tensor, log_ratio: bool = True, on_policy: Optional[bool] = None) -> None:
+        """Count one (micro-)batch's binding masks, acceptance event and sequence log-ratios.
 
         ``result``: the clip rule's ClipResult; ``lengths`` [B] (or None: ``response_mask.sum(-1)``);
         ``response_mask`` [B, T]; ``advantages`` [B] or [B, T]. Call it once per batch you want
         counted (with several PPO epochs, each pass over a batch counts again).
+        ``on_policy``: the batch is exactly on-policy (S = 0); None means ``not log_ratio`` (the
+        training step passes ``log_ratio=False`` for its on-policy mini-batch). An on-policy batch
+        is left out of the log-ratio statistics, and of the acceptance counts unless
+        ``acceptance_on_policy`` (class docstring); the binding clips always count it.
         """
         if lengths is None:
             lengths = torch.as_tensor(response_mask).sum(-1)
-        self.clip.update(lengths, response_mask, result.clip_upper, result.clip_lower,
-                         result.clip_dual, advantages)
+        if on_policy is None:
+            on_policy = not log_ratio
+        self.clip.update(lengths, response_mask, result.clip_upper, result.clip_lower, result.clip_dual,
+                         advantages, in_band=result.in_band, clip_cap=result.clip_cap,
+                         acceptance=self.acceptance_on_policy or not on_policy)
         if log_ratio:  # False for on-policy mini-batches, whose S is identically 0
             self.log_ratio.update(result.seq_log_ratio.detach(), lengths)
 
@@ -83,8 +101,9 @@ class FairnessMetrics(torch.nn.Module):
     def compute(self) -> Dict[str, float]:
         """Flat ``{name: float}`` of every metric, synced across ranks (collective: call on all ranks).
 
-        Keys: ``clip/*``, ``fairness/*``, ``logratio/*``, ``rollout/*`` (see each metric's docstring);
-        names are checked against ``^[A-Za-z0-9_\\-./: ]+$``. Keys with nothing to report are
+        Keys: ``band/*``, ``clip/*``, ``fairness/*``, ``logratio/*``, ``rollout/*`` (see each metric's
+        docstring; ``fairness/lre`` is the paper's, from ``in_band``; ``fairness/binding_lre`` is
+        that of the binding clips). Names are checked against ``^[A-Za-z0-9_\\-./: ]+$``. Keys with nothing to report are
         absent; no value is NaN.
         """
         out: Dict[str, float] = {}
@@ -104,19 +123,21 @@ class FairnessMetrics(torch.nn.Module):
         """Figures of the state as of the last `compute()` (which is called first if there was none).
 
         ``theory``: a callable c(L), ``(L, c)`` arrays, or ``{name: either}`` drawn beside the
-        observed clip fractions (e.g. ``{"RLOO": lambda L: c_rloo(L, 0.03, 0.667, 0.4)}``).
+        observed out-of-band fraction c(L) = 1 - q(L) (``band/out_frac/*``, the quantity the closed
+        forms describe; e.g. ``{"RLOO": lambda L: c_rloo(L, 0.03, 0.667, 0.4)}``); the binding-clip
+        fraction (``clip/seq_frac/*``) is drawn as a second, dotted curve.
         Returns ``{"clip_fraction_by_length", "logratio_qq", "logratio_std_vs_len"}`` -> Figure.
         """
         if self._last is None or self.clip.last_per_bin is None or self.log_ratio.last_per_bin is None:
             self.compute()
         cp, lp = self.clip.last_per_bin, self.log_ratio.last_per_bin
-        ok = cp["count"] > 0
-        observed = {"sequence": (cp["mean_len"][ok], cp["seq_frac"][ok]),
-                    "token": (cp["mean_len"][ok], cp["tok_frac"][ok])}
+        ok, okb = cp["count"] > 0, cp["band_count"] > 0
+        observed = {"out of band, c(L) = 1 - q(L)": (cp["band_mean_len"][okb], cp["out_frac"][okb])}
+        binding = {"binding clip": (cp["mean_len"][ok], cp["seq_frac"][ok])}
         two = lp["count"] > 1
         z = self.log_ratio.last_z if self.log_ratio.last_z is not None else np.zeros(0)
         return {
-            "clip_fraction_by_length": plot_clip_fraction_by_length(observed, theory),
+            "clip_fraction_by_length": plot_clip_fraction_by_length(observed, theory, binding=binding),
             "logratio_qq": plot_qq(z),
             "logratio_std_vs_len": plot_std_vs_sqrt_len(lp["mean_len"][two], lp["std"][two],
                                                         sigma=self._last.get("logratio/sigma_hat")),

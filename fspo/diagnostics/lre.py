@@ -1,12 +1,12 @@
 """Length Reweighting Error (paper section "Length Fairness and LRE" and the appendix), pure functions.
 
 Owns: acceptance rates per length bin and LRE / LRE_w from per-bin sums. Leaves out: collecting
-the sums (clip_fraction.py).
+the sums (clip_fraction.py) and which event counts as "rejected" (the caller passes C_b).
 
 Definitions implemented (bins b stand for lengths L; the paper's appendix justifies binning):
 
     q_b    = 1 - C_b / n_b            acceptance of bin b; C_b = sum over its sequences of the
-                                      per-sequence clip fraction (0/1 for sequence-level rules)
+                                      per-sequence rejected fraction (0/1 for sequence-level rules)
     q_bar  = sum_b n_b q_b / sum_b n_b = E_L[q(L)], sample-count weighted (paper: q_bar = E[q(L)])
     LRE    = 0.5 * sum_b n_b |q_b / q_bar - 1| / sum_b n_b       = 0.5 E_L |q(L)/q_bar - 1|
 
@@ -20,6 +20,11 @@ With E_L taken over the sample distribution (p_b = n_b / N) the n_b cancel:
 So `lre(q, weights=a, q_bar_weights=n)` is exactly the appendix formula under this proxy. The proxy
 ignores the norm of the score function grad log pi(y), which grows with L; it is a cheap stand-in
 (the exact per-bin gradient norm would need one backward pass per bin).
+
+The paper's LRE (``fairness/lre``) takes C_b = sequences whose ratio lies outside the band (the
+paper's acceptance event A_L, whatever the advantage's sign: ``ClipResult.in_band``); the binding
+LRE (``fairness/binding_lre``) takes C_b = binding clips (depend on sign(A), count the dual clip).
+Both go through `length_fairness`, with different ``prefix``.
 
 Conventions (no NaN ever): bins with zero weight contribute nothing (so empty bins drop out);
 with no weight at all, or q_bar = 0 (everything clipped, no direction to compare), LRE := 0.
@@ -83,9 +88,12 @@ def min_len_mask(bins: LengthBins, min_len: float = 0) -> Tensor:
 
 
 def length_fairness(counts: Tensor, clipped: Tensor, abs_adv: Tensor, bins: LengthBins,
-                    min_len: float = 0) -> Dict[str, float]:
-    """``fairness/lre``, ``fairness/lre_w``, ``fairness/q_bar``, ``fairness/n_bins`` from per-bin sums.
+                    min_len: float = 0, prefix: str = "fairness/") -> Dict[str, float]:
+    """``<prefix>lre``, ``<prefix>lre_w``, ``<prefix>q_bar``, ``<prefix>n_bins`` from per-bin sums.
 
+    ``counts`` n_b, ``clipped`` C_b (per-bin sum of per-sequence rejected fractions, so
+    q_b = 1 - C_b / n_b), ``abs_adv`` a_b = sum_{i in b} |A_i| (LRE_w's proxy). ``prefix``
+    ``"fairness/"`` for the paper's acceptance, ``"fairness/binding_"`` for binding clips.
     Bins with upper edge <= ``min_len`` and empty bins are excluded. Returns {} when no sequence
     is left (nothing to report rather than NaN).
     """
@@ -97,8 +105,8 @@ def length_fairness(counts: Tensor, clipped: Tensor, abs_adv: Tensor, bins: Leng
     a = torch.where(keep, torch.as_tensor(abs_adv, device=counts.device).double(), torch.zeros_like(counts))
     q = acceptance(counts, clipped)
     return {
-        "fairness/lre": float(lre(q, n)),
-        "fairness/lre_w": float(lre(q, a, q_bar_weights=n)),
-        "fairness/q_bar": float(q_bar(q, n)),
-        "fairness/n_bins": float(keep.sum()),
+        f"{prefix}lre": float(lre(q, n)),
+        f"{prefix}lre_w": float(lre(q, a, q_bar_weights=n)),
+        f"{prefix}q_bar": float(q_bar(q, n)),
+        f"{prefix}n_bins": float(keep.sum()),
     }

@@ -63,27 +63,35 @@ def _series(observed) -> dict:
 
 
 def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapping[str, Curve]] = None,
-                                 title: str = "Clip fraction by response length",
-                                 ylabel: str = "sequence clip fraction") -> Figure:
-    """Observed clip fraction c_hat(L) per length bin beside theoretical c(L) curves.
+                                 title: str = "Out-of-band fraction c(L) = 1 - q(L) by response length",
+                                 ylabel: str = "fraction of sequences", binding=None) -> Figure:
+    """Observed out-of-band fraction c_hat(L) per length bin beside theoretical c(L) curves, and
+    optionally the binding-clip fraction as a second, dotted curve.
 
-    ``observed``: ``{"len_00200_00400": 0.12, ...}`` (plotted at bin midpoints), ``(lengths, fracs)``,
-    or ``{series name: either}``. ``theory_curve``: a callable ``c(L)`` (evaluated on a grid over
-    the observed range, e.g. ``lambda L: theory.c_rloo(L, 0.03, 0.667, 0.4)``), ``(L, c)`` arrays,
-    or ``{name: either}``. Returns a Figure.
+    ``observed``: the paper's c(L) = 1 - q(L) (``band/out_frac/*``: ratio outside the band, any
+    sign of A), the quantity the closed forms in theory.py describe: ``{"len_00200_00400": 0.12,
+    ...}`` (plotted at bin midpoints), ``(lengths, fracs)``, or ``{series name: either}``.
+    ``theory_curve``: a callable ``c(L)`` (evaluated on a grid over the observed range, e.g.
+    ``lambda L: theory.c_rloo(L, 0.03, 0.667, 0.4)``), ``(L, c)`` arrays, or ``{name: either}``
+    (dashed). ``binding``: the binding-clip fraction (``clip/seq_frac/*``: depends on sign(A), counts
+    the dual clip; not what the closed forms give), same formats as ``observed``; a series named
+    ``observed`` is labelled "binding clip". Returns a Figure.
     """
     fig, ax = _new_figure()
     series = _series(observed)
-    xmax = max([float(np.max(x)) for x, _ in series.values() if len(x)] + [1.0])
+    extra = {} if binding is None else _series(binding)
+    xmax = max([float(np.max(x)) for x, _ in list(series.values()) + list(extra.values()) if len(x)] + [1.0])
     for name, (x, y) in series.items():
         ax.plot(x, y, "o-", ms=3, lw=1, label=name)
+    for name, (x, y) in extra.items():
+        ax.plot(x, y, "s:", ms=3, lw=1, label="binding clip" if name == "observed" else name)
     if theory_curve is not None:
         curves = theory_curve if isinstance(theory_curve, Mapping) else {"theory": theory_curve}
         grid = np.linspace(1.0, xmax * 1.05, 400)
         for name, cur in curves.items():
             x, y = (grid, np.asarray(cur(grid), float)) if callable(cur) else (np.asarray(cur[0], float), np.asarray(cur[1], float))
             ax.plot(x, y, "--", lw=1.5, label=f"{name}")
-    if not any(len(x) for x, _ in series.values()):
+    if not any(len(x) for x, _ in list(series.values()) + list(extra.values())):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylim(bottom=0)
     return _finish(fig, ax, "response length L (tokens)", ylabel, title)

@@ -1,10 +1,10 @@
 """Closed-form clip probabilities under the Gaussian law S_L ~ N(mu_L, sigma^2 L) (paper eq. c_rloo/c_gspo).
 
 Owns: exact out-of-band probabilities for asymmetric bands and the paper's symmetric
-approximations, vectorised over L (numpy in, numpy float64 out). Leaves out: the pessimistic-min
-binding (a clip only binds when the advantage sign matches the side: with P(A > 0) = p, the
-observed sequence clip fraction is about p * upper + (1 - p) * lower; use ``parts=True``), and
-dual clipping.
+approximations, vectorised over L (numpy in, numpy float64 out): the paper's c(L) = 1 - q(L),
+observed as ``band/out_frac/<bin>``. Leaves out: the pessimistic-min binding (a clip only binds
+when the advantage sign matches the side: with P(A > 0) = p, the observed binding fraction
+``clip/seq_frac`` is about p * upper + (1 - p) * lower; use ``parts=True``), and dual clipping.
 
 Drift: ``mu`` is the per-token drift, mu_L = mu * L (E[S_L] = -sum_t KL_t, paper eq. mu_kl).
 L = 0 gives S = 0 (an empty sequence is never clipped): probability 0 for RLOO/FSPO.
