@@ -80,7 +80,9 @@ def store(tmp_path):
             client.log_metric(rid, "rollout/response_len_mean", 20.0 + step, step=step)
             client.log_metric(rid, "rollout/overlong_rate", 0.05 * step, step=step)
         for k, v in {"run/fairness/lre": lre, "run/fairness/lre_w": lre / 2, "run/logratio/sigma_hat": 0.03,
-                     "run/clip/seq_frac/len_00000_00016": 0.1 * seed, "run/clip/seq_frac/len_00016_00032": 0.2}.items():
+                     "run/fairness/binding_lre": 2 * lre, "run/band/out_frac": 0.3,
+                     "run/clip/seq_frac/len_00000_00016": 0.1 * seed, "run/clip/seq_frac/len_00016_00032": 0.2,
+                     "run/band/out_frac/len_00000_00016": 0.3, "run/band/out_frac/len_00016_00032": 0.35}.items():
             client.log_metric(rid, k, v, step=3)
         if seed == 1:
             client.log_figure(rid, _qq_figure(), "plots/logratio_qq.png")
@@ -131,6 +133,8 @@ def test_report_table_figures_and_mlflow_run(store, tmp_path, capsys):
     fair = {r["group"]: r for r in csv.DictReader(open(out / "fairness.csv"))}
     assert float(fair["fspo"]["lre"]) == pytest.approx(0.03) and float(fair["rloo"]["lre"]) == pytest.approx(0.15)
     assert float(fair["rloo"]["lre_w"]) == pytest.approx(0.075)
+    assert float(fair["rloo"]["binding_lre"]) == pytest.approx(0.30) and float(fair["fspo"]["out_of_band_frac"]) == 0.3
+    assert "| fspo | 2 | 0.0300 +- 0.0141 | 0.0150 | 0.3000 | 0.0600 |" in (out / "report.md").read_text()
     assert float(fair["fspo"]["reward last"]) == pytest.approx((0.21 + 0.22) / 2)
     assert len(list(csv.DictReader(open(out / "runs.csv")))) == 4
 
@@ -181,11 +185,37 @@ def test_grouping_by_param_and_best_last():
 
 
 def test_clip_by_length_falls_back_to_per_step_mean():
-    r = _rec("rloo", 1, metrics={"clip/seq_frac/len_00000_00016": 0.4},
-             history={"clip/seq_frac/len_00000_00016": [(0, 0.2), (1, 0.4)]})
+    r = _rec("rloo", 1, metrics={"clip/seq_frac/len_00000_00016": 0.4, "band/out_frac/len_00000_00016": 0.6},
+             history={"clip/seq_frac/len_00000_00016": [(0, 0.2), (1, 0.4)],
+                      "band/out_frac/len_00000_00016": [(1, 0.6), (2, 0.7)]})
     assert r.clip_by_length() == {"len_00000_00016": pytest.approx(0.3)}
+    assert r.out_of_band_by_length() == {"len_00000_00016": pytest.approx(0.65)}
     r.metrics["run/clip/seq_frac/len_00000_00016"] = 0.25
+    r.metrics["run/band/out_frac/len_00000_00016"] = 0.5
     assert r.clip_by_length() == {"len_00000_00016": 0.25}
+    assert r.out_of_band_by_length() == {"len_00000_00016": 0.5}
+    assert _rec("rloo", 2).out_of_band_by_length() == {}
+
+
+def test_clip_by_length_figures_put_out_of_band_beside_theory():
+    from fspo.report.figures import clip_by_length_figures
+
+    run = {"run/logratio/sigma_hat": 0.03, "run/band/out_frac/len_00000_00016": 0.3,
+           "run/clip/seq_frac/len_00000_00016": 0.1}
+    old = {"run/logratio/sigma_hat": 0.03, "run/clip/seq_frac/len_00000_00016": 0.1}  # before band/* existed
+    groups = {"rloo": [_rec("rloo", 1, params=RLOO, metrics=run)], "fspo": [_rec("fspo", 1, params=FSPO, metrics=old)]}
+    figs = clip_by_length_figures(groups)
+
+    def labels(fig):
+        return {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+
+    rloo = labels(figs["clip_fraction_by_length_rloo"])
+    assert {"rloo out of band", "rloo (binding clip)", "rloo theory (sigma=0.03)"} == set(rloo)
+    assert list(rloo["rloo out of band"].get_ydata()) == [0.3]
+    assert rloo["rloo (binding clip)"].get_linestyle() == ":"
+    assert "fspo out of band" not in labels(figs["clip_fraction_by_length_fspo"])
+    both = labels(figs["clip_fraction_by_length"])
+    assert "rloo" in both and "fspo" not in both and list(both["rloo"].get_ydata()) == [0.3]
 
 
 def test_theory_curves_from_params():

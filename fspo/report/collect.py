@@ -13,8 +13,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROLE_TAG = "fspo.role"  # set on sweep parents and report runs (fspo/hydra_callbacks.py); jobs have none
 BENCH_RE = re.compile(r"^(val/accuracy|eval/[^/]+/avg_at_(?:k|\d+))$")
 CURVES = ("reward/mean", "rollout/response_len_mean", "rollout/overlong_rate", "val/accuracy")
-RUN_CLIP_PREFIX = "run/clip/seq_frac/len_"
+RUN_CLIP_PREFIX = "run/clip/seq_frac/len_"  # binding-clip fraction by length (what the optimizer sees)
 STEP_CLIP_PREFIX = "clip/seq_frac/len_"
+RUN_BAND_PREFIX = "run/band/out_frac/len_"  # out-of-band fraction by length: the paper's c(L) = 1 - q(L)
+STEP_BAND_PREFIX = "band/out_frac/len_"
+BY_LENGTH = ((RUN_CLIP_PREFIX, STEP_CLIP_PREFIX), (RUN_BAND_PREFIX, STEP_BAND_PREFIX))
 History = List[Tuple[int, float]]
 
 
@@ -56,18 +59,27 @@ class RunRecord:
         h = self.history.get(key)
         return h[-1][1] if h else None
 
-    def clip_by_length(self) -> Dict[str, float]:
-        """Sequence clip fraction per length bin ``{len_XXXXX_YYYYY: frac}``: the run-level
-        ``run/clip/seq_frac/len_*`` metrics, else the mean over steps of ``clip/seq_frac/len_*``
-        (an unweighted mean of per-step fractions: an approximation when bin counts vary)."""
-        run = {k[len("run/clip/seq_frac/"):]: v for k, v in self.metrics.items() if k.startswith(RUN_CLIP_PREFIX)}
+    def _by_length(self, run_prefix: str, step_prefix: str) -> Dict[str, float]:
+        """``{len_XXXXX_YYYYY: value}`` from the run-level ``<run_prefix>*`` metrics, else the mean over
+        steps of ``<step_prefix>*`` (an unweighted mean of per-step fractions: an approximation when
+        bin counts vary)."""
+        cut = len(run_prefix) - len("len_")
+        run = {k[cut:]: v for k, v in self.metrics.items() if k.startswith(run_prefix)}
         if run:
             return run
-        out = {}
-        for k, h in self.history.items():
-            if k.startswith(STEP_CLIP_PREFIX) and h:
-                out[k[len("clip/seq_frac/"):]] = sum(v for _, v in h) / len(h)
-        return out
+        cut = len(step_prefix) - len("len_")
+        return {k[cut:]: sum(v for _, v in h) / len(h) for k, h in self.history.items()
+                if k.startswith(step_prefix) and h}
+
+    def clip_by_length(self) -> Dict[str, float]:
+        """Sequence binding-clip fraction per length bin (``run/clip/seq_frac/len_*``, else the mean
+        over steps of ``clip/seq_frac/len_*``)."""
+        return self._by_length(RUN_CLIP_PREFIX, STEP_CLIP_PREFIX)
+
+    def out_of_band_by_length(self) -> Dict[str, float]:
+        """Out-of-band fraction per length bin, the paper's c(L) = 1 - q(L) (``run/band/out_frac/len_*``,
+        else the mean over steps of ``band/out_frac/len_*``); empty for runs that predate these keys."""
+        return self._by_length(RUN_BAND_PREFIX, STEP_BAND_PREFIX)
 
 
 def _history(client, run_id: str, key: str) -> History:
@@ -94,7 +106,7 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
     """Training runs matching ``experiments`` (names) and ``filter_string`` (MLflow search syntax,
     e.g. ``tags.sweep = 'methods'``) with a status in ``statuses``; sweep parents and report runs
     (tag ``fspo.role``) are left out. Histories are fetched for the benchmarks, learning curves
-    and, when a run has no run-level clip metrics, its per-step clip fractions by length.
+    and, when a run has no run-level clip (resp. out-of-band) metrics by length, its per-step ones.
     """
     from mlflow.entities import ViewType
 
@@ -114,8 +126,9 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
         rec = RunRecord(r.info.run_id, r.info.run_name or r.info.run_id, r.info.experiment_id, r.info.status,
                         dict(r.data.tags), dict(r.data.params), dict(r.data.metrics))
         keys = set(rec.benchmarks()) | {k for k in CURVES if k in rec.metrics}
-        if not any(k.startswith(RUN_CLIP_PREFIX) for k in rec.metrics):
-            keys |= {k for k in rec.metrics if k.startswith(STEP_CLIP_PREFIX)}
+        for run_prefix, step_prefix in BY_LENGTH:
+            if not any(k.startswith(run_prefix) for k in rec.metrics):
+                keys |= {k for k in rec.metrics if k.startswith(step_prefix)}
         rec.history = {k: _history(client, rec.run_id, k) for k in sorted(keys)}
         out.append(rec)
     return out

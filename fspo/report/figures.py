@@ -1,7 +1,7 @@
 """The report's figures, as matplotlib Figures on the Agg canvas (pyplot is never imported).
 
-Owns: observed clip fraction by length per group with the Gaussian theory curve of its clip rule
-(`clip_by_length_figures`), LRE bars (`lre_figure`), learning curves (`learning_curves_figure`),
+Owns: observed out-of-band fraction by length per group (the paper's c(L) = 1 - q(L)) with the
+Gaussian theory curve of its clip rule and the binding-clip fraction dotted (`clip_by_length_figures`), LRE bars (`lre_figure`), learning curves (`learning_curves_figure`),
 overlong rate (`overlong_figure`), and a grid of per-run PNGs (`image_grid_figure`, for the Q-Q
 plots the runs logged). Theory: the clip rule is rebuilt from the run's ``clip/*`` params and its
 ``theory_clip_fraction(L, sigma)`` is drawn with sigma = the group's mean ``run/logratio/sigma_hat``;
@@ -71,12 +71,13 @@ def theory_curve(params: Mapping[str, str], sigma: Optional[float]) -> Optional[
         return None
 
 
-def group_clip_by_length(runs: Sequence[RunRecord]) -> Dict[str, float]:
-    """Per length bin, the mean over runs of each run's sequence clip fraction (runs lacking a bin
-    are left out of that bin's mean)."""
+def group_clip_by_length(runs: Sequence[RunRecord], out_of_band: bool = False) -> Dict[str, float]:
+    """Per length bin, the mean over runs of each run's sequence binding-clip fraction, or with
+    ``out_of_band`` its out-of-band fraction c(L) = 1 - q(L) (runs lacking a bin are left out of
+    that bin's mean)."""
     per_bin: Dict[str, List[float]] = {}
     for r in runs:
-        for k, v in r.clip_by_length().items():
+        for k, v in (r.out_of_band_by_length() if out_of_band else r.clip_by_length()).items():
             per_bin.setdefault(k, []).append(v)
     return {k: float(np.mean(v)) for k, v in sorted(per_bin.items())}
 
@@ -87,10 +88,14 @@ def group_sigma(runs: Sequence[RunRecord]) -> Optional[float]:
 
 
 def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
-    """``clip_fraction_by_length`` (every group's observed curve and theory) and one figure per group."""
+    """``clip_fraction_by_length`` (every group's observed out-of-band fraction c(L) = 1 - q(L) and
+    its theory) and one figure per group that adds the binding-clip fraction (dotted). Runs logged
+    before the out-of-band keys existed show only their binding curve, never beside the theory as
+    if it were c(L)."""
     observed, theory, out = {}, {}, {}
     for g, runs in groups.items():
-        obs = group_clip_by_length(runs)
+        obs = group_clip_by_length(runs, out_of_band=True)
+        bind = group_clip_by_length(runs)
         sigma = group_sigma(runs)
         cur = theory_curve(runs[0].params, sigma) if runs else None
         if obs:
@@ -99,9 +104,11 @@ def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
         if th:
             theory.update(th)
         out[f"clip_fraction_by_length_{safe_name(g)}"] = plot_clip_fraction_by_length(
-            {g: obs} if obs else ([], []), th, title=f"Clip fraction by length: {g}")
+            {f"{g} out of band": obs} if obs else ([], []), th,
+            title=f"Out-of-band fraction c(L) = 1 - q(L) by length: {g}",
+            binding={f"{g} (binding clip)": bind} if bind else None)
     fig = plot_clip_fraction_by_length(observed or ([], []), theory or None,
-                                       title="Observed sequence clip fraction by length (dashed: theory)")
+                                       title="Observed out-of-band fraction c(L) by length (dashed: theory)")
     _match_colors(fig, list(groups))
     out["clip_fraction_by_length"] = fig
     return out

@@ -3,7 +3,8 @@
 Owns: grouping runs (`group_runs`), `table1` (per group and benchmark: best = max over the run's
 logged history, last = value at its final step, each averaged over the group's runs, i.e. seeds;
 "average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level
-LRE, sigma_hat, Q-Q fit, overlong rate, clip fraction; mean over runs), `run_rows` (one row per
+LRE from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit,
+overlong rate, out-of-band and binding-clip fractions; mean over runs), `run_rows` (one row per
 run), and CSV / Markdown writers. Leaves out: reading MLflow (collect.py) and figures.
 """
 from __future__ import annotations
@@ -16,7 +17,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from fspo.report.collect import RunRecord
 
 ORDER = ("base", "grpo", "rloo", "rloo_wide", "gspo", "fspo")  # the paper's row order
+# lre / lre_w / q_bar / out_of_band_frac: the paper's acceptance event (ratio inside the band, any
+# sign of A); binding_*, seq_clip_frac: binding clips (fspo/diagnostics/clip_fraction.py)
 FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_bar", "run/fairness/q_bar"),
+            ("out_of_band_frac", "run/band/out_frac"), ("binding_lre", "run/fairness/binding_lre"),
+            ("binding_q_bar", "run/fairness/binding_q_bar"),
             ("seq_clip_frac", "run/clip/seq_frac"), ("sigma_hat", "run/logratio/sigma_hat"),
             ("qq_slope", "run/logratio/qq_slope"), ("qq_r2", "run/logratio/qq_r2"),
             ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"))
@@ -158,13 +163,15 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
 
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
-    """Length-fairness summary: LRE (mean +- std over runs), LRE_w, sigma_hat, Q-Q, overlong rate."""
-    header = ["Method", "n", "LRE", "LRE_w", "seq clip frac", "sigma_hat", "Q-Q slope", "Q-Q R2",
-              "overlong rate", "mean len", "reward (last)"]
+    """Length-fairness summary: LRE (the paper's, mean +- std over runs), LRE_w, out-of-band
+    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, overlong rate."""
+    header = ["Method", "n", "LRE", "LRE_w", "out-of-band frac", "binding LRE", "binding clip frac", "sigma_hat",
+              "Q-Q slope", "Q-Q R2", "overlong rate", "mean len", "reward (last)"]
     body = []
     for r in rows:
         pm = "" if r.get("lre std") is None else f" +- {_f(r['lre std'])}"
         body.append([str(r["group"]), str(r["n_runs"]), _f(r.get("lre")) + pm, _f(r.get("lre_w")),
+                     _f(r.get("out_of_band_frac")), _f(r.get("binding_lre")),
                      _f(r.get("seq_clip_frac")), _f(r.get("sigma_hat")), _f(r.get("qq_slope"), 3),
                      _f(r.get("qq_r2"), 3), _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
                      _f(r.get("reward last"))])
