@@ -121,7 +121,10 @@ class Aggregator:
     """Hydra-friendly aggregation setting: ``Aggregator(mode, norm_len)(token_loss, mask, ...)``.
 
     ``__call__(token_loss, response_mask, *, total_tokens=None, total_seqs=None, norm_len=None)``
-    delegates to `aggregate`; a ``norm_len`` given to the call overrides the configured one.
+    delegates to `aggregate`. A configured ``norm_len`` (a constant, verl's ``loss_scale_factor``)
+    wins over one given to the call; the call's (the training step passes the mini-batch's
+    response width, so micro-batches trimmed to their own longest sequence still sum to the
+    mini-batch loss) is used when none is configured.
     """
 
     def __init__(self, mode: str = "token-mean", norm_len: Optional[int] = None) -> None:
@@ -134,7 +137,7 @@ class Aggregator:
                  total_tokens: Optional[Number] = None, total_seqs: Optional[Number] = None,
                  norm_len: Optional[Number] = None) -> AggResult:
         return aggregate(token_loss, response_mask, self.mode, total_tokens=total_tokens,
-                         total_seqs=total_seqs, norm_len=self.norm_len if norm_len is None else norm_len)
+                         total_seqs=total_seqs, norm_len=norm_len if self.norm_len is None else self.norm_len)
 
     def __repr__(self) -> str:
         return f"Aggregator(mode={self.mode!r}, norm_len={self.norm_len!r})"

@@ -222,6 +222,7 @@ class RLModule(L.LightningModule):
         FSDP sums the ranks' gradients)."""
         total_tokens = mb.lengths.sum().clamp(min=1)
         total_seqs = mb.batch_size
+        norm_len = mb.response_mask.shape[-1]  # seq-mean-token-sum-norm: the mini-batch's width, not a micro-batch's
         dummy = mb.select(torch.zeros(1, dtype=torch.long, device=mb.response_ids.device)).trim()
         if rows is not None:
             mb = mb.select(rows.to(mb.response_ids.device))
@@ -238,7 +239,7 @@ class RLModule(L.LightningModule):
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
-                                  total_seqs=total_seqs)
+                                  total_seqs=total_seqs, norm_len=norm_len)
             stats.loss_time += time.perf_counter() - t_l
             loss = agg.loss if idx is not None else agg.loss * 0.0
             if any_rank(not bool(torch.isfinite(loss)), self.device):  # every rank takes the same branch

@@ -151,7 +151,9 @@ def test_aggregator_delegates():
     loss, m = example()
     agg = Aggregator("seq-mean-token-sum-norm", norm_len=8)
     assert agg(loss, m).loss.item() == pytest.approx(28 / 24)
-    assert agg(loss, m, norm_len=4).loss.item() == pytest.approx(28 / 12)
+    assert agg(loss, m, norm_len=4).loss.item() == pytest.approx(28 / 24)  # the configured constant wins
+    unset = Aggregator("seq-mean-token-sum-norm")
+    assert unset(loss, m, norm_len=4).loss.item() == pytest.approx(28 / 12)  # the call's width otherwise
     assert agg(loss, m, total_seqs=2).loss.item() == pytest.approx(28 / 16)
     assert Aggregator("token-sum")(loss, m).loss.item() == pytest.approx(28.0)
     assert Aggregator()(loss, m).loss.item() == pytest.approx(4.0)

@@ -113,7 +113,8 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
 
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("clip_name,agg_mode", [("fspo", "token-mean"), ("grpo", "token-mean"),
-                                                ("gspo", "seq-mean-token-mean"), ("rloo", "seq-mean-token-sum")])
+                                                ("gspo", "seq-mean-token-mean"), ("rloo", "seq-mean-token-sum"),
+                                                ("fspo", "seq-mean-token-sum-norm"), ("rloo", "token-sum")])
 def test_micro_batching_does_not_change_the_update(clip_name, agg_mode, packing):
     rollout = make_rollout()
     small_budget = 24
