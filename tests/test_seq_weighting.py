@@ -11,6 +11,7 @@ with an aggregation weight k_i per token (fspo/losses.py) every token of sequenc
     seq-mean-token-mean       k_i = 1 / (B L_i)
     seq-mean-token-sum        k_i = 1 / B
     seq-mean-token-sum-norm   k_i = 1 / (B T)        (verl 0.9.1: divides by the batch and horizon)
+    token-sum                 k_i = 1
 
 and the named option ``ratio_grad="length_weighted"`` (the sequence surrogate with its full
 gradient through S on each of its L_i tokens) gives L_i times that. s_i = exp(S_i) for FSPO and
@@ -29,7 +30,7 @@ from fspo.clipping import FSPOClip, GRPOClip, GSPOClip, RLOOClip
 from fspo.clipping.registry import get_policy_loss_fn
 from fspo.losses import aggregate
 
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 def make(rows, T):
@@ -45,7 +46,8 @@ def k_of(mode, lengths, T):
     """The per-token aggregation weight k_i of each mode (module docstring), as python floats."""
     B, N = len(lengths), sum(lengths)
     return {"token-mean": [1 / N] * B, "seq-mean-token-mean": [1 / (B * L) for L in lengths],
-            "seq-mean-token-sum": [1 / B] * B, "seq-mean-token-sum-norm": [1 / (B * T)] * B}[mode]
+            "seq-mean-token-sum": [1 / B] * B, "seq-mean-token-sum-norm": [1 / (B * T)] * B,
+            "token-sum": [1.0] * B}[mode]
 
 
 def grad_of(rule, rows, T, mode):
