@@ -68,7 +68,10 @@ def _assert_same_step(ref, got):
     keys = {k for k in ref["metrics"] if not k.startswith(SKIP_TIMING)}
     assert keys == {k for k in got["metrics"] if not k.startswith(SKIP_TIMING)}
     for k in sorted(keys):
-        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), k
+        # a log-ratio is a difference of log-probs after the update: its error is absolute, at the scale
+        # of the parameters' (<= 1e-5 above; 1.3e-6 here, giving 1.2e-6 on a mean S of 0.117)
+        tol = 1e-5 if k.startswith("logratio/") else 1e-6
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=tol), k
 
 
 def fsdp_init(name):
