@@ -13,6 +13,7 @@ tiny model gains nothing from intra-op threads.
 """
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -34,6 +35,13 @@ SMALL = [
 ]
 
 torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a test's own process group (gloo / vLLM rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def compose_config(overrides: Iterable[str] = (), output_dir: Optional[Path] = None,

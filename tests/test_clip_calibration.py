@@ -6,7 +6,6 @@ Run with ``-s`` to see the clip fractions per length range.
 """
 import math
 import re
-import socket
 
 import pytest
 import torch
@@ -14,19 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fspo.clipping.calibration import CALIBRATORS, PerBinBand, PowerLawBand
+from conftest import free_port
 
 CLASSES = [PowerLawBand, PerBinBand]
 TARGET = math.erfc(1 / math.sqrt(2))  # 2 Phi(-1) = 0.3173
 RANGES = [(10, 30), (100, 300), (1000, 3000), (10000, 20000)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Intra-op threads on a shared 2-core box oversubscribe badly; restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _sample(n, gamma, sigma, g, lo=10, hi=20000):
@@ -176,15 +167,9 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_all_reduced_update_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     synced = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     L = torch.tensor([0, 10, 100, 1000, 10000, 32768])
     for i, cls in enumerate(CLASSES):

@@ -5,7 +5,6 @@ The reservoir (Q-Q statistics) is sampled, not exact: with per-rank reservoirs l
 rank's data, the concatenated reservoirs hold every sequence and the Q-Q numbers match exactly; with
 small reservoirs they are compared loosely and their synced size is world_size * reservoir_size.
 """
-import socket
 
 import pytest
 import torch
@@ -14,18 +13,10 @@ import torch.multiprocessing as mp
 
 from fspo.clipping.base import ClipResult
 from fspo.diagnostics import FairnessMetrics, LengthBins
+from conftest import free_port
 
 BINS = LengthBins(edges=[0, 8, 16, 32, 48])
 SPLIT = 230  # rank 0 gets rows [0, 230), rank 1 the other 370 (uneven on purpose)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Intra-op threads on a shared 2-core box oversubscribe badly; restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data(n=600, T=64, seed=0):
@@ -70,16 +61,10 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -11,15 +11,6 @@ from fspo.diagnostics.log_ratio import _hash_uniform
 BINS = LengthBins(edges=[0, 10, 100])  # [0,10), [10,100), [100,inf)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Intra-op threads on a shared 2-core box oversubscribe (50x slower here); restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _f64(x):
     return torch.tensor(x, dtype=torch.float64)
 

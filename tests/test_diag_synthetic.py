@@ -27,15 +27,6 @@ BINS = LengthBins(width=1000, max_len=20000)
 N = 16_000
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Intra-op threads on a shared 2-core box oversubscribe badly; restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _bind_prob(rule: str, L: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """P(the clip binds | L, sign A) under S ~ N(0, sigma^2 L) for the paper's settings."""
     if rule == "fspo":  # band +-0.03 sqrt(L); dual at +0.03 sqrt(L) for A < 0

@@ -9,7 +9,6 @@ Trainer, a hand-built 8-row rollout of 2 groups of 4).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 from fspo.distributed import gather_group_ids, gather_rollout
 from fspo.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
+from conftest import free_port
 from fspo.module import RLModule
 from test_module_update import B, make_rollout, run_update
 
@@ -86,12 +86,6 @@ def test_first_group_minibatch_old_log_probs_come_from_its_loss_pass():
 
 
 # ------------------------------------------------------------------ data parallel group ids
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -109,7 +103,7 @@ def test_gather_group_ids_matches_gather_rollout():
     assert gather_group_ids(torch.tensor([0, 0, 1, 1])).tolist() == [0, 0, 1, 1]  # one process: identity
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
         results = dict(out)
     want = [0] * 4 + [1] * 4 + [2] * 4
     for rank in (0, 1):

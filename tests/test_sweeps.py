@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import REPO, SMALL
+from conftest import REPO, SMALL, free_port
 from fspo.hydra_callbacks import effective_grid
 from fspo.sweeps import job_config, list_sweeps, sweep_jobs
 
@@ -118,12 +117,6 @@ def test_effective_grid():
 
 
 # ------------------------------------------------------------------ multirun against an MLflow server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _api(base, path, body=None):
     """GET (body None) or POST JSON to the MLflow REST API."""
     data = None if body is None else json.dumps(body).encode()
@@ -135,7 +128,7 @@ def _api(base, path, body=None):
 @pytest.fixture
 def mlflow_server(tmp_path):
     """`mlflow server` on a free localhost port (SQLite store in tmp_path); stopped at the end."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/m.db",

@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-import socket
 import sys
 
 import pytest
 import torch
 
+from conftest import free_port
 from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rollout.base import SamplingConfig
 from fspo.rollout.weights import checkpoint_name, iter_full_state_dict
@@ -98,12 +98,6 @@ def test_iter_full_state_dict_plain_includes_tied_lm_head():
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharded_tiny(rank, world, port):
     """Join a gloo group of ``world`` processes; return (the tiny model, the same model FSDP2-sharded)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -168,7 +162,7 @@ def _tp_worker(rank, world, port, workdir, queue):
 
 def _spawn(with_engine, tmp_path, target=None):
     ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     args = ((lambda r: (r, 2, port, str(tmp_path), queue)) if target else
             (lambda r: (r, 2, port, with_engine, str(tmp_path), queue)))
     procs = [ctx.Process(target=target or _fsdp_worker, args=args(r)) for r in range(2)]
