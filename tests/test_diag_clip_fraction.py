@@ -69,6 +69,7 @@ def _expected_band():
     return {
         "band/out_frac/len_00000_00004": 0.5, "band/out_frac/len_00004_00008": 0.75,
         "band/out_frac/len_00008_inf": 1.0,
+        "band/n_seq/len_00000_00004": 2.0, "band/n_seq/len_00004_00008": 2.0, "band/n_seq/len_00008_inf": 1.0,
         "band/out_frac": 0.7, "band/tok_out_frac": 18 / 24, "band/n_seq": 5.0,
         "fairness/lre": 4 / 15, "fairness/lre_w": 3.125 / 8.5, "fairness/q_bar": 0.3, "fairness/n_bins": 3.0,
     }
@@ -296,6 +297,7 @@ BINDING = {
 # acceptance without the on-policy rows (default): q = (1/3, 1/3, 1/3): perfectly fair, LRE = 0
 EXCLUDED = {
     "band/out_frac/len_00000_00004": 2 / 3, "band/out_frac/len_00004_00008": 2 / 3, "band/out_frac/len_00008_inf": 2 / 3,
+    "band/n_seq/len_00000_00004": 3.0, "band/n_seq/len_00004_00008": 3.0, "band/n_seq/len_00008_inf": 3.0,
     "band/out_frac": 2 / 3, "band/tok_out_frac": 34 / 51, "band/n_seq": 9.0,
     "fairness/lre": 0.0, "fairness/lre_w": 0.0, "fairness/q_bar": 1 / 3, "fairness/n_bins": 3.0,
 }
@@ -303,6 +305,7 @@ EXCLUDED = {
 # sum|A| = (13, 8, 3): LRE_w = 0.5 (13/5 + 3/3) / 24 = 0.075
 INCLUDED = {
     "band/out_frac/len_00000_00004": 2 / 5, "band/out_frac/len_00004_00008": 1 / 2, "band/out_frac/len_00008_inf": 2 / 3,
+    "band/n_seq/len_00000_00004": 5.0, "band/n_seq/len_00004_00008": 4.0, "band/n_seq/len_00008_inf": 3.0,
     "band/out_frac": 1 / 2, "band/tok_out_frac": 34 / 61, "band/n_seq": 12.0,
     "fairness/lre": 1 / 12, "fairness/lre_w": 0.075, "fairness/q_bar": 1 / 2, "fairness/n_bins": 3.0,
 }

@@ -42,6 +42,8 @@ count every batch. So ``band/*`` and ``fairness/*`` may cover fewer sequences th
 
     band/out_frac/<label>          1 - band_in[b] / band_n_seq[b]: the paper's c(L) = 1 - q(L),
                                    fraction of sequences outside the band (sequence level)
+    band/n_seq/<label>             band_n_seq[b]: sequences counted for acceptance in the bin (which
+                                   bins are populated enough to judge flatness)
     band/out_frac, band/tok_out_frac, band/n_seq
                                    out-of-band fraction over all bins (sequences; tokens), and the
                                    number of sequences counted for acceptance (omitted when 0)
@@ -182,6 +184,7 @@ class ClipFractionByLength(DiagnosticMetric):
         band_out = band_n - self.band_in  # per-bin sum of out-of-band fractions
         for b in torch.nonzero(self.band_n_seq > 0).flatten().tolist():
             out[f"band/out_frac/{labels[b]}"] = float(band_out[b] / band_n[b])
+            out[f"band/n_seq/{labels[b]}"] = float(band_n[b])
         NB = float(band_n.sum())
         if NB > 0:
             out["band/out_frac"] = float(band_out.sum()) / NB

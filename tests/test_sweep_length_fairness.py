@@ -1,0 +1,66 @@
+"""The length-fairness sweep (sweeps/length_fairness.yaml): every arm composes on the long-chain task with
+its `method` and `bands` tags, and the regime-matched bands follow the rule stated in
+conf/arm/fspo_matched.yaml: every method's band, as an interval of the sequence log-ratio S at the
+median length L_med = 72, equals FSPO's z = 1 band c sqrt(L_med) with c = sigma_hat = 0.030.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from fspo.sweeps import job_config, sweep_jobs
+
+L_MED, SIGMA = 72, 0.030
+BAND = SIGMA * math.sqrt(L_MED)  # 0.2546: the interval of S every matched band clips at L_med
+
+
+@pytest.fixture(scope="module")
+def arms():
+    """{arm name: resolved job config} for the sweep's default grid (jobs read the parent run id from
+    the environment, set by the Hydra callback at launch)."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
+        for job in sweep_jobs("length_fairness", []):
+            (arm,) = [o.split("=", 1)[1] for o in job if o.startswith("+arm=")]
+            cfg = job_config("length_fairness", job)
+            OmegaConf.resolve(cfg)
+            out[arm] = cfg
+    return out
+
+
+def test_arms_compose_with_tags(arms):
+    assert {"fspo_matched", "fspo_per_bin", "fspo_power", "rloo_matched", "gspo_matched", "grpo_matched",
+            "fspo_paper", "rloo_paper", "gspo_paper", "grpo_paper"} <= set(arms)
+    for name, cfg in arms.items():
+        method, bands = name.rsplit("_", 1) if name.endswith(("_matched", "_paper")) else (name, "matched")
+        assert cfg.tags.method == cfg.method == method and cfg.tags.bands == bands, name
+        assert cfg.data.train.max_ops == cfg.data.val.max_ops == 18 and cfg.steps == 40 and cfg.val.size == 128
+        assert cfg.logger.experiment_name == "length_fairness"
+        instantiate(cfg.clip)  # valid clip settings
+
+
+def _log_bounds(clip):
+    """(upper, lower) of a ratio-space band as log-ratio offsets: log(1 + high), -log(1 - low)."""
+    return math.log1p(clip.clip_ratio_high), -math.log1p(-clip.clip_ratio_low)
+
+
+def test_matched_bands_equal_at_median_length(arms):
+    fspo = arms["fspo_matched"].clip
+    assert fspo.c_upper == fspo.c_lower == pytest.approx(SIGMA)
+    assert fspo.c_upper * math.sqrt(L_MED) == pytest.approx(BAND)
+    for up, lo in (_log_bounds(arms["rloo_matched"].clip),):  # on S
+        assert up == pytest.approx(BAND, rel=2e-3) and lo == pytest.approx(BAND, rel=2e-3)
+    up, lo = _log_bounds(arms["gspo_matched"].clip)  # on S / L
+    assert up * L_MED == pytest.approx(BAND, rel=2e-3) and lo * L_MED == pytest.approx(BAND, rel=2e-3)
+    up, lo = _log_bounds(arms["grpo_matched"].clip)  # per token
+    assert up == pytest.approx(SIGMA, rel=2e-3) and lo == pytest.approx(SIGMA, rel=2e-3)
+
+
+def test_calibrated_arms_target_z_one(arms):
+    for name, band in (("fspo_power", "power"), ("fspo_per_bin", "per_bin")):
+        clip = arms[name].clip
+        assert clip.band == band and clip.z == 1.0 and clip.ratio_grad == "per_token"
