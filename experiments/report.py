@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--include-unfinished", action="store_true", help="also RUNNING / FAILED / KILLED runs")
     p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
     p.add_argument("--title", default="FSPO report")
+    p.add_argument("--min-bin-count", type=float, default=100.0,
+                   help="sequences per run a length bin needs to count for the flatness column (default 100)")
     return p.parse_args(argv)
 
 
@@ -46,13 +48,14 @@ def main(argv=None) -> int:
     try:
         res = make_report(args.tracking_uri, args.out, args.experiment, args.filter,
                           [k.strip() for k in args.group_by.split(",") if k.strip()], statuses,
-                          log_to_mlflow=not args.no_log, title=args.title)
+                          log_to_mlflow=not args.no_log, title=args.title, min_bin_count=args.min_bin_count)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((args.out / "table1.md").read_text())
+    flat = {r["group"]: r["flatness"] for r in res["by_length"]}
     for row in res["fairness"]:
-        print(f"LRE {row['group']}: {row['lre']}")
+        print(f"LRE {row['group']}: {row['lre']}  (c(L) max - min over populated bins: {flat.get(row['group'])})")
     print(f"{res['n_runs']} runs -> {args.out}" + (f"; MLflow report run {res['report_run_id']}" if res["report_run_id"] else ""))
     return 0
 

@@ -1,7 +1,7 @@
 """Build the report folder from MLflow runs and log it to a ``report`` run.
 
 Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
-``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
+``by_length.md`` (c(L) per bin with counts and flatness), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
 (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as artifacts of a new run
 named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command line
 (experiments/report.py).
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from fspo.report import figures as F
+from fspo.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
 from fspo.report.collect import ROLE_TAG, RunRecord, experiment_ids, load_runs
-from fspo.report.table import (fairness_markdown, fairness_rows, group_runs, run_rows, table1,
+from fspo.report.table import (fairness_markdown, fairness_rows, group_runs, run_rows, seeds_markdown, table1,
                                table1_markdown, write_csv)
 
 log = logging.getLogger(__name__)
@@ -60,20 +61,25 @@ def _save(figs: Dict[str, object], folder: Path) -> List[Path]:
 
 
 def _markdown(title: str, source: str, records: Sequence[RunRecord], benches, t1_md: str, fair_md: str,
-              fig_paths: Sequence[Path], out: Path) -> str:
+              seeds_md: str, length_md: str, fig_paths: Sequence[Path], out: Path) -> str:
     figs = "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in fig_paths)
     return (f"# {title}\n\n{source}\n\n{len(records)} runs. Best = max over a run's logged history, "
             f"last = the value at its final step; each cell is the mean over the group's runs (seeds).\n\n"
             f"## Table 1: {', '.join(benches) or 'no validation metric logged'}\n\n{t1_md}\n"
-            f"## Length fairness (run-level diagnostics, mean over runs)\n\n{fair_md}\n## Figures\n\n{figs}\n")
+            f"## Across seeds (mean +- sample std over the group's runs)\n\n{seeds_md}\n"
+            f"## Length fairness (run-level diagnostics, mean over runs)\n\n{fair_md}\n"
+            f"## Out-of-band fraction c(L) = 1 - q(L) by response length (mean over runs; n = sequences per run; "
+            f"thin bins in parentheses)\n\n{length_md}\n## Figures\n\n{figs}\n")
 
 
 def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), filter_string: str = "",
                 group_by: Sequence[str] = ("method",), statuses: Sequence[str] = ("FINISHED",),
-                log_to_mlflow: bool = True, title: str = "FSPO report") -> Dict[str, object]:
+                log_to_mlflow: bool = True, title: str = "FSPO report",
+                min_bin_count: float = MIN_COUNT) -> Dict[str, object]:
     """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out``.
 
-    Returns ``{"out", "n_runs", "groups", "table1", "fairness", "report_run_id"}`` (rows as dicts).
+    ``min_bin_count``: sequences per run a length bin needs to count for flatness (by_length.py).
+    Returns ``{"out", "n_runs", "groups", "table1", "fairness", "by_length", "report_run_id"}`` (rows as dicts).
     Raises ValueError when no run matches (saying what was searched).
     """
     from mlflow.tracking import MlflowClient
@@ -98,8 +104,14 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     write_csv(run_rows(records, group_by), out / "runs.csv")
     t1_md, fair_md = table1_markdown(benches, t1), fairness_markdown(fair)
     (out / "table1.md").write_text(t1_md)
+    seeds_md = seeds_markdown(t1, fair, benches[0]) if benches else seeds_markdown(t1, fair)
+    by_len = by_length_rows(groups, min_bin_count)
+    length_md = by_length_markdown(by_len, min_bin_count)
+    (out / "by_length.md").write_text(length_md)
 
     figs = F.clip_by_length_figures(groups)
+    figs["clip_fraction_by_length_grid"] = F.clip_by_length_grid(groups, min_bin_count)
+    figs["logratio_std_vs_sqrt_len"] = F.std_vs_sqrt_len_figure(groups)
     figs["lre"] = F.lre_figure(groups)
     figs["learning_curves"] = F.learning_curves_figure(groups)
     figs["overlong_rate"] = F.overlong_figure(groups)
@@ -110,7 +122,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     source = f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; grouped by {', '.join(group_by)}."
     if incomplete:
         source += f"\n\n**Warning**: runs without run-level diagnostics (still running?): {', '.join(incomplete)}."
-    (out / "report.md").write_text(_markdown(title, source, records, benches, t1_md, fair_md, fig_paths, out))
+    (out / "report.md").write_text(_markdown(title, source, records, benches, t1_md, fair_md, seeds_md, length_md,
+                                                  fig_paths, out))
 
     run_id = None
     if log_to_mlflow:
@@ -132,4 +145,4 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
         client.log_artifacts(run_id, str(out))
         client.set_terminated(run_id)
     return {"out": out, "n_runs": len(records), "groups": list(groups), "table1": t1, "fairness": fair,
-            "report_run_id": run_id}
+            "by_length": by_len, "report_run_id": run_id}

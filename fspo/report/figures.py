@@ -1,7 +1,9 @@
 """The report's figures, as matplotlib Figures on the Agg canvas (pyplot is never imported).
 
 Owns: observed out-of-band fraction by length per group (the paper's c(L) = 1 - q(L)) with the
-Gaussian theory curve of its clip rule and the binding-clip fraction dotted (`clip_by_length_figures`), LRE bars (`lre_figure`), learning curves (`learning_curves_figure`),
+Gaussian theory curve of its clip rule and the binding-clip fraction dotted (`clip_by_length_figures`;
+`clip_by_length_grid`: one panel per group, thin bins hollow), std(S_L) against sqrt(L)
+(`std_vs_sqrt_len_figure`), LRE bars (`lre_figure`), learning curves (`learning_curves_figure`),
 overlong rate (`overlong_figure`), and a grid of per-run PNGs (`image_grid_figure`, for the Q-Q
 plots the runs logged). Theory: the clip rule is rebuilt from the run's ``clip/*`` params and its
 ``theory_clip_fraction(L, sigma)`` is drawn with sigma = the group's mean ``run/logratio/sigma_hat``;
@@ -21,11 +23,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fspo.diagnostics.plots import plot_clip_fraction_by_length
+from fspo.report.by_length import MIN_COUNT, flatness, group_by_length
 from fspo.report.collect import RunRecord
 from fspo.report.table import mean_std
 
 log = logging.getLogger(__name__)
 Groups = Mapping[str, Sequence[RunRecord]]
+RUN_STD_PREFIX = "run/logratio/std/"  # std(S_L) per length bin, run level
 
 
 def safe_name(s: str) -> str:
@@ -112,6 +116,97 @@ def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
     _match_colors(fig, list(groups))
     out["clip_fraction_by_length"] = fig
     return out
+
+
+def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
+    """One panel per group, shared axes (the figure to read flat vs rising vs falling): the observed
+    c(L) (filled: bins with >= ``min_count`` sequences per run; hollow: thinner bins), its theory
+    curve (dashed) and the binding-clip fraction (dotted); the title gives the group's LRE and the
+    max - min of c(L) over its populated bins."""
+    n = max(len(groups), 1)
+    ncols = min(4, n)
+    nrows = (n + ncols - 1) // ncols
+    fig = Figure(figsize=(3.6 * ncols, 3.0 * nrows + 0.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
+    xmax = 1.0
+    for i, (g, runs) in enumerate(groups.items()):
+        ax = axes[i]
+        cells = group_by_length(runs)
+        pts = [(_bin_mid(b), c, n is None or n >= min_count) for b, (c, n) in cells.items()]
+        if pts:
+            xmax = max(xmax, max(x for x, _, _ in pts))
+            ax.plot([x for x, _, _ in pts], [c for _, c, _ in pts], "-", color="C0", lw=1)
+            full = [(x, c) for x, c, ok in pts if ok]
+            thin = [(x, c) for x, c, ok in pts if not ok]
+            if full:
+                ax.plot(*zip(*full), "o", color="C0", ms=4, label="c(L) = 1 - q(L)")
+            if thin:
+                ax.plot(*zip(*thin), "o", mfc="none", color="C0", ms=4, label=f"thin bin (n < {min_count:g})")
+        bind = group_clip_by_length(runs)
+        if bind:
+            ax.plot([_bin_mid(b) for b in bind], list(bind.values()), "s:", color="C2", ms=2, lw=1, label="binding clip")
+        cur = theory_curve(runs[0].params, group_sigma(runs)) if runs else None
+        if cur is not None:
+            grid = np.linspace(1.0, 250.0 if xmax < 250 else xmax * 1.05, 300)
+            ax.plot(grid, cur(grid), "--", color="C3", lw=1.2, label="theory (Gaussian)")
+        flat, npop = flatness(cells, min_count)
+        lre = mean_std([r.metrics.get("run/fairness/lre") for r in runs])[0]
+        ax.set_title(f"{g}\nLRE {'-' if lre is None else f'{lre:.3f}'}, max-min "
+                     f"{'-' if flat is None else f'{flat:.2f}'} ({npop} bins)", fontsize=9)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=7)
+    for ax in axes[len(groups):]:
+        ax.axis("off")
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+    for ax in axes[(nrows - 1) * ncols:]:
+        ax.set_xlabel("response length L")
+    for ax in axes[::ncols]:
+        ax.set_ylabel("out of band")
+    fig.suptitle("Out-of-band fraction c(L) by response length, one panel per group")
+    fig.tight_layout()
+    return fig
+
+
+def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
+    """std(S_L) per length bin against sqrt(L) (``run/logratio/std/<bin>``, mean over a group's runs),
+    one line per group, with the paper's law sigma sqrt(L) for the mean sigma_hat of all runs (dashed)
+    and each group's log-log slope (the law's exponent; 0.5 under the paper's Gaussian model)."""
+    fig, (ax,) = _figure()
+    sig = []
+    for i, (g, runs) in enumerate(groups.items()):
+        per: Dict[str, List[float]] = {}
+        for r in runs:
+            for k, v in r.metrics.items():
+                if k.startswith(RUN_STD_PREFIX) and v > 0:
+                    per.setdefault(k[len(RUN_STD_PREFIX):], []).append(v)
+        sig += [r.metrics["run/logratio/sigma_hat"] for r in runs if "run/logratio/sigma_hat" in r.metrics]
+        if not per:
+            continue
+        x = np.array([_bin_mid(b) for b in sorted(per)])
+        y = np.array([np.mean(per[b]) for b in sorted(per)])
+        slope = np.polyfit(np.log(x), np.log(y), 1)[0] if len(x) >= 2 else float("nan")
+        ax.plot(np.sqrt(x), y, "o-", ms=3, lw=1, color=f"C{i % 10}", label=f"{g} (exponent {slope:.2f})")
+    if sig:
+        g = np.linspace(0.0, ax.get_xlim()[1], 50)
+        s = float(np.mean(sig))
+        ax.plot(g, s * g, "k--", lw=1.2, label=f"sigma sqrt(L), sigma = {s:.3f}")
+    ax.set_xlabel("sqrt(L)")
+    ax.set_ylabel("std(S_L)")
+    ax.set_title("std of the sequence log-ratio by length (paper: sigma sqrt(L))")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _bin_mid(label: str) -> float:
+    """Bin label ``len_00016_00032`` -> its midpoint (the overflow bin ``len_00224_inf`` at its lower edge)."""
+    lo, hi = label[len("len_"):].split("_")
+    return float(lo) if hi == "inf" else (float(lo) + float(hi)) / 2
 
 
 def _match_colors(fig: Figure, groups: Sequence[str]) -> None:

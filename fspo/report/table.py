@@ -1,6 +1,6 @@
 """The report's numbers: the paper's Table 1 (best / last per benchmark) and a fairness summary.
 
-Owns: grouping runs (`group_runs`), `table1` (per group and benchmark: best = max over the run's
+Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group and benchmark: best = max over the run's
 logged history, last = value at its final step, each averaged over the group's runs, i.e. seeds;
 "average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level
 LRE from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit,
@@ -175,4 +175,23 @@ def fairness_markdown(rows: Sequence[Row]) -> str:
                      _f(r.get("seq_clip_frac")), _f(r.get("sigma_hat")), _f(r.get("qq_slope"), 3),
                      _f(r.get("qq_r2"), 3), _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
                      _f(r.get("reward last"))])
+    return _md(header, body)
+
+
+def _pm(m, s, digits: int = 4) -> str:
+    return _f(m, digits) + ("" if s is None else f" +- {_f(s, digits)}")
+
+
+def seeds_markdown(t1_rows: Sequence[Row], fair_rows: Sequence[Row], bench: str = "val/accuracy") -> str:
+    """Mean +- std over each group's runs (seeds; sample std, none for one run) of the run-level LRE,
+    the out-of-band fraction and ``bench`` best and last: the numbers a claim across seeds rests on."""
+    acc = {r["group"]: r for r in t1_rows}
+    header = ["Method", "n", "seeds", "LRE", "out-of-band frac", f"{bench} best", f"{bench} last"]
+    body = []
+    for r in fair_rows:
+        a = acc.get(r["group"], {})
+        body.append([str(r["group"]), str(r["n_runs"]), str(a.get("seeds", "")), _pm(r.get("lre"), r.get("lre std")),
+                     _pm(r.get("out_of_band_frac"), r.get("out_of_band_frac std"), 3),
+                     _pm(a.get(f"{bench} best"), a.get(f"{bench} best std"), 3),
+                     _pm(a.get(f"{bench} last"), a.get(f"{bench} last std"), 3)])
     return _md(header, body)
