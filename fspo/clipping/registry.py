@@ -2,8 +2,11 @@
 loss_agg_mode, config) -> (loss, metrics)``, matching verl 0.9.1 (tests/test_verl_parity.py).
 
 Owns: `POLICY_LOSSES`, `register_policy_loss`, `get_policy_loss_fn` and the wrappers that build a
-clip rule from verl-style settings, apply it and aggregate. Names: ``vanilla`` (= ``grpo``),
-``grpo``, ``rloo``, ``gspo``, ``fspo``. ``config`` may be None, a dict, a DictConfig or any object
+clip rule from verl-style settings, apply it and aggregate. Names here: ``vanilla`` (= ``grpo``),
+``grpo``, ``rloo``, ``gspo``, ``fspo``. A rule file may register its own names with
+``@register_policy_loss`` (cispo.py: ``cispo``; sapo.py: ``sapo``; gmpo.py: ``geo_mean`` = ``gmpo``;
+luspo.py: ``luspo``): importing this module imports every module of fspo.clipping, so a new rule
+needs no edit here. ``config`` may be None, a dict, a DictConfig or any object
 with verl's field names (a verl ``ActorConfig`` included): ``clip_ratio`` (fallback for both sides),
 ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``; for fspo ``c_upper``, ``c_lower``,
 ``c_dual``; for fspo and rloo ``ratio_grad`` ("per_token" | "length_weighted", passed to the rule
@@ -25,7 +28,7 @@ import torch
 from torch import Tensor
 
 from fspo.clipping._common import MAX_LOG_RATIO
-from fspo.clipping.base import ClipRule
+from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.fspo import FSPOClip
 from fspo.clipping.grpo import GRPOClip
 from fspo.clipping.gspo import GSPOClip
@@ -101,7 +104,10 @@ def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
 
 def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
          response_mask: Tensor, mode: str, config: Any, kl_clamp: Optional[float] = MAX_LOG_RATIO,
+         metrics_fn: Optional[Callable[[ClipResult, Tensor], Dict[str, float]]] = None,
          ) -> Tuple[Tensor, Dict[str, float]]:
+    """Apply ``rule``, aggregate with ``mode`` and verl's batch info; ``metrics_fn(result, mask)``
+    (optional) overrides entries of the default metrics where a rule reports verl's differently."""
     totals, dp = _batch_info(config, mode)
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
@@ -114,6 +120,8 @@ def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Ten
     metrics = {"actor/pg_clipfrac": _masked_mean(res.clip_upper | res.clip_lower, m),
                "actor/ppo_kl": _masked_mean(-d, m),
                "actor/pg_clipfrac_lower": _masked_mean(res.clip_dual, m)}
+    if metrics_fn is not None:
+        metrics.update(metrics_fn(res, m))
     return loss, metrics
 
 
@@ -154,3 +162,19 @@ def policy_loss_fspo(old_log_prob, log_prob, advantages, response_mask,
     kw = {k: _get(config, k) for k in ("c_upper", "c_lower", "c_dual", "ratio_grad")}
     rule = FSPOClip(**{k: v for k, v in kw.items() if v is not None})
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+
+
+def _import_rule_modules() -> None:
+    """Import every module of fspo.clipping, so the policy losses that rule files register themselves
+    (``@register_policy_loss`` beside their rule) are listed. Runs last: a rule file importing this
+    module mid-import finds every name above already defined."""
+    import importlib
+    import pkgutil
+
+    import fspo.clipping as package
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+_import_rule_modules()
