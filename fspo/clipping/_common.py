@@ -4,7 +4,9 @@ Owns: argument validation helpers (one ValueError naming the setting), `prepare`
 the float32 upcast every rule does first), per-sequence/per-token advantage layouts, the verl
 ratio-space clip `ratio_clip` (GRPO, RLOO and GSPO share it) and `RatioClipRule`, the base of the
 three ratio-space rules, the two gradient forms of a sequence ratio (`seq_log_ratio_per_token`),
-the float-safety cap mask and `seq_result`. Leaves out: the log-space FSPO band (fspo.py) and aggregation (losses.py).
+the float-safety cap mask and `seq_result`; for the weight-clipping token rules (CISPO, SAPO)
+`token_ratio_inputs`, `weight_clip_result` and `VALUE_FORMS`. Leaves out: the log-space FSPO band
+(fspo.py) and aggregation (losses.py).
 """
 from __future__ import annotations
 
@@ -173,6 +175,32 @@ def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[floa
     if low is not None:
         out |= log_ratio.detach() < low
     return out & ~binding & (adv != 0)
+
+
+#: the loss value forms of rules whose verl value is not -A at the old policy (CISPO, SAPO): ``surrogate``
+#: (-A on-policy, like every rule here) or ``verl`` (verl 0.9.1's literal value); the gradient is the same
+VALUE_FORMS = ("surrogate", "verl")
+
+
+def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                       response_mask: Tensor) -> Tuple[Prepared, Tensor, Tensor, Tensor]:
+    """(`prepare`'s result, d_t, the [B, T] advantage, r_t = exp(clamp(d_t, -20, 20))): verl's token
+    ratio, as CISPO and SAPO start."""
+    p = prepare(owner, log_prob, old_log_prob, advantages, response_mask)
+    d = token_log_ratio(p)
+    return p, d, token_advantage(advantages, p), torch.exp(d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def weight_clip_result(token_loss: Tensor, d: Tensor, ratio: Tensor, in_band: Tensor, adv: Tensor,
+                       p: Prepared) -> ClipResult:
+    """A token-level `ClipResult` for rules whose clip bounds a token's gradient weight instead of
+    zeroing it (CISPO, SAPO): binding where the ratio is out of ``in_band`` and A != 0, ``clip_upper``
+    above r = 1, ``clip_lower`` below; no dual clip, no cap. All masks False on padding."""
+    r = ratio.detach()
+    bind = ~in_band & p.mask & (adv != 0)
+    return ClipResult(token_loss=token_loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
+                      clip_upper=bind & (r > 1.0), clip_lower=bind & (r < 1.0),
+                      clip_dual=torch.zeros_like(p.mask), in_band=in_band & p.mask)
 
 
 def seq_result(token_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
