@@ -1,0 +1,93 @@
+"""GMPO (arXiv 2507.20673): the geometric mean of token-clipped ratios as the sequence ratio.
+
+Owns: `GMPOClip` and the registry names ``geo_mean`` (verl 0.9.1's `compute_policy_loss_geo_mean`,
+tests/test_verl_parity_new_rules.py) and ``gmpo``. Leaves out: aggregation (fspo/losses.py; GMPO
+averages sequences, seq-mean-token-mean here, conf/method/gmpo.yaml).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fspo.clipping._common import (MAX_LOG_RATIO, check_positive, prepare, seq_advantage, token_advantage,
+                                   token_log_ratio)
+from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.registry import _masked_mean, _ratio_kwargs, register_policy_loss
+from fspo.losses import aggregate
+
+
+class GMPOClip(ClipRule):
+    """GMPO's objective with its per-token clip, exactly verl 0.9.1's ``geo_mean``.
+
+    Per token, with d_t = logp_new - logp_old, sgn_t = sign(A_t) and the log-space band [-low, high]:
+    c_t = sgn_t min(sgn_t d_t, sgn_t clip(d_t, -low, high)) (the pessimistic token clip: A > 0 caps d
+    at high, A < 0 floors it at -low). Per sequence, G_i = (1 / L_i) sum_t m_t c_t, A_i the masked mean
+    of A_t, and
+
+        J_i = A_i exp(G_i)   (the geometric mean of the clipped token ratios times A_i)
+
+    on every token of sequence i in the per-token form exp(sg(G_i) + c_t - sg(c_t)): value J_i, and
+    d token_loss[i, t] / d logp_t = -A_i exp(G_i) on unclipped tokens, 0 on clipped ones, so under
+    seq-mean-token-mean (k_i = 1 / (B L_i)) the gradient is GMPO's -A_i exp(G_i) / (B L_i), verl's.
+    (The exponent is a mean over L_i tokens, so this equals the full-gradient form in every mode.)
+    Settings: ``clip_ratio_low``, ``clip_ratio_high`` > 0, log space (GMPO: 0.4 each, ratio band
+    (e^-0.4, e^0.4)). Float safety (not in verl): G_i is capped at 20 (``clip_cap`` there, A_i != 0).
+    Masks (per token): ``clip_upper`` A_t > 0 and d_t > high, ``clip_lower`` A_t < 0 and d_t < -low
+    (zero gradient), no dual; ``in_band``: -low <= d_t <= high (any sign of A). The clip is per token,
+    so there is no closed-form sequence c(L) (as GRPO).
+    """
+
+    level = "token"
+
+    def __init__(self, clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.4) -> None:
+        super().__init__()
+        own = type(self).__name__
+        self.clip_ratio_low = check_positive(own, "clip_ratio_low", clip_ratio_low)
+        self.clip_ratio_high = check_positive(own, "clip_ratio_high", clip_ratio_high)
+
+    def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                response_mask: Tensor) -> ClipResult:
+        p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
+        d = token_log_ratio(p)
+        adv_t = token_advantage(advantages, p)
+        sgn = torch.sign(adv_t)
+        d_clip = torch.clamp(d, -self.clip_ratio_low, self.clip_ratio_high)
+        c = sgn * torch.min(sgn * d, sgn * d_clip)  # verl's expression, so autograd matches it exactly
+        g = (c * p.maskf).sum(-1).detach() / p.lengths.clamp(min=1.0)
+        a = seq_advantage(advantages, p)
+        cap = (g > MAX_LOG_RATIO) & (a != 0)
+        e = torch.where(cap.unsqueeze(-1), MAX_LOG_RATIO, g.clamp(max=MAX_LOG_RATIO).unsqueeze(-1) + c - c.detach())
+        dd = d.detach()
+        in_band = (dd >= -self.clip_ratio_low) & (dd <= self.clip_ratio_high)
+        m = p.mask
+        return ClipResult(token_loss=-a.unsqueeze(-1) * torch.exp(e) * p.maskf, seq_log_ratio=dd.sum(-1),
+                          clip_upper=(sgn > 0) & (dd > self.clip_ratio_high) & m,
+                          clip_lower=(sgn < 0) & (dd < -self.clip_ratio_low) & m,
+                          clip_dual=torch.zeros_like(m), in_band=in_band & m,
+                          clip_cap=cap.unsqueeze(-1) & m)
+
+    def extra_repr(self) -> str:
+        return f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}"
+
+
+@register_policy_loss("geo_mean")
+@register_policy_loss("gmpo")
+def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode: str = "token-mean", config: Any = None):
+    """verl's ``geo_mean``: `GMPOClip` (defaults 0.4 / 0.4; ``clip_ratio`` fills unset sides), the mean
+    of J_i over all B rows (fully masked ones included), as verl 0.9.1 does: ``loss_agg_mode`` and
+    ``global_batch_info`` are ignored there, so here too. Metrics as verl's: ``actor/pg_clipfrac`` /
+    ``actor/pg_clipfrac_lower`` = token share out of the band with A_t > 0 / A_t < 0; ``actor/ppo_kl``
+    unclamped."""
+    rule = GMPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}))
+    res = rule(log_prob, old_log_prob, advantages, response_mask)
+    m = response_mask.bool().float()
+    loss = aggregate(res.token_loss, response_mask, "seq-mean-token-mean", total_seqs=m.shape[0]).loss
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(m)
+    out = ~res.in_band
+    d = torch.where(m.bool(), log_prob.detach().float() - old_log_prob.float(), 0.0)
+    return loss, {"actor/pg_clipfrac": _masked_mean(out & (adv > 0), m),
+                  "actor/ppo_kl": _masked_mean(-d, m),
+                  "actor/pg_clipfrac_lower": _masked_mean(out & (adv < 0), m)}
