@@ -33,7 +33,7 @@ def arms():
 
 
 def test_arms_compose_with_tags(arms):
-    assert {"fspo_matched", "fspo_per_bin", "fspo_power", "rloo_matched", "gspo_matched", "grpo_matched",
+    assert {"fspo_matched", "fspo_per_bin", "fspo_power", "fspo_quantile", "rloo_matched", "gspo_matched", "grpo_matched",
             "fspo_paper", "rloo_paper", "gspo_paper", "grpo_paper"} <= set(arms)
     for name, cfg in arms.items():
         method, bands = name.rsplit("_", 1) if name.endswith(("_matched", "_paper")) else (name, "matched")
@@ -61,6 +61,6 @@ def test_matched_bands_equal_at_median_length(arms):
 
 
 def test_calibrated_arms_target_z_one(arms):
-    for name, band in (("fspo_power", "power"), ("fspo_per_bin", "per_bin")):
+    for name, band in (("fspo_power", "power"), ("fspo_per_bin", "per_bin"), ("fspo_quantile", "quantile")):
         clip = arms[name].clip
         assert clip.band == band and clip.z == 1.0 and clip.ratio_grad == "per_token"

@@ -21,7 +21,9 @@ Readings of the paper that this file commits to:
   sigma_t = (1 - alpha) sigma_{t-1} + alpha std_batch((S - mu_L) / sqrt(L)) over sequences with L > 0,
   sigma_0 = 0.03; the dual scale is max(c_dual, z sigma_t) so it never falls inside the band.
   sigma_hat is tracked in both modes (a diagnostic in "fixed" mode).
-* Calibrated bands (beyond the paper; fspo/clipping/calibration.py): ``band="power"`` fits
+* Calibrated bands (beyond the paper; fspo/clipping/calibration.py, quantile_band.py): ``band="quantile"``
+  sets the half-width to the observed erf(z / sqrt 2) quantile of |S_L - mu_L| per length bin (exact
+  2 Phi(-z) out of band for any law of S_L); ``band="power"`` fits
   std(S_L - mu_L) = sigma L^gamma from running per-length-bin moments, ``band="per_bin"`` uses the
   running per-bin std interpolated in log L; both clip S to mu_L -+ z scale(L), so the clip
   probability is 2 Phi(-z) at every L when S_L is Gaussian whatever its law in L (the paper's band
@@ -44,7 +46,11 @@ from torch import Tensor
 from fspo.clipping._common import (MAX_LOG_RATIO, RATIO_GRADS, check_choice, check_positive, prepare,
                                    seq_advantage, seq_log_ratio_per_token, seq_result, token_log_ratio)
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.calibration import CALIBRATORS
+from fspo.clipping.calibration import CALIBRATORS as _MOMENT_CALIBRATORS
+from fspo.clipping.quantile_band import QuantileBand
+
+#: ``band`` name -> calibrator class: the moment bands (calibration.py) and the quantile band
+CALIBRATORS = {**_MOMENT_CALIBRATORS, "quantile": QuantileBand}
 
 Scale = Union[float, Tensor]
 
@@ -71,7 +77,7 @@ class FSPOClip(ClipRule):
     ``c_dual=None`` a negative-advantage S above the float-safety cap 20 is ``clip_cap``, not dual.
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
-    "fixed" | "ema" | "power" | "per_bin" (``calibration``: keyword settings of the calibrator,
+    "fixed" | "ema" | "power" | "per_bin" | "quantile" (``calibration``: keyword settings of the calibrator,
     e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
     running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
     """
@@ -105,8 +111,11 @@ class FSPOClip(ClipRule):
         self.register_buffer("sigma_hat", torch.tensor(check_positive(own, "sigma0", sigma0)))
         self.register_buffer("kl_bar", torch.tensor(0.0))
         # band=power|per_bin: the calibrator (its moments are buffers, so they are checkpointed)
-        self.calibrator = CALIBRATORS[self.band](sigma0=float(sigma0), **dict(calibration or {})) \
-            if self.band in CALIBRATORS else None
+        self.calibrator = None
+        if self.band in CALIBRATORS:
+            cls = CALIBRATORS[self.band]
+            extra = {"z": self.z} if getattr(cls, "needs_z", False) else {}
+            self.calibrator = cls(sigma0=float(sigma0), **extra, **dict(calibration or {}))
 
     # --- band -------------------------------------------------------------------------------
     def scales(self) -> Tuple[Scale, Scale, Optional[Scale]]:
