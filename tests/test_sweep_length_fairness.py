@@ -64,3 +64,21 @@ def test_calibrated_arms_target_z_one(arms):
     for name, band in (("fspo_power", "power"), ("fspo_per_bin", "per_bin"), ("fspo_quantile", "quantile")):
         clip = arms[name].clip
         assert clip.band == band and clip.z == 1.0 and clip.ratio_grad == "per_token"
+
+
+def test_optional_newer_baseline_arms_follow_the_same_rule():
+    """cispo / sapo / gmpo / luspo arms (not in the default grid: add them with ``+arm=...``)."""
+    extra = "+arm=cispo_matched,sapo_matched,gmpo_matched,luspo_matched"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
+        jobs = {j[0].split("=", 1)[1]: job_config("length_fairness", j) for j in sweep_jobs("length_fairness", [extra])}
+    assert set(jobs) == {"cispo_matched", "sapo_matched", "gmpo_matched", "luspo_matched"}
+    for name, cfg in jobs.items():
+        assert cfg.tags.bands == "matched" and cfg.tags.method == cfg.method == name[: -len("_matched")]
+        instantiate(cfg.clip)
+    up, lo = _log_bounds(jobs["cispo_matched"].clip)  # per-token IS weight, as GRPO
+    assert up == pytest.approx(SIGMA, rel=2e-3) and lo == pytest.approx(SIGMA, rel=2e-3)
+    assert jobs["gmpo_matched"].clip.clip_ratio_high == jobs["gmpo_matched"].clip.clip_ratio_low == SIGMA  # log space
+    assert jobs["sapo_matched"].clip.tau_pos == pytest.approx(1.7627 / SIGMA, rel=2e-3)  # gate weight 1/2 at |r-1| = xi
+    up, lo = _log_bounds(jobs["luspo_matched"].clip)  # GSPO's band on S / L
+    assert up * L_MED == pytest.approx(BAND, rel=2e-3) and lo * L_MED == pytest.approx(BAND, rel=2e-3)
