@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -23,6 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = "../shared/data"
 ENV_DATA_DIR = "FSPO_DATA_DIR"
 ON_BAD_ROW = ("raise", "skip")
+_ESCAPED = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, as errors="surrogateescape" reads them
 
 
 class BadRow(Exception):
@@ -62,16 +64,42 @@ def require_str(row: Any, field: str, allow_int: bool = False, name: Optional[st
     return v.strip()
 
 
+def _bad_byte(text: str) -> Optional[Tuple[int, int]]:
+    """(byte value, 0-based index) of the first byte that was not UTF-8 in ``text`` read with
+    ``errors="surrogateescape"`` (such bytes become U+DC80..U+DCFF), or None."""
+    m = _ESCAPED.search(text)
+    return None if m is None else (ord(m.group()) - 0xDC00, m.start())
+
+
+def _has_bad_byte(x: Any) -> bool:
+    """Whether any string in the record ``x`` holds a byte that was not UTF-8."""
+    if isinstance(x, str):
+        return _bad_byte(x) is not None
+    if isinstance(x, dict):
+        return any(_has_bad_byte(k) or _has_bad_byte(v) for k, v in x.items())
+    return isinstance(x, list) and any(_has_bad_byte(v) for v in x)
+
+
+def _utf8_row(line_no: int, byte: int, col: int) -> BadRow:
+    return BadRow("<utf-8>", f"holds a byte that is not UTF-8 (0x{byte:02x} at line {line_no + 1}, column {col + 1})")
+
+
 def read_rows(path: Path) -> List[Tuple[int, Any]]:
     """(row number, record) pairs from a ``.jsonl`` (0-based line index; blank lines are not rows;
-    a line that is not valid JSON yields the record ``BadRow``), ``.json`` (a top-level list) or
-    ``.parquet`` file (via pandas; numpy arrays become lists)."""
+    a line that is not valid JSON or not UTF-8 yields the record ``BadRow``), ``.json`` (a top-level
+    list; a record holding a byte that is not UTF-8 becomes ``BadRow``) or ``.parquet`` file (via
+    pandas; numpy arrays become lists). Text files are read with ``errors="surrogateescape"`` so that
+    one bad byte costs one row, under ``on_bad_row``, not the file."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         out: List[Tuple[int, Any]] = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for i, line in enumerate(f):
                 if not line.strip():
+                    continue
+                bad = _bad_byte(line)
+                if bad is not None:
+                    out.append((i, _utf8_row(i, *bad)))
                     continue
                 try:
                     out.append((i, json.loads(line)))
@@ -79,11 +107,23 @@ def read_rows(path: Path) -> List[Tuple[int, Any]]:
                     out.append((i, BadRow("<json>", f"is not valid JSON ({e.msg} at column {e.colno})")))
         return out
     if suffix == ".json":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): fix the "
+                             f"file (data.on_bad_row=skip skips bad records, not a broken file)") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-        return list(enumerate(data))
+        first = _bad_byte(text)
+        if first is None:
+            return list(enumerate(data))
+        line_no = text.count("\n", 0, first[1])
+        col = first[1] - (text.rfind("\n", 0, first[1]) + 1)
+        where = f"the file's first: 0x{first[0]:02x} at line {line_no + 1}, column {col + 1}"
+        return [(i, BadRow("<utf-8>", f"holds a byte that is not UTF-8 ({where})") if _has_bad_byte(r) else r)
+                for i, r in enumerate(data)]
     if suffix == ".parquet":
         import pandas as pd
 
