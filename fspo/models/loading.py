@@ -6,13 +6,20 @@ Owns: `load_policy`. Sources, by ``model.source``:
   - ``random``: a freshly initialised Qwen3 with the project's tokenizer (no files): the tiny
     config, with any ``model.arch`` keys overriding it (conf/model/qwen3_100m.yaml: ~100M params);
   - ``pretrained``: ``model.path`` (a local folder) if set, else the hub id ``model.hub_id``.
-Offline, a hub id with no local copy fails fast (hub timeouts capped at 10 s) with a message
-saying how to point at local weights. Leaves out: sharding (the module's configure_model).
+A hub id is looked up without retries: with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) only
+the local cache is read; otherwise the hub is probed once (a TCP connection to ``HF_ENDPOINT``,
+3 s) and, when it does not answer, only the cache is read too. With no local copy the load fails
+within seconds with a message saying how to point at local weights. Leaves out: sharding (the
+module's configure_model).
 """
 from __future__ import annotations
 
 import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
 
 import torch
 
@@ -39,6 +46,38 @@ def _from_dir(path: Path, dtype: torch.dtype):
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model, tok
+
+
+def _offline_reason(timeout_s: float = 3.0) -> Optional[str]:
+    """Why the hub must not be contacted (an offline variable is set, or one probe of the endpoint
+    failed), or None when it answers."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return None
+    except OSError as e:
+        return f"{host}:{port} unreachable: {e}"
+
+
+@contextmanager
+def _hub_offline(offline: bool):
+    """huggingface_hub's offline switch on while loading, when ``offline`` (the library reads
+    HF_HUB_OFFLINE once, at import; with it no request at all is made, not even its user-agent lookup)."""
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
 
 
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
@@ -70,12 +109,16 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    offline = _offline_reason()  # probe once: no hub retries when it cannot answer
     try:
-        tok = AutoTokenizer.from_pretrained(hub_id)
-        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype)
+        with _hub_offline(offline is not None):
+            tok = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline is not None)
+            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype,
+                                                         local_files_only=offline is not None)
     except (OSError, ValueError) as e:
+        where = f"its local cache (offline: {offline})" if offline else "the Hugging Face hub or its local cache"
         raise ModelNotFoundError(
-            f"could not load model '{hub_id}' from the Hugging Face hub or its local cache ({type(e).__name__}: "
+            f"could not load model '{hub_id}' from {where} ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]}). On a machine with internet run `huggingface-cli download {hub_id} "
             f"--local-dir /path/to/{hub_id.split('/')[-1]}`, copy it here, and pass model.path=/path/to/... "
             f"(or set HF_HOME to a cache that holds it).") from None
