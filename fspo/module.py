@@ -35,6 +35,7 @@ from fspo.batching import MINI_BATCH_UNITS, check_mini_batch, minibatch_plan
 from fspo.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
                               gather_rollout, rank_offset, reduce_step_stats, reduce_sum, share)
 from fspo.emit import emit_metrics
+from fspo.guard import DivergenceGuard, UpdateMeter
 from fspo.models.segment_attention import enable_segment_attention
 from fspo.step_stats import StepStats, peak_memory_mib
 from fspo.types import RolloutBatch
@@ -117,9 +118,10 @@ class RLModule(L.LightningModule):
     """
 
     def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
-                 seed: int = 0):
+                 seed: int = 0, guard: Optional[DivergenceGuard] = None):
         super().__init__()
         self.policy = policy
+        self.guard = guard  # divergence limits checked before every optimizer step (fspo/guard.py); None: off
         if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
             enable_segment_attention(policy)
         self.clip = clip
@@ -228,6 +230,7 @@ class RLModule(L.LightningModule):
             mb = mb.select(rows.to(mb.response_ids.device))
         opt.zero_grad()
         observed = []
+        meter = UpdateMeter()  # this update's loss and KL for the divergence guard
         groups, width = passes.micro_batches(self, mb)
         for idx in groups:
             micro = dummy if idx is None else mb.select(idx).trim()
@@ -250,6 +253,7 @@ class RLModule(L.LightningModule):
                 continue
             t_m = time.perf_counter()
             stats.add_micro(agg.loss.detach(), logp.detach(), old, ent, micro.response_mask)
+            meter.add(res.token_loss, logp, old, micro.response_mask)
             # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
             for d in self._diagnostics():
                 d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
@@ -265,6 +269,17 @@ class RLModule(L.LightningModule):
             self.skipped_updates += 1
             stats.skipped += 1
             return
+        if self.guard is not None:  # collective: every rank checks every update and gets the same verdict
+            update = len(stats.grad_norms) + stats.skipped + 1  # this step's updates so far, stepped or skipped
+            verdict = self.guard.check(grad_norm, meter, self.device, lr=float(opt.param_groups[0]["lr"]),
+                                       where=f"RL step {int(self.rl_step)}, update {update}")
+            if verdict != "step":
+                stats.guard_trips += 1
+            if verdict == "skip":  # exactly no update: gradients dropped, no optimizer step
+                opt.zero_grad()
+                self.skipped_updates += 1
+                stats.skipped += 1
+                return
         opt.step()
         stats.grad_norms.append(float(grad_norm))
         # on-policy mini-batches have S == 0 exactly: no information on sigma; with several ranks every

@@ -1,13 +1,15 @@
 """Per-step training statistics that are not length diagnostics: loss, KL, entropy, grad norm.
 
-Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch, and
-`peak_memory_mib`. Token
+Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch, `k3_sum`
+(the KL estimate below, also the divergence guard's) and `peak_memory_mib`. Token
 statistics are token-weighted over every micro-batch of every update in the step:
 
     train/kl       = mean_t k3_t,  k3_t = r_t - 1 - log r_t,  r_t = exp(logp_new - logp_old)
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
+    guard/trips    = updates that exceeded a divergence limit (fspo/guard.py; skipped ones also count
+                     in train/skipped_updates)
     perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
                      (old log-probs and training; fspo/packing.py); perf/train_tokens and
                      perf/old_log_probs_tokens count the real (prompt + response) tokens of each pass
@@ -34,6 +36,7 @@ class StepStats:
     ent_tokens: float = 0.0
     grad_norms: List[float] = field(default_factory=list)
     skipped: int = 0
+    guard_trips: int = 0  # updates past a divergence limit (fspo/guard.py), skipped or not
     nonfinite: bool = False
     metrics_time: float = 0.0
     gap_sum: float = 0.0
@@ -45,12 +48,10 @@ class StepStats:
     @torch.no_grad()
     def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
         m = mask.float()
-        d = ((logp - old) * m).clamp(-20, 20)
-        k3 = (torch.exp(d) - 1 - d) * m
         self.loss_sum += float(loss)
         n = float(m.sum())
         self.tokens += n
-        self.kl_sum += float(k3.sum())
+        self.kl_sum += k3_sum(logp, old, mask)
         if entropy is not None:
             self.ent_sum += float((entropy * m).sum())
             self.ent_tokens += n
@@ -69,6 +70,7 @@ class StepStats:
             "train/kl": self.kl_sum / max(self.tokens, 1.0),
             "train/updates": float(updates),
             "train/skipped_updates": float(self.skipped),
+            "guard/trips": float(self.guard_trips),
         }
         if updates:
             out["train/grad_norm"] = sum(self.grad_norms) / updates
@@ -83,6 +85,14 @@ class StepStats:
         if self.ent_tokens:
             out["train/entropy"] = self.ent_sum / self.ent_tokens
         return out
+
+
+@torch.no_grad()
+def k3_sum(logp: Tensor, old: Tensor, mask: Tensor) -> float:
+    """sum over the tokens of ``mask`` of k3 = r - 1 - log r, r = exp(logp - old) (log-ratio clamped to +-20)."""
+    m = mask.float()
+    d = ((logp - old) * m).clamp(-20, 20)
+    return float(((torch.exp(d) - 1 - d) * m).sum())
 
 
 def peak_memory_mib(device) -> float:
