@@ -1,8 +1,9 @@
 """Turning user errors into one clear line.
 
 Owns: `user_error(exc)`: the message to show for an exception caused by bad input (a config
-value, a data file, a model path), unwrapping Hydra's InstantiationException; None for anything
-else (a real bug, which keeps its traceback).
+value, a data file, a model path) or by storage (a full disk, a read-only store: fspo/store_check.py's
+`storage_error`, found anywhere in the exception's chain), unwrapping Hydra's InstantiationException;
+None for anything else (a real bug, which keeps its traceback).
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def user_error(exc: BaseException) -> Optional[str]:
     from hydra.errors import InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
+    from fspo.store_check import storage_error
+
+    storage = storage_error(exc)
+    if storage is not None:
+        return storage
     cause = exc
     while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
         cause = cause.__cause__
