@@ -8,10 +8,12 @@ the form ``<key>=<value>: <what is wrong> (<what the key means>); <the fix>``, a
 warnings it logged (settings that run but are likely mistakes). A key absent from the config is not
 checked (a config composed without it, e.g. one saved before the key existed).
 
-Leaves out: checks that need built objects or files — the batch arithmetic (`fspo.batching.
-check_mini_batch`, run when ``cfg.ppo`` is instantiated right after), data files, model paths, the
-tracking store (fspo/store_check.py) — and the components' own argument checks, which stay as a
-second line of defence.
+The settings objects that are pure values (``ppo``, ``aggregator``, ``rollout.sampling``,
+``val.sampling``, ``guard``: dataclasses, no I/O) are built here too, so their own checks (the batch
+arithmetic of `fspo.batching.check_mini_batch` among them) also run before anything else.
+
+Leaves out: checks that need files or the network — data files, model paths, the tracking store
+(fspo/store_check.py) — and the other components' argument checks, which run when they are built.
 """
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from fspo.losses import AGG_MODES
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ _ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
 LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always diverges
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
+SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard")  # pure values: built here
 
 
 class ConfigError(ValueError):
@@ -80,9 +87,8 @@ RULES: Tuple[Rule, ...] = (
     _int("cpu_threads", 1, "torch intra-op threads", 1, nullable=True),
     Rule("logger_fallback", "choice", choices=(None, "local"), meaning="what to do when the tracking "
          "server does not answer", example="local"),
-    Rule("loss_agg_mode", "choice", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                             "seq-mean-token-sum-norm", "token-sum"),
-         meaning="how token losses are aggregated", example="token-mean"),
+    Rule("loss_agg_mode", "choice", choices=AGG_MODES, meaning="how token losses are aggregated",
+         example="token-mean"),
     Rule("model.source", "choice", choices=("warmstart", "random", "pretrained"), meaning="where the "
          "policy comes from", example="pretrained"),
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
@@ -196,6 +202,23 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
                             f"(the guard, guard.action, stops or skips diverging updates)")
 
 
+def _build_settings(cfg: DictConfig) -> None:
+    """Build each of `SETTINGS_OBJECTS` present in ``cfg`` so that its own checks run; their ValueErrors
+    (messages that name the key) become `ConfigError`."""
+    for key in SETTINGS_OBJECTS:
+        node = OmegaConf.select(cfg, key)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        try:
+            instantiate(node)
+        except InstantiationException as e:
+            if isinstance(e.__cause__, ValueError):
+                raise ConfigError(str(e.__cause__)) from None
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def check_config(cfg: DictConfig) -> List[str]:
     """Raise `ConfigError` for the first bad setting of ``cfg`` (see the module docstring); return the
     warnings, each also logged."""
@@ -205,6 +228,7 @@ def check_config(cfg: DictConfig) -> List[str]:
             _check_rule(rule, value)
     warnings: List[str] = []
     _cross_checks(cfg, warnings)
+    _build_settings(cfg)
     for w in warnings:
         log.warning("%s", w)
     return warnings
