@@ -28,7 +28,7 @@ def main(cfg: DictConfig):
     from fspo.train import train
 
     try:
-        final = train(cfg)
+        final = train(cfg, overrides=list(HydraConfig.get().overrides.task))  # resume: fspo/run_config.py
     except Exception as e:  # noqa: BLE001 - user errors become one clear line
         msg = user_error(e)
         if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

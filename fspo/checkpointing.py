@@ -8,14 +8,17 @@ checkpoint to resume from and the MLflow run (fspo/resume.py).
 what Lightning saves (module state dict with the policy, FSPO's ``sigma_hat``/``kl_bar`` buffers,
 ``rl_step``, ``skipped_updates``; optimizer; LR scheduler; loop progress; the sampler position)
 plus ``checkpoint["fspo_resume"]``: every torchmetrics state of the module (``run_diagnostics``
-accumulates over the run; its states are non-persistent), the RNG states (both: fspo/run_state.py)
-and the MLflow run id.
+accumulates over the run; its states are non-persistent), the RNG states (both: fspo/run_state.py),
+the MLflow run id and the run's config (``run_config``, YAML: fspo/run_config.py restores it on resume).
 Sampling seeds and mini-batch shuffles derive from ``rl_step``, so they follow.
 
 Writing: Lightning writes ``step_N.ckpt.partial`` (a file, or a folder of shards under FSDP); it is
-fsynced and ``os.replace``d to ``step_N.ckpt``. A crash mid-write leaves only the ``.partial``,
-which nothing reads and the next save removes. Signals: SIGTERM through Lightning's handler
-(``trainer.received_sigterm``), ``signals`` (SIGUSR1: SLURM's ``--signal=USR1@90``) through ours;
+fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``step_N.ckpt.sha256``
+(fspo/checkpoint_integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
+only the ``.partial``, which nothing reads and the next save removes. Pruning (keep-last-k) deletes
+only checkpoints of this run that nothing failed to load; damaged ones live in ``damaged/``.
+Signals: SIGTERM through Lightning's handler (``trainer.received_sigterm``), ``signals`` (SIGUSR1:
+SLURM's ``--signal=USR1@90``) through ours;
 the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
 (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
 handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
@@ -38,6 +41,8 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from fspo.checkpoint_integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
+                                       shard_digests, write_manifest)
 from fspo.run_state import load_metric_states, metric_states, rng_states, set_rng_states
 
 log = logging.getLogger(__name__)
@@ -110,11 +115,15 @@ class StepCheckpoint(Checkpoint):
     last step (``save_last``) and at the first step boundary after a stop signal, then stops (exit 0).
     Keeps the newest ``keep_last`` checkpoints. ``run_id_fn`` returns the MLflow run id to store.
     With ``slurm_requeue`` a signalled job under SLURM is requeued (``scontrol requeue``) after saving.
+    With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/checkpoint_integrity.py);
+    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/run_config.py.
+    A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
     """
 
     def __init__(self, dirpath, every_n_steps: int = 10, keep_last: int = 2, save_last: bool = True,
                  signals: Sequence[str] = ("SIGUSR1",), slurm_requeue: bool = False,
-                 run_id_fn: Optional[Callable[[], Optional[str]]] = None):
+                 run_id_fn: Optional[Callable[[], Optional[str]]] = None, checksum: bool = True,
+                 run_config: Optional[str] = None):
         if every_n_steps < 0 or keep_last < 1:
             raise ValueError(f"checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1, got "
                              f"{every_n_steps} and {keep_last}")
@@ -123,6 +132,7 @@ class StepCheckpoint(Checkpoint):
             raise ValueError(f"checkpoint.signals: {bad} are not catchable signal names (e.g. SIGUSR1, SIGUSR2)")
         self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), int(every_n_steps), int(keep_last)
         self.save_last, self.slurm_requeue, self.run_id_fn = bool(save_last), bool(slurm_requeue), run_id_fn
+        self.checksum, self.run_config = bool(checksum), run_config
         self.signals = [getattr(signal, str(s)) for s in signals]
         self._signal: Optional[str] = None
         self._pending: Optional[bool] = None  # a save deferred to the end of this step's validation (value: stop)
@@ -141,6 +151,7 @@ class StepCheckpoint(Checkpoint):
         if threading.current_thread() is threading.main_thread():
             self._old_handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
         if self._restore is not None:  # after Lightning created the data iterators (they draw from the RNG)
+            self._check_finite(trainer, pl_module)
             set_rng_states(self._restore["rng"])
             dm = trainer.datamodule
             pos = getattr(getattr(dm, "sampler", None), "position", None)
@@ -148,6 +159,24 @@ class StepCheckpoint(Checkpoint):
                 raise RuntimeError(f"resumed checkpoint is inconsistent: prompt sampler at step {pos}, module at "
                                    f"rl_step {int(pl_module.rl_step)}")
             self._restore = None
+
+    def _check_finite(self, trainer, pl_module) -> None:
+        """Stop before the first step when the loaded parameters hold NaN/inf: the checkpoint is moved to
+        ``damaged/`` (when it is one of this run's) so that resume=auto takes the previous one next time."""
+        from fspo.distributed import any_rank
+
+        bad = nonfinite_tensors(pl_module.named_parameters())
+        if not any_rank(bool(bad), pl_module.device):
+            return
+        path = Path(trainer.ckpt_path) if trainer.ckpt_path else None
+        ours = path is not None and path.exists() and path.parent.resolve() == self.dirpath.resolve()
+        moved = quarantine(path) if ours and trainer.is_global_zero else None
+        trainer.strategy.barrier("fspo_checkpoint_nonfinite")
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") or "on another rank"
+        fix = (f"moved it to {moved}; run again with resume=auto to continue from the newest good checkpoint"
+               if ours else "resume from an earlier checkpoint (resume=<path>)")
+        raise CheckpointCorrupt(f"checkpoint {path} loaded non-finite parameters ({names}): damaged without a "
+                                f"checksum, or written after the run diverged; {fix}")
 
     def _restore_handlers(self) -> None:
         for s, h in self._old_handlers.items():
@@ -191,6 +220,8 @@ class StepCheckpoint(Checkpoint):
             if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
                 self._save(trainer, step)
             return
+        if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
+            return
         last = self.last_path or (list_checkpoints(self.dirpath) or [None])[-1]
         log.error("training stopped at RL step %d by %s; the last complete checkpoint is %s "
                   "(continue with resume=auto)", step, type(exception).__name__, last)
@@ -213,13 +244,32 @@ class StepCheckpoint(Checkpoint):
                 _remove(stale)
         trainer.strategy.barrier("fspo_checkpoint_prepare")
         trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
+        known = self._shard_digests(trainer, tmp) if self.checksum else {}
         if trainer.is_global_zero:
+            if self.checksum:  # committed before the checkpoint: a complete checkpoint has its manifest
+                write_manifest(tmp, final, known)
+            else:
+                manifest_path(final).unlink(missing_ok=True)
             atomic_commit(tmp, final)
             for old in list_checkpoints(self.dirpath)[:-self.keep_last]:
                 _remove(old)
+                _remove(manifest_path(old))
+            for man in self.dirpath.glob("step_*.ckpt.sha256"):  # a manifest whose checkpoint was never committed
+                if not man.with_suffix("").exists():
+                    _remove(man)
         trainer.strategy.barrier("fspo_checkpoint_commit")
         self._saved_step, self.last_path = step, final
         log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+
+    @staticmethod
+    def _shard_digests(trainer, tmp: Path) -> Dict[str, str]:
+        """SHA-256 of every rank's own shard files of a sharded checkpoint, gathered (rank 0 hashes the rest)."""
+        mine = shard_digests(tmp, trainer.global_rank)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: List[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, mine)
+            return {k: v for part in gathered for k, v in part.items()}
+        return mine
 
     def _requeue(self, trainer) -> None:
         job = os.environ.get("SLURM_JOB_ID")
@@ -241,13 +291,24 @@ class StepCheckpoint(Checkpoint):
             gathered = [states]
         checkpoint[META_KEY] = {"rl_step": int(pl_module.rl_step), "rng": rng_states(), "metrics": gathered,
                                 "mlflow_run_id": self.run_id_fn() if self.run_id_fn else None,
-                                "world_size": world}
+                                "world_size": world, "run_config": self.run_config}
+
+    @staticmethod
+    def _extend(trainer, checkpoint: Dict[str, Any], step: int) -> None:
+        """A finished run resumed with more ``steps``: its last batch is no longer the epoch's last, else
+        Lightning's restored loop would end the fit at once."""
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress") or {}
+        steps = getattr(getattr(trainer.datamodule, "sampler", None), "steps", None)
+        if progress.get("is_last_batch") and steps is not None and int(steps) > step:
+            progress["is_last_batch"] = False
+            log.info("extending the finished run from step %d to %d", step, int(steps))
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)
         if meta is None:
             log.warning("checkpoint has no %r: metric states and RNG states are not restored", META_KEY)
             return
+        self._extend(trainer, checkpoint, int(meta["rl_step"]))
         per_rank, same = meta["metrics"], len(meta["metrics"]) == trainer.world_size
         if not same:
             log.warning("checkpoint written by %d ranks, resuming on %d: run-level diagnostics keep rank 0's "

@@ -33,7 +33,8 @@ def _is_ckpt(p: Path) -> bool:
 
 def find_checkpoints(spec) -> List[Path]:
     """Checkpoint paths for ``spec``: a path or list of them; each a ``.ckpt`` file, a distributed
-    checkpoint folder, a glob, or a run folder (searched recursively for ``*.ckpt``). Symlinks
+    checkpoint folder, a glob, or a run folder (searched recursively for ``*.ckpt``, leaving out
+    ``checkpoints/damaged/``, where a resume moved checkpoints that failed their checksum). Symlinks
     (``last.ckpt``) resolve and duplicates drop; order: as given, run folders sorted by path."""
     items = [spec] if isinstance(spec, (str, Path)) else list(spec or [])
     found: List[Path] = []
@@ -44,7 +45,7 @@ def find_checkpoints(spec) -> List[Path]:
         elif _is_ckpt(Path(s)):
             paths = [Path(s)]
         elif Path(s).is_dir():
-            paths = sorted(p for p in Path(s).rglob("*.ckpt") if _is_ckpt(p))
+            paths = sorted(p for p in Path(s).rglob("*.ckpt") if _is_ckpt(p) and p.parent.name != "damaged")
         else:
             raise FileNotFoundError(f"no checkpoint at {s}: give a .ckpt file, a run folder or a glob")
         paths = [p.resolve() for p in paths if _is_ckpt(p)]
@@ -55,13 +56,15 @@ def find_checkpoints(spec) -> List[Path]:
 
 
 def find_run_config(path, levels: int = 5) -> Optional[Path]:
-    """The training run's config next to a checkpoint: the first ``.hydra/config.yaml`` or
-    ``config.yaml`` in ``path``'s folder or up to ``levels`` parents (run.py's output_dir holds the
-    former; Lightning puts checkpoints in ``<output_dir>/<experiment id>/<run id>/checkpoints/``)."""
+    """The training run's config next to a checkpoint: the first ``run_config.yaml``, ``.hydra/config.yaml``
+    or ``config.yaml`` in ``path``'s folder or up to ``levels`` parents (run.py's output_dir holds the
+    first two: ``run_config.yaml`` is the run's own config, which a resumed launch keeps
+    (fspo/run_config.py), while Hydra rewrites ``.hydra/`` with each launch's command line; Lightning
+    puts checkpoints in ``<output_dir>/<experiment id>/<run id>/checkpoints/``)."""
     p = Path(path).resolve()
     start = p if p.is_dir() else p.parent
     for d in [start, *start.parents][:levels + 1]:
-        for cand in (d / ".hydra" / "config.yaml", d / "config.yaml"):
+        for cand in (d / "run_config.yaml", d / ".hydra" / "config.yaml", d / "config.yaml"):
             if cand.is_file():
                 return cand
     return None

@@ -3,8 +3,9 @@
 Owns: `train(cfg)` — build the policy, data, reward, clip rule, module, rollout callback, MLflow
 logger and Lightning Trainer from ``cfg`` (see conf/config.yaml), validate once before training,
 fit, and log the run-level diagnostics and their figures as MLflow artifacts. Returns the final
-metrics. With ``resume=auto`` it continues the newest checkpoint in ``output_dir`` and its MLflow
-run (fspo/resume.py); checkpoints and signal stops are fspo/checkpointing.py's. Leaves out:
+metrics. The run holds ``output_dir``'s lock throughout (fspo/run_lock.py). With ``resume=auto`` it
+continues the newest good checkpoint in ``output_dir`` and its MLflow run (fspo/resume.py) with the
+run's saved config (fspo/run_config.py); checkpoints and signal stops are fspo/checkpointing.py's. Leaves out:
 Hydra's command line (experiments/run.py) and every component's internals.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 import lightning as L
 import torch
@@ -28,7 +29,9 @@ from fspo.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.module import RLModule
 from fspo.mlflow_utils import flatten_params, log_final_artifacts
-from fspo.resume import build_logger, log_params_once, mark_preempted, record_run_id, resolve_resume
+from fspo.resume import ResumePlan, build_logger, log_params_once, mark_preempted, record_run_id, resolve_resume
+from fspo.run_config import resume_config
+from fspo.run_lock import hold_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +43,24 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
                            acceptance_on_policy=bool(d.get("acceptance_on_policy", False)))
 
 
-def train(cfg: DictConfig) -> Dict[str, Any]:
-    """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats."""
+def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
+    lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
+    the run's saved config (``overrides``: this launch's command line, see fspo/run_config.py)."""
+    out_dir = Path(cfg.output_dir)
+    with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
+        plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
+        return _train(resume_config(cfg, plan, out_dir, overrides), plan)
+
+
+def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
+    """The run itself, once `train` has settled its config and resume plan."""
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
     logger = RankZeroStub() if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
@@ -79,7 +91,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
     record_run_id(logger, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
-                          run_id_fn=lambda: getattr(logger, "run_id", None))
+                          run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
     trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout, ckpt],

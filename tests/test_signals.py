@@ -99,7 +99,7 @@ class FakeStrategy:
 class FakeTrainer:
     """A trainer whose ``save_checkpoint(path)`` is ``writer(path)``."""
 
-    is_global_zero = True
+    is_global_zero, global_rank, world_size = True, 0, 1
 
     def __init__(self, writer):
         self.strategy, self.writer = FakeStrategy(), writer

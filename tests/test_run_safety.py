@@ -1,0 +1,431 @@
+"""Runs that never lose work (issue 19, defects 1-4): one run per output folder, damaged checkpoints
+detected and moved aside, no silent fresh start, and a resumed run keeps its own config.
+
+Owns: the output-folder lock (fspo/run_lock.py: a second run exits at once naming the holder; a
+killed holder's lock is taken over), checkpoint checksums (fspo/checkpoint_integrity.py) and how
+`fspo.resume.resolve_resume` uses them (newest good checkpoint; all damaged: an error, nothing
+touched; ``resume=fresh``; older checkpoints without manifest load unverified), the non-finite guard
+after loading, and the resumed config (fspo/run_config.py: saved config restored, experiment-changing
+overrides refused, allowed ones recorded). The end-to-end cases run `experiments/run.py` as
+subprocesses on the tiny model (helpers from test_resume.py). Leaves out: kill -9 / exact resume
+(test_resume.py) and signals (test_signals.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fspo.checkpoint_integrity import CheckpointCorrupt, manifest_path, quarantine, verify, write_manifest
+from fspo.checkpointing import list_checkpoints
+from fspo.resume import ResumePlan, resolve_resume
+from fspo.run_config import RUN_CONFIG_FILE, ConfigChangedOnResume, resume_config
+from fspo.run_lock import LOCK_FILE, OutputDirInUse, acquire, hold_output_dir, release
+from test_resume import ARGS, REPO, last_train_step, metric_rows, policy_state
+
+# small runs: 4 prompts x 4 samples, 24 new tokens, 4 validation prompts (seconds per step on a CPU)
+BASE = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.", "val.", "seed="))] + \
+    ["val.size=4", "val.every_n_steps=3", "checkpoint.keep_last=5"]
+HOLDER = """
+import sys, time
+from fspo.run_lock import acquire
+acquire(sys.argv[1]); print("locked", flush=True); time.sleep(600)
+"""
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def launch(tmp: Path, run_dir: Path, log_name: str, args) -> subprocess.Popen:
+    """`experiments/run.py args` with run folder ``run_dir`` and MLflow store ``tmp/mlflow.db``."""
+    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *args, f"hydra.run.dir={run_dir}",
+           f"logger.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"+logger.artifact_location={tmp / 'artifacts'}"]
+    return subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=open(tmp / log_name, "w"), stderr=subprocess.STDOUT)
+
+
+def run(tmp: Path, run_dir: Path, log_name: str, args, timeout: float = 300):
+    """Run to the end; (exit code, log text)."""
+    proc = launch(tmp, run_dir, log_name, args)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return rc, (tmp / log_name).read_text()
+
+
+def run_ok(tmp: Path, run_dir: Path, log_name: str, args) -> str:
+    """Run to the end, which must be exit code 0; the log text."""
+    rc, log = run(tmp, run_dir, log_name, args)
+    assert rc == 0, log[-3000:]
+    return log
+
+
+def ckpt_run_id(path: Path) -> str:
+    return torch.load(path, map_location="cpu", weights_only=True)["fspo_resume"]["mlflow_run_id"]
+
+
+def corrupt_weights(ckpt: Path) -> str:
+    """Overwrite 4 KiB inside the stored bytes of the first large policy weight with 0xFF (float32 NaN):
+    the zip stays readable, the tensor loads as NaN -- damage a plain torch.load does not notice."""
+    sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    key = next(k for k, v in sd.items() if k.startswith("policy.") and v.numel() >= 4096)
+    want = sd[key].contiguous().numpy().tobytes()
+    with zipfile.ZipFile(ckpt) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and z.read(i.filename) == want)
+    with open(ckpt, "r+b") as f:
+        f.seek(info.header_offset)
+        n, m = struct.unpack("<HH", f.read(30)[26:30])
+        f.seek(info.header_offset + 30 + n + m + info.file_size // 4)
+        f.write(b"\xff" * 4096)
+    assert torch.isnan(torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"][key]).any()
+    return key
+
+
+# ------------------------------------------------------------------ defect 1: the output-folder lock
+def test_lock_refuses_a_second_holder_and_is_taken_over_after_kill9(tmp_path, caplog):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirInUse, match=rf"output_dir {out} is in use by another run \(pid {holder.pid} on "
+                                                 rf"host .*started .*pass another output_dir"):
+            acquire(out)
+        with pytest.raises(OutputDirInUse):
+            with hold_output_dir(out):
+                pass
+        with hold_output_dir(out, owner=False):  # ranks other than 0 take nothing
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == holder.pid  # the dead holder's record is left
+    with caplog.at_level("WARNING"):
+        with hold_output_dir(out):  # the kernel dropped the dead process's lock
+            assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+            with hold_output_dir(out):  # re-entrant in one process (Hydra callback + train)
+                pass
+            assert acquire(out) and release(out) is None
+            assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"pid {holder.pid}" in caplog.text and "ended without releasing its lock" in caplog.text
+    assert (out / LOCK_FILE).read_text() == ""  # released cleanly: empty, nothing stale
+    with pytest.raises(RuntimeError):
+        with hold_output_dir(out):
+            raise RuntimeError("the run failed")
+    acquire(out)  # released on the exception
+    release(out)
+
+
+@pytest.mark.slow
+def test_second_run_in_the_same_output_dir_exits_at_once_and_touches_nothing(tmp_path):
+    """Issue 19.1: seeds 1 and 2, same output_dir, a checkpoint every step."""
+    out = tmp_path / "out"
+    args = BASE + ["steps=4", "checkpoint.every_n_steps=1"]
+    first = launch(tmp_path, out, "seed1.log", args + ["seed=1"])
+    deadline = time.monotonic() + 120
+    while not (out / LOCK_FILE).is_file() or not (out / LOCK_FILE).read_text().strip():
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "seed1.log").read_text()[-3000:]
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    rc, log = run(tmp_path, out, "seed2.log", args + ["seed=2"])
+    assert rc == 2 and time.monotonic() - t0 < 60, log[-3000:]
+    assert f"error: OutputDirInUse: output_dir {out} is in use by another run (pid {first.pid} " in log
+    assert first.wait(timeout=300) == 0, (tmp_path / "seed1.log").read_text()[-3000:]
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in ckpts] == [f"step_{s:06d}.ckpt" for s in range(1, 5)]
+    assert {ckpt_run_id(p) for p in ckpts} == {run_id}
+    assert "seed=1" in (out / ".hydra" / "overrides.yaml").read_text()  # Hydra's files are the first run's
+    assert "seed=2" not in (out / "run.log").read_text()
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        runs = con.execute("SELECT r.run_uuid, r.status, p.value FROM runs r JOIN params p ON p.run_uuid = r.run_uuid "
+                           "AND p.key = 'seed'").fetchall()
+    assert runs == [(run_id, "FINISHED", "1")]  # the second run never reached MLflow
+    assert (out / LOCK_FILE).read_text() == ""
+
+
+# ------------------------------------------------------------------ defects 2-3: checksums
+def test_manifest_verifies_files_and_shard_folders(tmp_path):
+    f = tmp_path / "step_000002.ckpt.partial"
+    torch.save({"w": torch.arange(100.0)}, f)
+    man = write_manifest(f, tmp_path / "step_000002.ckpt")
+    f.rename(tmp_path / "step_000002.ckpt")
+    ck = tmp_path / "step_000002.ckpt"
+    assert man == manifest_path(ck) and man.read_text().endswith("  step_000002.ckpt\n")
+    assert verify(ck) is True
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ck.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="does not match its SHA-256"):
+        verify(ck)
+    man.unlink()
+    assert verify(ck) is False  # an older version's checkpoint: unverified
+    d = tmp_path / "step_000004.ckpt.partial"  # a shard folder
+    d.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", "meta.pt", ".metadata"):
+        (d / name).write_bytes(name.encode() * 100)
+    write_manifest(d, tmp_path / "step_000004.ckpt", known={"__1_0.distcp": "0" * 64})  # rank 1's own digest
+    d = d.rename(tmp_path / "step_000004.ckpt")
+    with pytest.raises(CheckpointCorrupt, match="__1_0.distcp does not match"):
+        verify(d)
+    write_manifest(d, d)
+    assert verify(d) is True
+    (d / "extra").write_text("x")
+    with pytest.raises(CheckpointCorrupt, match="not in"):
+        verify(d)
+    (d / "extra").unlink()
+    (d / "meta.pt").unlink()
+    with pytest.raises(CheckpointCorrupt, match="meta.pt is missing"):
+        verify(d)
+    moved = quarantine(d)
+    assert moved == tmp_path / "damaged" / "step_000004.ckpt" and manifest_path(moved).is_file()
+    (tmp_path / "step_000004.ckpt").mkdir()
+    assert quarantine(tmp_path / "step_000004.ckpt").name == "step_000004.ckpt.1"  # never overwritten
+
+
+def _ckpt(ck: Path, step: int, run_id: str = "r", manifest: bool = True) -> Path:
+    p = ck / f"step_{step:06d}.ckpt"
+    ck.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {"w": torch.ones(64)}, "fspo_resume": {"rl_step": step, "mlflow_run_id": run_id}}, p)
+    if manifest:
+        write_manifest(p, p)
+    return p
+
+
+def _damage(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def test_resume_skips_damaged_checkpoints_and_never_deletes_one(tmp_path, caplog):
+    ck = tmp_path / "checkpoints"
+    old, mid, new = _ckpt(ck, 2, manifest=False), _ckpt(ck, 4), _ckpt(ck, 6)
+    _damage(new)
+    damaged = new.read_bytes()
+    with caplog.at_level("WARNING"):
+        plan = resolve_resume(OmegaConf.create({"resume": "auto"}), tmp_path)
+    assert (Path(plan.ckpt_path), plan.step) == (mid, 4)
+    assert (ck / "damaged" / new.name).read_bytes() == damaged and (ck / "damaged" / (new.name + ".sha256")).is_file()
+    assert "skipping damaged checkpoint" in caplog.text and "moved damaged checkpoint" in caplog.text
+    _damage(mid)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        plan = resolve_resume(OmegaConf.create({"resume": "auto"}), tmp_path)  # an older version's: unverified
+    assert Path(plan.ckpt_path) == old and "no checksum manifest" in caplog.text
+    with pytest.raises(CheckpointCorrupt, match="resume=.*step_000004.ckpt.*is damaged"):
+        resolve_resume(OmegaConf.create({"resume": str(ck / "damaged" / mid.name)}), tmp_path)
+
+
+def test_all_checkpoints_damaged_is_an_error_until_resume_fresh(tmp_path):
+    ck = tmp_path / "checkpoints"
+    a, b = _ckpt(ck, 2, run_id="old"), _ckpt(ck, 4, run_id="old")
+    (tmp_path / "mlflow_run_id").write_text("old\n")
+    _damage(a)
+    b.write_bytes(b"truncated")
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    with pytest.raises(CheckpointCorrupt, match=r"resume=auto: no checkpoint in .* can be used \(step_000004.ckpt "
+                                                r"does not match.*step_000002.ckpt does not match.*\); nothing was "
+                                                r"changed. Pass resume=fresh"):
+        resolve_resume(OmegaConf.create({"resume": "auto"}), tmp_path)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before  # nothing moved, nothing deleted
+    plan = resolve_resume(OmegaConf.create({"resume": "fresh"}), tmp_path)
+    assert plan == ResumePlan() and not list_checkpoints(ck)
+    assert sorted(p.name for p in (ck / "damaged").iterdir()) == sorted(before)
+    _ckpt(ck, 2)
+    with pytest.raises(ValueError, match="resume=fresh: .*step_000002.ckpt is a usable checkpoint"):
+        resolve_resume(OmegaConf.create({"resume": "fresh"}), tmp_path)
+
+
+def test_checkpoint_save_writes_manifest_and_prunes_with_it(tmp_path):
+    from fspo.checkpointing import StepCheckpoint
+    from test_signals import FakeTrainer, good_writer
+
+    ck = tmp_path / "checkpoints"
+    cb = StepCheckpoint(ck, keep_last=2)
+    ck.mkdir()
+    (ck / "step_000001.ckpt.sha256").write_text("orphan of a write cut short\n")
+    for s in (2, 4, 6):
+        cb._save(FakeTrainer(good_writer(s)), s)
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000004.ckpt", "step_000004.ckpt.sha256",
+                                                     "step_000006.ckpt", "step_000006.ckpt.sha256"]
+    assert all(verify(p) for p in list_checkpoints(ck))
+    StepCheckpoint(ck, keep_last=5, checksum=False)._save(FakeTrainer(good_writer(6)), 6)
+    assert verify(ck / "step_000006.ckpt") is False  # no stale manifest left for a rewritten checkpoint
+
+
+def test_nonfinite_parameters_after_loading_stop_and_move_the_checkpoint_aside(compose_cfg):
+    """A checkpoint of an older version (no manifest) whose weights load as NaN: a clear error before the
+    first step, the checkpoint moved to damaged/, and the next resume=auto continues from the one before."""
+    from fspo.train import train
+
+    args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "val.size=0", "seed=3"]
+    train(compose_cfg(args))
+    ck = Path(compose_cfg(args).output_dir) / "checkpoints"
+    for p in ck.glob("*.sha256"):
+        p.unlink()
+    key = corrupt_weights(ck / "step_000002.ckpt")
+    cfg = compose_cfg([a for a in args if a != "steps=2"] + ["steps=3", "resume=auto"])
+    with pytest.raises(CheckpointCorrupt, match=rf"step_000002.ckpt loaded non-finite parameters \({key}\).*"
+                                                r"moved it to .*damaged/step_000002.ckpt; run again with resume=auto"):
+        train(cfg)
+    assert (ck / "damaged" / "step_000002.ckpt").is_file()
+    train(cfg)  # from step 1
+    assert [p.name for p in list_checkpoints(ck)] == ["step_000001.ckpt", "step_000002.ckpt", "step_000003.ckpt"]
+    assert all(torch.isfinite(v).all() for v in policy_state(ck / "step_000003.ckpt").values())
+
+
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """Issue 19.2: bytes overwritten inside the newest checkpoint (loads as NaN weights)."""
+    out = tmp_path / "out"
+    args = BASE + ["steps=4", "checkpoint.every_n_steps=2", "seed=3"]
+    run_ok(tmp_path, out, "first.log", args)
+    newest = out / "checkpoints" / "step_000004.ckpt"
+    corrupt_weights(newest)
+    damaged = newest.read_bytes()
+    log = run_ok(tmp_path, out, "resume.log", args[:-3] + args[-2:] + ["steps=6", "resume=auto"])  # allowed change
+    assert "skipping damaged checkpoint" in log and "step_000004.ckpt does not match its SHA-256" in log
+    assert f"continuing from {out / 'checkpoints' / 'step_000002.ckpt'} (step 2)" in log
+    assert (out / "checkpoints" / "damaged" / "step_000004.ckpt").read_bytes() == damaged  # moved aside, intact
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_000002.ckpt", "step_000004.ckpt", "step_000006.ckpt"]
+    assert all(verify(p) for p in ckpts)
+    assert all(torch.isfinite(v).all() for v in policy_state(ckpts[-1]).values())
+
+
+@pytest.mark.slow
+def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
+    """Issue 19.3: every checkpoint truncated -> an error, not a silent fresh start; resume=fresh starts over."""
+    out = tmp_path / "out"
+    args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "seed=3"]
+    run_ok(tmp_path, out, "first.log", args)
+    old_run = (out / "mlflow_run_id").read_text().strip()
+    for p in list_checkpoints(out / "checkpoints"):
+        with open(p, "r+b") as f:
+            f.truncate(1000)
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    rc, log = run(tmp_path, out, "auto.log", args + ["resume=auto"])
+    assert rc == 2, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: CheckpointCorrupt: resume=auto: no checkpoint in") and "resume=fresh" in last, last
+    assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
+    run_ok(tmp_path, out, "fresh.log", args + ["resume=fresh"])
+    assert sorted(p.name for p in (out / "checkpoints" / "damaged").iterdir()) == sorted(before)
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000001.ckpt", "step_000002.ckpt"]
+    assert (out / "mlflow_run_id").read_text().strip() != old_run
+
+
+# ------------------------------------------------------------------ defect 4: the run's config on resume
+def _saved(tmp_path, **over) -> OmegaConf:
+    base = {"seed": 1, "steps": 30, "prompts_per_step": 8, "output_dir": str(tmp_path), "resume": None,
+            "cpu_threads": 1, "val": {"size": 16, "every_n_steps": 20}, "tags": {"mlflow.parentRunId": "p"},
+            "ppo": {"prompts_per_step": "${prompts_per_step}"}}
+    (tmp_path / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(base)))
+    new = OmegaConf.create({**base, "steps": 60, "prompts_per_step": 16, "val": {"size": 256, "every_n_steps": 20},
+                            "resume": "auto", "new_key": 3, **over})
+    OmegaConf.set_struct(new, True)
+    return new
+
+
+def test_resume_restores_saved_config_and_refuses_experiment_changes(tmp_path, caplog):
+    plan = ResumePlan(ckpt_path=None, step=12, run_id="r")  # killed before its first checkpoint: run_config.yaml
+    with caplog.at_level("INFO"):
+        cfg = resume_config(_saved(tmp_path), plan, tmp_path, overrides=["resume=auto", "hydra.run.dir=x"])
+    assert (cfg.steps, cfg.prompts_per_step, cfg.val.size, cfg.resume, cfg.new_key) == (30, 8, 16, "auto", 3)
+    assert cfg.ppo.prompts_per_step == 8 and plan.overrides == {} and OmegaConf.is_struct(cfg)
+    assert "prompts_per_step (16 -> 8)" in caplog.text
+    with pytest.raises(ConfigChangedOnResume, match=r"prompts_per_step 8 -> 16; seed 1 -> 2\. A continued run keeps "
+                                                    r"its batch.*drop these overrides"):
+        resume_config(_saved(tmp_path, seed=2), plan, tmp_path, overrides=["resume=auto", "prompts_per_step=16",
+                                                                            "+seed=2", "steps=40"])
+    cfg = resume_config(_saved(tmp_path, cpu_threads=2), plan, tmp_path,
+                        overrides=["resume=auto", "steps=60", "cpu_threads=2", "tags.mlflow.parentRunId=q"])
+    assert (cfg.steps, cfg.prompts_per_step, cfg.cpu_threads) == (60, 8, 2)
+    assert plan.overrides == {"steps": "30 -> 60", "cpu_threads": "1 -> 2"}
+    assert OmegaConf.load(tmp_path / RUN_CONFIG_FILE).steps == 60  # the effective config is the saved one now
+    with pytest.raises(ConfigChangedOnResume, match="steps=10 is below the checkpoint's step 12"):
+        resume_config(_saved(tmp_path, steps=10), plan, tmp_path, overrides=["steps=10"])
+    no_command_line = r"saved config \(.*\): prompts_per_step 8 -> 60; val.size 16 -> 256\. "  # every change counts
+    with pytest.raises(ConfigChangedOnResume, match=no_command_line):
+        resume_config(_saved(tmp_path, prompts_per_step=60), plan, tmp_path, overrides=None)
+    (tmp_path / RUN_CONFIG_FILE).unlink()
+    new = _saved(tmp_path)
+    (tmp_path / RUN_CONFIG_FILE).unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert resume_config(new, plan, tmp_path, overrides=[]) is new  # an older version's run: as given
+    assert "no saved config" in caplog.text
+    fresh = ResumePlan()
+    assert resume_config(new, fresh, tmp_path, overrides=[]) is new
+    assert OmegaConf.load(tmp_path / RUN_CONFIG_FILE).steps == 60
+
+
+@pytest.mark.slow
+def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
+    """Issue 19.4: started with steps=8 prompts_per_step=4 val.size=4 (and the test's model/reward), stopped
+    with SIGUSR1, resumed with only resume=auto (plus the folder and store): the same experiment goes on."""
+    out, db = tmp_path / "out", tmp_path / "mlflow.db"
+    first = launch(tmp_path, out, "first.log", BASE + ["steps=8", "checkpoint.every_n_steps=0", "seed=3"])
+    deadline = time.monotonic() + 300
+    while last_train_step(db) < 1:
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGUSR1)
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    stopped = list_checkpoints(out / "checkpoints")
+    assert len(stopped) == 1 and int(stopped[0].stem.split("_")[1]) < 8
+    rows = metric_rows(db)
+
+    rc, log = run(tmp_path, out, "refused.log", ["resume=auto", "prompts_per_step=16", "seed=5", "steps=10"])
+    assert rc == 2, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: ConfigChangedOnResume: resume: this command line changes the run's saved config")
+    assert "prompts_per_step 4 -> 16" in last and "seed 3 -> 5" in last and "steps 8 -> 10" not in last
+    assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == stopped  # nothing touched
+
+    run_ok(tmp_path, out, "resume.log", ["resume=auto"])
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    with sqlite3.connect(db) as con:
+        params = dict(con.execute("SELECT key, value FROM params WHERE run_uuid=?", (run_id,)).fetchall())
+        updates = dict(con.execute("SELECT step, value FROM metrics WHERE key='train/updates'").fetchall())
+        vals = sorted(s for (s,) in con.execute("SELECT step FROM metrics WHERE key='val/accuracy'"))
+    assert (params["steps"], params["prompts_per_step"], params["val/size"]) == ("8", "4", "4")
+    assert updates == {s: 2.0 for s in range(8)}  # 4 prompts x 4 samples / mini-batch 8 at every step
+    assert vals == [0, 3, 6, 8]  # val.every_n_steps=3 restored; the run ended at its own step 8, not 60
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "step_000008.ckpt"
+
+    run_ok(tmp_path, out, "extend.log", ["resume=auto", "steps=9"])  # allowed: recorded in MLflow
+    with sqlite3.connect(db) as con:
+        tags = dict(con.execute("SELECT key, value FROM tags WHERE run_uuid=?", (run_id,)).fetchall())
+    assert tags["fspo.resume.step_8.steps"] == "8 -> 9"
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "step_000009.ckpt"
+
+
+def test_evaluation_reads_the_runs_own_config_and_skips_damaged_checkpoints(tmp_path):
+    """experiments/evaluate.py: a resumed launch rewrote .hydra/config.yaml with its command line, while
+    run_config.yaml is the run's; checkpoints moved to damaged/ are not evaluated."""
+    from fspo.evaluation_summary import find_checkpoints, find_run_config
+
+    ck = tmp_path / "checkpoints"
+    good = _ckpt(ck, 2)
+    quarantine(_ckpt(ck, 4))
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("steps: 60\n")
+    assert find_run_config(good) == tmp_path / ".hydra" / "config.yaml"
+    (tmp_path / RUN_CONFIG_FILE).write_text("steps: 30\n")
+    assert find_run_config(good) == tmp_path / RUN_CONFIG_FILE
+    assert find_checkpoints(tmp_path) == [good.resolve()]
