@@ -29,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import sqlite3
 import time
 import urllib.error
@@ -78,19 +79,24 @@ def check_writable(folder, what: str, key: str = "output_dir") -> None:
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".fspo-write-probe-{os.getpid()}"
+        probe = folder / f".fspo-write-probe-{socket.gethostname()}-{os.getpid()}"  # unique on a shared disk
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, b"\0" * PROBE_BYTES)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_probe(probe)
         finally:
             probe.unlink(missing_ok=True)
     except OSError as e:
         cause, fix = _CAUSES.get(e.errno, (e.strerror or str(e), "point {key} at a writable location"))
         raise StoreError(f"{what} {folder} cannot be written ({cause}): {fix.format(key=key)}") from None
+
+
+def _write_probe(path: Path) -> None:
+    """Write `PROBE_BYTES` to ``path`` and fsync them (a full disk fails here, not at the create)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"\0" * PROBE_BYTES)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sqlite_path(uri: str) -> Optional[Path]:
