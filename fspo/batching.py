@@ -133,6 +133,12 @@ class PromptStepSampler:
     Walks through seeded permutations of the prompt set (epoch e uses ``seed + e``), so the
     stream is deterministic and the position is a single integer (`state_dict`), which makes
     mid-run resume exact. One yielded batch = one RL step.
+
+    Dynamic sampling (fspo/rollout/group_filter.py) draws further prompts within a step with `draw`:
+    they continue the same stream, and ``extra`` counts them, so step k's batch starts at stream
+    offset ``k * prompts_per_step + extra``. `state_dict` holds ``extra`` when it is not 0 (older
+    checkpoints have none). Drawing between batches is exact because the loader yields a batch only
+    when the step starts (`fspo.data.datamodule._WholeRun` has a length, so Lightning prefetches none).
     """
 
     def __init__(self, num_prompts: int, prompts_per_step: int, steps: int, seed: int = 0):
@@ -142,6 +148,7 @@ class PromptStepSampler:
             raise ValueError(f"need prompts_per_step >= 1 and steps >= 0, got {prompts_per_step}, {steps}")
         self.num_prompts, self.prompts_per_step, self.steps, self.seed = num_prompts, prompts_per_step, steps, seed
         self.position = 0  # RL steps already yielded
+        self.extra = 0  # prompts drawn by dynamic sampling (`draw`) so far
 
     def __len__(self) -> int:
         return self.steps - self.position
@@ -155,13 +162,20 @@ class PromptStepSampler:
 
     def __iter__(self) -> Iterator[List[int]]:
         while self.position < self.steps:
-            start = self.position * self.prompts_per_step
+            start = self.position * self.prompts_per_step + self.extra
             batch = [self._prompt_at(k) for k in range(start, start + self.prompts_per_step)]
             self.position += 1
             yield batch
 
+    def draw(self, count: int) -> List[int]:
+        """The next ``count`` prompt indices of the stream, within the current step (counted in ``extra``)."""
+        start = self.position * self.prompts_per_step + self.extra
+        self.extra += int(count)
+        return [self._prompt_at(k) for k in range(start, start + int(count))]
+
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, **({"extra": self.extra} if self.extra else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+        self.extra = int(state.get("extra", 0))

@@ -8,7 +8,11 @@ and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning t
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and timings in
 ``pl_module.timings``. Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
 overlong rate) from completions sampled with the validation settings.
-Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
+With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
+whose rewards are all equal are dropped and further prompts drawn from the sampler, within
+``max_rounds`` rounds; advantages are then computed on the kept groups. Round j >= 1 of step k
+samples with the round-1 seed + ``15_485_863 * j``; reward metrics stay those of round 1 (the
+step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
 estimators (fspo/advantages.py) and the update itself (fspo/module.py).
 
 Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
@@ -26,7 +30,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import lightning as L
 import torch
@@ -34,6 +38,7 @@ import torch
 from fspo.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.group_filter import GroupFilter
 from fspo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -75,8 +80,9 @@ class RolloutCallback(L.Callback):
 
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
-                 seed: int = 0):
+                 seed: int = 0, group_filter: Optional[GroupFilter] = None):
         self.engine = engine
+        self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.advantage_fn = advantage_fn
@@ -159,8 +165,44 @@ class RolloutCallback(L.Callback):
             metrics[f"reward/{name}"] = sums[5 + 2 * i] / max(sums[6 + 2 * i], 1)
         if sums[4]:
             metrics["reward/zero_adv_group_frac"] = sums[3] / sums[4]
+        if self.group_filter is not None:  # dynamic sampling: the kept groups, their advantages
+            rollout, ds = self._filter_groups(trainer, pl_module, rollout, out, params, len(prompts))
+            metrics.update(ds)
         batch["rollout"] = rollout
         batch["rollout_metrics"] = metrics
+
+    def _filter_groups(self, trainer, pl_module, rollout: RolloutBatch, out: RewardOutput, params: SamplingConfig,
+                       target: int):
+        """`GroupFilter.run` on round 1; each further round draws the sampler's next ``prompts_per_step``
+        prompts (this rank's slice) and generates and scores them as round 1 was."""
+        dm = getattr(trainer, "datamodule", None)
+        sampler = getattr(dm, "sampler", None)
+        if sampler is None or not hasattr(sampler, "draw"):
+            raise RuntimeError("rollout.dynamic_sampling needs the trainer's datamodule to be a "
+                               "fspo.data.datamodule.PromptDataModule (it draws further prompts from its sampler)")
+        rank, world = dp_rank_size(pl_module)
+        timings = pl_module.timings
+
+        def more(j: int):
+            idx = sampler.draw(sampler.prompts_per_step)
+            if world > 1:
+                idx = idx[rank_slice(len(idx), rank, world)]
+            items = [dm.train_source[i] for i in idx]
+            p = replace(params, seed=params.seed + 15_485_863 * j)
+            spent = {k: timings.get(k, 0.0) for k in ("time/weight_sync", "time/generate", "time/reward")}
+            r = self._generate(pl_module, [x.prompt for x in items], p)
+            t0 = time.perf_counter()
+            o = self._score(r, [x.answer for x in items], p)
+            r.rewards = torch.tensor(o.scores, dtype=torch.float32, device=r.response_ids.device)
+            timings["time/reward"] = time.perf_counter() - t0
+            for k, v in spent.items():  # the step's time over all rounds
+                timings[k] = timings.get(k, 0.0) + v
+            return r, self.group_filter.values(o.scores, o.components)
+
+        first = (rollout, self.group_filter.values(out.scores, out.components))
+        kept, metrics = self.group_filter.run(first, more, target, pl_module.device)
+        kept.advantages = self.advantage_fn(kept.rewards, kept.group_ids).float()
+        return kept, metrics
 
     # ------------------------------------------------------------------ validation
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

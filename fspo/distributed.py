@@ -245,20 +245,17 @@ def gather_group_ids(group_ids: Tensor) -> Tensor:
     return torch.cat(_offset_groups(parts)).to(group_ids.device)
 
 
-def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
-    """Concatenate every rank's rollout batch in rank order (prompts re-left-padded, responses
-    re-right-padded with 0, group ids offset so they stay unique); identity on one rank."""
-    if not _active():
-        return batch
-    parts: List[Optional[RolloutBatch]] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, batch.to("cpu"))
+def concat_rollouts(parts: List[RolloutBatch], offset_groups: bool = True) -> RolloutBatch:
+    """``parts`` (same device) concatenated in order: prompts re-left-padded, responses re-right-padded
+    with 0, group ids offset past the previous parts' (``offset_groups``) so they stay unique; a
+    field missing from any part is None."""
     p = max(b.prompt_ids.shape[1] for b in parts)
     t = max(b.response_ids.shape[1] for b in parts)
-    groups = _offset_groups([b.group_ids for b in parts])
+    groups = _offset_groups([b.group_ids for b in parts]) if offset_groups else None
     kw = {}
     for f in fields(RolloutBatch):
         vals = [getattr(b, f.name) for b in parts]
-        if f.name == "group_ids":
+        if f.name == "group_ids" and groups is not None and all(v is not None for v in vals):
             vals = groups
         if any(v is None for v in vals):
             kw[f.name] = None
@@ -267,7 +264,16 @@ def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
             kw[f.name] = torch.cat([_pad(v, p if left else t, left) for v in vals])
         else:
             kw[f.name] = torch.cat(vals)
-    return RolloutBatch(**kw).to(batch.response_ids.device)
+    return RolloutBatch(**kw)
+
+
+def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
+    """Concatenate every rank's rollout batch in rank order (`concat_rollouts`); identity on one rank."""
+    if not _active():
+        return batch
+    parts: List[Optional[RolloutBatch]] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, batch.to("cpu"))
+    return concat_rollouts(parts).to(batch.response_ids.device)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> Tensor:

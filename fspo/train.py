@@ -85,7 +85,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     rollout = RolloutCallback(engine=instantiate(cfg.rollout.engine), tokenizer=tokenizer,
                               reward_fn=instantiate(cfg.reward), advantage_fn=instantiate(cfg.advantage),
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
-                              max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed))
+                              max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed),
+                              group_filter=instantiate(ds) if (ds := OmegaConf.select(cfg, "rollout.dynamic_sampling"))
+                              is not None else None)  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
 
     # logging and checkpoints
     log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))

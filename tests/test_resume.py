@@ -82,6 +82,18 @@ def wait(proc: subprocess.Popen, tmp: Path, timeout: float = 400) -> None:
     assert rc == 0, f"run failed (exit {rc}):\n{logs}"
 
 
+def kill_after_step(run: subprocess.Popen, out: Path, db: Path, step: int, why: str, timeout: float = 300) -> None:
+    """SIGKILL ``run`` (run folder ``out``, MLflow store ``db``) once it has logged step ``step``'s train
+    metrics and written a checkpoint."""
+    deadline = time.monotonic() + timeout
+    while last_train_step(db) < step or not list_checkpoints(out / "checkpoints"):
+        assert run.poll() is None, f"{why}: the run ended before it was killed"
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+
+
 def policy_state(ckpt: Path):
     """The ``policy.*`` tensors of a checkpoint file."""
     sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
@@ -101,14 +113,8 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     full = start_run(tmp_path, "full")  # the reference, concurrently
     run = start_run(tmp_path, "killed")
     db, out = tmp_path / "killed.db", tmp_path / "killed"
-    deadline = time.monotonic() + 300
-    while last_train_step(db) < kill_after or not list_checkpoints(out / "checkpoints"):
-        assert run.poll() is None, f"{why}: the run ended before it was killed"
-        assert time.monotonic() < deadline, why
-        time.sleep(0.05)
+    kill_after_step(run, out, db, kill_after, why)
     run_id = (out / "mlflow_run_id").read_text().strip()
-    os.kill(run.pid, signal.SIGKILL)
-    run.wait()
     done = list_checkpoints(out / "checkpoints")
     assert done and int(done[-1].stem.split("_")[1]) < STEPS, why
     why += f", logged up to step {last_train_step(db)}, resumed from {done[-1].name}"
