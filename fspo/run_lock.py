@@ -92,9 +92,13 @@ def acquire(output_dir) -> bool:
                     out, _describe(stale))
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
           "argv": " ".join(sys.argv)[:2000]}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)
+    except OSError as e:  # a full or read-only disk: let go of the lock, or this process's next try says "in use"
+        os.close(fd)
+        raise OSError(e.errno, e.strerror, key) from None  # named: fspo/errors.py makes it one line
     _held[key] = [fd, 1]
     return True
 
