@@ -1,9 +1,10 @@
 """Resuming a run and its MLflow logging: which checkpoint, which MLflow run, no duplicated steps.
 
 Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`), `build_logger`
-(the configured logger after checking that the tracking server answers, continuing the plan's
-MLflow run; optional fallback to a local SQLite store), `record_run_id`, `log_params_once`,
-`mark_preempted` and `TrackingURIUnreachable`. Leaves out: writing checkpoints and signals (fspo/checkpointing.py).
+(the configured logger after checking that the tracking server answers and that the store can be
+written, fspo/store_check.py; continuing the plan's MLflow run; optional fallback to a local SQLite
+store), `record_run_id`, `log_params_once`, `mark_preempted` and `TrackingURIUnreachable`. Leaves
+out: writing checkpoints and signals (fspo/checkpointing.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
 run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
@@ -34,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from fspo.checkpoint_integrity import CheckpointCorrupt, quarantine, verify
 from fspo.checkpointing import checkpoint_dir, list_checkpoints, read_resume_meta
 from fspo.rank_zero import launch_rank
+from fspo.store_check import NotAnMLflowServer, prepare_store
 
 log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run_id"
@@ -185,9 +187,11 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
     if not _is_mlflow(lcfg):
         return instantiate(lcfg, tags=tags)
     kwargs: Dict[str, Any] = {}
+    name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
     try:
         check_tracking_uri(lcfg.get("tracking_uri"))
-    except TrackingURIUnreachable as e:
+        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/store_check.py
+    except (TrackingURIUnreachable, NotAnMLflowServer) as e:
         fallback = OmegaConf.select(cfg, "logger_fallback", default=None)
         if fallback != "local":
             raise
@@ -195,6 +199,7 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
         local = f"sqlite:///{(out / 'mlflow.db').resolve()}"
         log.warning("%s -- logger_fallback=local: logging to %s instead", e, local)
         kwargs = {"tracking_uri": local, "artifact_location": str((out / "mlartifacts").resolve())}
+        prepare_store(local, name, kwargs["artifact_location"])
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
     if plan.run_id is not None and _rank_zero():  # other ranks hold a dummy experiment
         try:

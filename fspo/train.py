@@ -1,12 +1,13 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
-Owns: `train(cfg)` — build the policy, data, reward, clip rule, module, rollout callback, MLflow
-logger and Lightning Trainer from ``cfg`` (see conf/config.yaml), validate once before training,
-fit, and log the run-level diagnostics and their figures as MLflow artifacts. Returns the final
-metrics. The run holds ``output_dir``'s lock throughout (fspo/run_lock.py). With ``resume=auto`` it
-continues the newest good checkpoint in ``output_dir`` and its MLflow run (fspo/resume.py) with the
-run's saved config (fspo/run_config.py); checkpoints and signal stops are fspo/checkpointing.py's. Leaves out:
-Hydra's command line (experiments/run.py) and every component's internals.
+Owns: `train(cfg)` — check every setting first (fspo/config_check.py), build the policy, data,
+reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
+conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
+figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
+throughout (fspo/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
+``output_dir`` and its MLflow run (fspo/resume.py) with the run's saved config (fspo/run_config.py);
+checkpoints and signal stops are fspo/checkpointing.py's. Leaves out: Hydra's command line
+(experiments/run.py) and every component's internals.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.callbacks import RolloutCallback
+from fspo.config_check import check_config
 from fspo.checkpointing import StepCheckpoint, checkpoint_dir, slurm_plugins
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
@@ -32,6 +34,7 @@ from fspo.mlflow_utils import flatten_params, log_final_artifacts
 from fspo.resume import ResumePlan, build_logger, log_params_once, mark_preempted, record_run_id, resolve_resume
 from fspo.run_config import resume_config
 from fspo.run_lock import hold_output_dir
+from fspo.store_check import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
     lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
     the run's saved config (``overrides``: this launch's command line, see fspo/run_config.py)."""
+    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/config_check.py)
     out_dir = Path(cfg.output_dir)
     with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
         plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
@@ -55,12 +59,15 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
 
 def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     """The run itself, once `train` has settled its config and resume plan."""
+    if plan.resuming:  # the saved config with this launch's overrides, checked again as a whole
+        check_config(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
     logger = RankZeroStub() if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
@@ -78,7 +85,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     # the algorithm: clip rule, aggregation, PPO settings, diagnostics
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
                       ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
-                      run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed))
+                      run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed),
+                      guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None)
 
     # rollouts
     sampling = instantiate(cfg.rollout.sampling)
