@@ -34,7 +34,7 @@ _ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
 LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always diverges
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
-SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard")  # pure values: built here
+SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")  # pure values: built here
 
 
 class ConfigError(ValueError):

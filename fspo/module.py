@@ -118,9 +118,14 @@ class RLModule(L.LightningModule):
     """
 
     def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
-                 seed: int = 0, guard: Optional[DivergenceGuard] = None):
+                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None):
         super().__init__()
         self.policy = policy
+        # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
+        self.correction = correction if correction is not None and correction.enabled else None
+        if self.correction is not None and ppo.old_log_probs != "recompute":
+            raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
+                             "have zero mismatch by construction)")
         self.guard = guard  # divergence limits checked before every optimizer step (fspo/guard.py); None: off
         if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
             enable_segment_attention(policy)
@@ -192,13 +197,16 @@ class RLModule(L.LightningModule):
             # the first mini-batch is trained before any update: its loss pass gives its old log-probs
             # (with one epoch; with more, its rows recur after updates and need theirs computed here)
             offset = rank_offset(rollout.batch_size, rank, world, self.device)
-            first = plan[0] - offset if self.ppo.epochs == 1 else plan[0][:0]
+            # (a mismatch correction needs every row's recomputed old log-probs before the first update)
+            first = plan[0] - offset if self.ppo.epochs == 1 and self.correction is None else plan[0][:0]
             first = first[(first >= 0) & (first < rollout.batch_size)]
             rollout.old_log_probs = passes.old_log_probs(self, rollout, usage=stats.usage_old, skip=first)
             if self._has_gap(rollout):  # the skipped rows' gap is taken in their loss pass (_update)
                 computed = rollout.response_mask.clone()
                 computed[first.to(computed.device)] = 0
                 stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, computed)
+        if self.correction is not None:  # the step's mismatch law and diagnostics, from this rank's rows
+            self.correction.fit(rollout)
         rollout = gather_rollout(rollout)
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
@@ -241,7 +249,8 @@ class RLModule(L.LightningModule):
                 stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
-            agg = self.aggregator(res.token_loss, micro.response_mask, total_tokens=total_tokens,
+            tok_loss = res.token_loss if self.correction is None else res.token_loss * self.correction.weights(micro)
+            agg = self.aggregator(tok_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs, norm_len=norm_len)
             stats.loss_time += time.perf_counter() - t_l
             loss = agg.loss if idx is not None else agg.loss * 0.0
@@ -299,6 +308,8 @@ class RLModule(L.LightningModule):
         metrics = dict(self.diagnostics.compute())
         self.diagnostics.reset()
         metrics.update(self.clip.extra_metrics())
+        if self.correction is not None:
+            metrics.update(self.correction.compute_metrics())
         if dp_rank_size(self)[1] > 1:
             reduce_step_stats(stats, self.device)  # token and loss sums over ranks
         metrics.update(stats.compute())

@@ -86,7 +86,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
                       ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
                       run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed),
-                      guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None)
+                      guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
+                      correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
+                      else None)  # train-inference mismatch correction (fspo/rollout/correction.py)
 
     # rollouts
     sampling = instantiate(cfg.rollout.sampling)

@@ -1,0 +1,246 @@
+"""Train-inference mismatch correction ("rollout correction"): importance weights and masks for the gap
+between the rollout engine's sampling distribution and the trainer's old policy.
+
+Owns: `RolloutCorrection` (``rollout_correction:`` in conf/config.yaml): from the trainer's old log-probs,
+the engine's log-probs of the same sampled tokens and the response mask it computes one detached weight
+per token, [B, T], that fspo/module.py multiplies into each token's loss term before aggregation (as verl
+multiplies its ``rollout_is_weights`` into the per-token policy loss); and `CorrectionMetrics`, its
+per-length-bin diagnostics. Leaves out: the clip rule and aggregation (unchanged), where the old log-probs
+come from (fspo/module.py), the engines (fspo/rollout/hf.py, vllm.py report ``engine_log_probs``).
+
+Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
+
+    d_t = log pi_old_trainer(y_t) - log pi_engine(y_t),     S_i = sum_t d_t,
+
+so exp(S_i) is the sequence importance ratio from the engine's sampling law to the trainer's. ``mode``:
+
+    none           weight 1 (the default; nothing computed)
+    token_tis      w_t = min(exp(d_t), cap)                 token truncated IS (verl rollout_is=token,
+                                                            TRL token_truncate); "corrected": exp(d_t) > cap
+    seq_is         w_i = min(exp(S_i), cap) on every token   sequence truncated IS (verl rollout_is=sequence)
+    seq_mask       w_i = 1{ |S_i| <= log cap }                sequence rejection with a fixed cap, both sides
+                                                            (verl rollout_rs=sequence, lower = 1/upper;
+                                                            TRL sequence_mask)
+    seq_fair_mask  w_i = 1{ |S_i - m L_i| <= h(L_i) }         the length-fair mask
+    seq_fair_tis   w_i = exp(min(S_i, m L_i + h(L_i)))       the length-fair truncated IS
+
+The fixed caps of the peers are cheap but not length-fair: when the d_t are roughly independent with mean
+m and std s per token, S_L ~ N(m L, s^2 L), so P(|S_L| > log cap) rises to 1 with L (TRL#4772: long outputs
+all masked). The fair band is centred on the drift m L and has half-width h(L) = z s sqrt(L) (``band:
+sqrt``: m and s are the step's per-token mean and std of d over every rank's tokens), so its masked
+fraction is 2 Phi(-z) at every length, or h(L) = the erf(z / sqrt 2) quantile of |S_L - m L| per
+geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py, observed
+on each step's sequences before use, its state checkpointed), right for any law of S_L.
+
+Masked sequences keep their tokens in the aggregation's denominators (their loss terms are 0), unlike
+verl, which drops rejected tokens from the mask; the gradient of every other token is unchanged.
+
+The mismatch is zero by construction when the old log-probs are the engine's (``ppo.old_log_probs=engine``):
+a correction needs the trainer's own recompute and is refused otherwise; it also needs temperature 1
+(engine log-probs are untempered). With a correction on, the trainer recomputes old log-probs for every row
+(fspo/module.py; without one it skips the step's first mini-batch).
+
+Diagnostics (`CorrectionMetrics`, sum states reduced over ranks; bins = the clip diagnostics' bins):
+``rollout_corr/logratio_mean/<bin>``, ``rollout_corr/logratio_std/<bin>`` (of S_i),
+``rollout_corr/masked_frac/<bin>`` (fraction of sequences masked or truncated; for token_tis the mean
+fraction of tokens truncated), the same over all bins, ``rollout_corr/token_mean``, ``token_std`` (m, s),
+and ``rollout_corr/lre``, ``lre_w``, ``q_bar``, ``n_bins`` (fspo/diagnostics/lre.py on the kept fraction).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fspo.clipping.quantile_band import QuantileBand
+from fspo.diagnostics._base import DiagnosticMetric
+from fspo.diagnostics.bins import LengthBins
+from fspo.diagnostics.lre import length_fairness
+from fspo.distributed import reduce_sum
+
+MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_fair_mask", "seq_fair_tis")
+BANDS = ("sqrt", "quantile")
+_MAX_LOG = 20.0  # exp() stays finite: log-weights are clamped to +-20 before exponentiating
+
+
+def mismatch(old: Tensor, engine: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """d [B, T] = (old - engine) on the mask (0 elsewhere, float64), S [B] = sum_t d_t, L [B] (float64)."""
+    m = mask.to(torch.float64)
+    d = (old.to(torch.float64) - engine.to(torch.float64)) * m
+    return d, d.sum(-1), m.sum(-1)
+
+
+class CorrectionMetrics(DiagnosticMetric):
+    """Per-length-bin sums of the mismatch and of the correction (see the module docstring)."""
+
+    def __init__(self, bins: LengthBins, lre_min_len: float = 0) -> None:
+        super().__init__()
+        self.bins = bins
+        self.lre_min_len = float(lre_min_len or 0)
+        k = bins.n_bins
+        for name in ("n_seq", "s_sum", "s_sq", "corrected", "abs_adv"):
+            self.add_state(name, torch.zeros(k, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in ("tok_n", "tok_sum", "tok_sq"):
+            self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, d: Tensor, seq: Tensor, lengths: Tensor, corrected: Tensor, mask: Tensor,
+               advantages: Optional[Tensor] = None) -> None:
+        idx = self.bins.index(lengths.long()).to(self.n_seq.device)
+        ok = idx >= 0
+        i = idx[ok]
+        dev = self.n_seq.device
+        seq, corrected = seq.to(dev, torch.float64)[ok], corrected.to(dev, torch.float64)[ok]
+        self.n_seq.index_add_(0, i, torch.ones_like(seq))
+        self.s_sum.index_add_(0, i, seq)
+        self.s_sq.index_add_(0, i, seq.square())
+        self.corrected.index_add_(0, i, corrected)
+        if advantages is not None:
+            self.abs_adv.index_add_(0, i, advantages.to(dev, torch.float64)[ok].abs())
+        m = mask.bool().to(dev)
+        dt = d.to(dev, torch.float64)[m]
+        self.tok_n += float(dt.numel())
+        self.tok_sum += dt.sum()
+        self.tok_sq += dt.square().sum()
+
+    def compute(self) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        n = self.n_seq
+        for b, label in enumerate(self.bins.labels):
+            if n[b] <= 0:
+                continue
+            mean = self.s_sum[b] / n[b]
+            var = (self.s_sq[b] / n[b] - mean.square()).clamp(min=0.0) * n[b] / (n[b] - 1).clamp(min=1.0)
+            out[f"rollout_corr/logratio_mean/{label}"] = float(mean)
+            out[f"rollout_corr/logratio_std/{label}"] = float(var.sqrt())
+            out[f"rollout_corr/masked_frac/{label}"] = float(self.corrected[b] / n[b])
+            out[f"rollout_corr/n_seq/{label}"] = float(n[b])
+        total = float(n.sum())
+        if total:
+            out["rollout_corr/masked_frac"] = float(self.corrected.sum()) / total
+            out["rollout_corr/logratio_mean"] = float(self.s_sum.sum()) / total
+        if float(self.tok_n):
+            tm = self.tok_sum / self.tok_n
+            out["rollout_corr/token_mean"] = float(tm)
+            out["rollout_corr/token_std"] = float((self.tok_sq / self.tok_n - tm.square()).clamp(min=0.0).sqrt())
+        out.update(length_fairness(n, self.corrected, self.abs_adv, self.bins, min_len=self.lre_min_len,
+                                   prefix="rollout_corr/"))
+        return out
+
+
+class RolloutCorrection(torch.nn.Module):
+    """Mismatch weights (see the module docstring). ``cap`` > 1 is the fixed modes' cap on exp(d_t) or
+    exp(S_i) (verl's threshold 2.0, TRL's cap 3.0); ``z`` > 0 the fair band's width in std; ``band``
+    ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of `QuantileBand`, e.g. alpha, min_count).
+    ``old_log_probs`` and ``temperature`` mirror ppo's (checked: a correction needs ``recompute`` at
+    temperature 1). ``bin_width``, ``max_len``, ``lre_min_len``: the diagnostics' length bins."""
+
+    def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
+                 quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
+                 bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"rollout_correction.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if band not in BANDS:
+            raise ValueError(f"rollout_correction.band must be one of {', '.join(BANDS)}, got {band!r}")
+        if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) and cap > 1):
+            raise ValueError(f"rollout_correction.cap must be a number > 1 (verl 2.0, TRL 3.0), got {cap!r}")
+        if not (isinstance(z, (int, float)) and not isinstance(z, bool) and math.isfinite(z) and z > 0):
+            raise ValueError(f"rollout_correction.z must be a number > 0 (e.g. 3.0), got {z!r}")
+        self.mode, self.cap, self.z, self.band_kind = mode, float(cap), float(z), band
+        if self.enabled and old_log_probs != "recompute":
+            raise ValueError(
+                f"rollout_correction.mode={mode} needs ppo.old_log_probs=recompute (got {old_log_probs!r}): with the "
+                f"engine's log-probs as the old ones the mismatch is zero by construction; set "
+                f"rollout.old_log_probs=recompute (rollout=vllm does)")
+        if self.enabled and float(temperature) != 1.0:
+            raise ValueError(
+                f"rollout_correction.mode={mode} needs ppo.logprob_temperature 1 (got {temperature}): the engines "
+                f"report untempered log-probs; set rollout.sampling.temperature=1.0 or rollout_correction.mode=none")
+        self.band = QuantileBand(z=self.z, max_len=max(int(max_len), 2), **dict(quantile or {})) \
+            if self.enabled and band == "quantile" else None
+        self.metrics = CorrectionMetrics(LengthBins(width=int(bin_width), max_len=int(max_len)), lre_min_len) \
+            if self.enabled else None
+        self.m, self.s = 0.0, 0.0  # the step's per-token mean and std of d (the fair band's drift and sqrt scale)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def fair(self) -> bool:
+        return self.mode in ("seq_fair_mask", "seq_fair_tis")
+
+    @staticmethod
+    def _inputs(batch) -> Tuple[Tensor, Tensor, Tensor]:
+        if batch.engine_log_probs is None or batch.old_log_probs is None:
+            raise ValueError("rollout_correction needs the engine's log-probs (VLLMEngine always reports them, "
+                             "HFEngine with rollout.engine.compact=true) and the trainer's old log-probs")
+        return batch.old_log_probs, batch.engine_log_probs, batch.response_mask
+
+    # ------------------------------------------------------------------ per step
+    @torch.no_grad()
+    def fit(self, batch) -> None:
+        """Once per step, on this rank's rollout with its old log-probs: the per-token moments m, s of d over
+        all ranks, the quantile band's observation (all ranks), and the diagnostics of this rank's rows."""
+        old, eng, mask = self._inputs(batch)
+        d, seq, length = mismatch(old, eng, mask)
+        tok = mask.bool()
+        n, t1, t2 = reduce_sum([tok.sum(), d[tok].sum(), d[tok].square().sum()], mask.device)
+        self.m = t1 / n if n else 0.0
+        self.s = math.sqrt(max(t2 / n - self.m ** 2, 0.0)) if n else 0.0
+        if self.band is not None:
+            self.band.observe(seq, length, mu=self.m * length)
+        if self.metrics is not None:
+            _, corrected = self._weights(d, seq, length, mask)
+            self.metrics.update(d, seq, length, corrected, mask, batch.advantages)
+
+    def half_width(self, length: Tensor) -> Tensor:
+        """h(L) of the fair band, float64 [B]: z s sqrt(L) (sqrt) or the quantile band's z scale(L)."""
+        length = length.to(torch.float64)
+        if self.band is not None:
+            return self.z * self.band.scale(length).to(length.device, torch.float64)
+        return self.z * self.s * length.clamp(min=0.0).sqrt()
+
+    def _weights(self, d: Tensor, seq: Tensor, length: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+        """(weights [B, T] float32 on the mask, corrected [B] float64 in [0, 1])."""
+        m = mask.to(torch.float64)
+        log_cap = math.log(self.cap)
+        if self.mode == "token_tis":
+            w = d.clamp(max=log_cap).clamp(min=-_MAX_LOG).exp()
+            hit = ((d > log_cap) & mask.bool()).to(torch.float64).sum(-1) / length.clamp(min=1.0)
+            return (w * m).float(), hit
+        if self.mode == "seq_is":
+            w, hit = seq.clamp(min=-_MAX_LOG, max=log_cap).exp(), seq > log_cap
+        elif self.mode == "seq_mask":
+            hit = seq.abs() > log_cap
+            w = (~hit).to(torch.float64)
+        else:
+            mu, h = self.m * length, self.half_width(length)
+            if self.mode == "seq_fair_mask":
+                hit = (seq - mu).abs() > h
+                w = (~hit).to(torch.float64)
+            else:  # seq_fair_tis
+                top = mu + h
+                hit = seq > top
+                w = torch.minimum(seq, top).clamp(min=-_MAX_LOG, max=_MAX_LOG).exp()
+        hit = hit & (length > 0)
+        return (w[:, None] * m).float(), hit.to(torch.float64)
+
+    # ------------------------------------------------------------------ per micro-batch
+    @torch.no_grad()
+    def weights(self, batch) -> Tensor:
+        """The detached per-token weights [B, T] of ``batch`` (a micro-batch), with the step's `fit`."""
+        old, eng, mask = self._inputs(batch)
+        d, seq, length = mismatch(old, eng, mask)
+        return self._weights(d, seq, length, mask)[0].to(old.device)
+
+    def compute_metrics(self) -> Dict[str, float]:
+        """The step's diagnostics (reduced over ranks), then reset."""
+        if self.metrics is None:
+            return {}
+        out = dict(self.metrics.compute()) if self.metrics.update_count else {}
+        self.metrics.reset()
+        out["rollout_corr/band_token_std"] = float(self.s)
+        return out
