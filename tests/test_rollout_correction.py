@@ -77,15 +77,16 @@ def test_seq_mask_is_two_sided_in_log_space():
 
 
 def test_fair_band_centres_on_the_drift_and_scales_with_sqrt_length():
-    """m, s = mean and std of the 5 tokens' d; keep row i iff |S_i - m L_i| <= z s sqrt(L_i)."""
+    """m = sum S / sum L = -0.2 / 5, s^2 = mean_i (S_i - m L_i)^2 / L_i; keep row i iff
+    |S_i - m L_i| <= z s sqrt(L_i)."""
     b, d, mask = two_rows()
-    toks = torch.tensor([0.1, 1.0, -0.2, -0.5, -0.6], dtype=torch.float64)
-    m, s = float(toks.mean()), float(toks.std(unbiased=False))
+    m = -0.2 / 5
+    s = math.sqrt(((0.9 - 3 * m) ** 2 / 3 + (-1.1 - 2 * m) ** 2 / 2) / 2)  # 0.658
     c = corr("seq_fair_mask", z=1.0)
     c.fit(b)
     assert (c.m, c.s) == (pytest.approx(m), pytest.approx(s))
-    u = [abs(0.9 - 3 * m) / (s * math.sqrt(3)), abs(-1.1 - 2 * m) / (s * math.sqrt(2))]  # 1.40, 1.10
-    for z in (1.0, 1.2, 1.5):
+    u = [abs(0.9 - 3 * m) / (s * math.sqrt(3)), abs(-1.1 - 2 * m) / (s * math.sqrt(2))]  # 0.89, 1.10
+    for z in (0.8, 1.0, 1.2):
         c = corr("seq_fair_mask", z=z)
         c.fit(b)
         keep = [float(x <= z) for x in u]
@@ -211,7 +212,7 @@ def test_diagnostics_by_length_bin_and_lre():
     assert m["rollout_corr/token_std"] == pytest.approx(s, rel=0.02)
     assert m["rollout_corr/lre"] > 0.15 > 0.05 > out["seq_fair_mask"]["rollout_corr/lre"]
     c = corr("seq_mask")
-    assert c.compute_metrics() == {"rollout_corr/band_token_std": 0.0}  # nothing seen: no per-bin keys
+    assert c.compute_metrics() == {"rollout_corr/band_m": 0.0, "rollout_corr/band_s": 0.0}  # nothing seen: no per-bin keys
 
 
 def test_corrections_need_recompute_and_temperature_one():

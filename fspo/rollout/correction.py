@@ -27,8 +27,9 @@ so exp(S_i) is the sequence importance ratio from the engine's sampling law to t
 The fixed caps of the peers are cheap but not length-fair: when the d_t are roughly independent with mean
 m and std s per token, S_L ~ N(m L, s^2 L), so P(|S_L| > log cap) rises to 1 with L (TRL#4772: long outputs
 all masked). The fair band is centred on the drift m L and has half-width h(L) = z s sqrt(L) (``band:
-sqrt``: m and s are the step's per-token mean and std of d over every rank's tokens), so its masked
-fraction is 2 Phi(-z) at every length, or h(L) = the erf(z / sqrt 2) quantile of |S_L - m L| per
+sqrt``: m = sum S / sum L and s^2 = mean over sequences of (S - m L)^2 / L, over every rank's rows:
+the token std of d for independent d_t, larger when they are correlated within a sequence), so its
+masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), or h(L) = the erf(z / sqrt 2) quantile of |S_L - m L| per
 geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py, observed
 on each step's sequences before use, its state checkpointed), right for any law of S_L.
 
@@ -43,7 +44,8 @@ a correction needs the trainer's own recompute and is refused otherwise; it also
 Diagnostics (`CorrectionMetrics`, sum states reduced over ranks; bins = the clip diagnostics' bins):
 ``rollout_corr/logratio_mean/<bin>``, ``rollout_corr/logratio_std/<bin>`` (of S_i),
 ``rollout_corr/masked_frac/<bin>`` (fraction of sequences masked or truncated; for token_tis the mean
-fraction of tokens truncated), the same over all bins, ``rollout_corr/token_mean``, ``token_std`` (m, s),
+fraction of tokens truncated), the same over all bins, ``rollout_corr/token_mean``, ``token_std`` (of d_t),
+``rollout_corr/band_m``, ``band_s`` (the sqrt band's drift and scale),
 and ``rollout_corr/lre``, ``lre_w``, ``q_bar``, ``n_bins`` (fspo/diagnostics/lre.py on the kept fraction).
 """
 from __future__ import annotations
@@ -162,7 +164,7 @@ class RolloutCorrection(torch.nn.Module):
             if self.enabled and band == "quantile" else None
         self.metrics = CorrectionMetrics(LengthBins(width=int(bin_width), max_len=int(max_len)), lre_min_len) \
             if self.enabled else None
-        self.m, self.s = 0.0, 0.0  # the step's per-token mean and std of d (the fair band's drift and sqrt scale)
+        self.m, self.s = 0.0, 0.0  # the step's drift per token and sqrt-law scale (the fair band's)
 
     @property
     def enabled(self) -> bool:
@@ -182,14 +184,16 @@ class RolloutCorrection(torch.nn.Module):
     # ------------------------------------------------------------------ per step
     @torch.no_grad()
     def fit(self, batch) -> None:
-        """Once per step, on this rank's rollout with its old log-probs: the per-token moments m, s of d over
-        all ranks, the quantile band's observation (all ranks), and the diagnostics of this rank's rows."""
+        """Once per step, on this rank's rollout with its old log-probs: the band's m and s over all ranks, the quantile band's observation (all ranks), and the diagnostics of this rank's rows."""
         old, eng, mask = self._inputs(batch)
         d, seq, length = mismatch(old, eng, mask)
-        tok = mask.bool()
-        n, t1, t2 = reduce_sum([tok.sum(), d[tok].sum(), d[tok].square().sum()], mask.device)
-        self.m = t1 / n if n else 0.0
-        self.s = math.sqrt(max(t2 / n - self.m ** 2, 0.0)) if n else 0.0
+        pos = length > 0
+        n_tok, s1, n_seq, q = reduce_sum([length.sum(), seq.sum(), pos.sum(),
+                                          (seq[pos].square() / length[pos]).sum()], mask.device)
+        self.m = s1 / n_tok if n_tok else 0.0  # drift per token
+        # sqrt-law scale: s^2 = mean over sequences of (S - m L)^2 / L (the token std when the d_t are
+        # independent; larger when they are positively correlated within a sequence, as measured on vLLM)
+        self.s = math.sqrt(max((q - 2 * self.m * s1 + self.m ** 2 * n_tok) / n_seq, 0.0)) if n_seq else 0.0
         if self.band is not None:
             self.band.observe(seq, length, mu=self.m * length)
         if self.metrics is not None:
@@ -242,5 +246,5 @@ class RolloutCorrection(torch.nn.Module):
             return {}
         out = dict(self.metrics.compute()) if self.metrics.update_count else {}
         self.metrics.reset()
-        out["rollout_corr/band_token_std"] = float(self.s)
+        out["rollout_corr/band_m"], out["rollout_corr/band_s"] = float(self.m), float(self.s)
         return out
