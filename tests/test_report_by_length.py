@@ -61,8 +61,8 @@ def test_flatness_skips_thin_bins_and_reports_the_noise_floor():
 def test_by_length_markdown():
     rows = by_length_rows({"fspo": RUNS}, min_count=50)
     md = by_length_markdown(rows, min_count=50)
-    assert "| Method | n | 16-32 | 32-48 | 224-inf | max - min (bins with n >= 50; largest se) |" in md
-    assert "| fspo | 2 | 0.300<br>n=200 | 0.300<br>n=50 | (0.500<br>n=3) | 0.000 (2 bins; se 0.046) |" in md
+    assert "| Method | n | 16-32 | 32-48 | 224-inf | max - min (bins with n >= 50; largest se) | pooled LRE (noise floor) |" in md
+    assert "| fspo | 2 | 0.300<br>n=200 | 0.300<br>n=50 | (0.500<br>n=3) | 0.000 (2 bins; se 0.046) | " in md
 
 
 def test_seeds_table_mean_and_sample_std():
@@ -92,3 +92,25 @@ def test_std_vs_sqrt_len_figure():
     assert list(obs.get_ydata()) == pytest.approx([0.2, 0.2]) and "exponent 0.00" in obs.get_label()
     ref = lines["sigma sqrt(L), sigma = 0.040"]
     assert ref.get_ydata()[-1] == pytest.approx(0.04 * ref.get_xdata()[-1])
+
+
+def test_pooled_lre_and_noise_floor_by_hand():
+    from fspo.report.by_length import pooled_lre
+
+    # pooled counts: A n = 400, out = 300*0.2 + 100*0.4 = 100 -> q 0.75; B n = 100, out 30 -> q 0.7;
+    # C n = 6, out 2 -> q 2/3; N = 506, q_bar = (300 + 70 + 4) / 506
+    lre, floor = pooled_lre(RUNS)
+    N, qb = 506.0, 374.0 / 506.0
+    q = {400: 0.75, 100: 0.7, 6: 2 / 3}
+    assert lre == pytest.approx(0.5 * sum(n * abs(v / qb - 1) for n, v in q.items()) / N)
+    assert floor == pytest.approx(0.5 * sum(n * math.sqrt(2 / math.pi) * math.sqrt(qb * (1 - qb) / n) / qb
+                                            for n in q) / N)
+    # bins at or below the runs' lre_min_len are left out, as in the run-level LRE
+    short = [_run(1, {**RUNS[0].metrics}), _run(2, {**RUNS[1].metrics})]
+    for r in short:
+        r.params["diagnostics/lre_min_len"] = "32"
+    lre2, _ = pooled_lre(short)
+    qb2 = 74.0 / 106.0
+    assert lre2 == pytest.approx(0.5 * (100 * abs(0.7 / qb2 - 1) + 6 * abs((2 / 3) / qb2 - 1)) / 106)
+    # runs without counts: no pooled LRE
+    assert pooled_lre([_run(1, {f"run/band/out_frac/{A}": 0.2})]) == (None, None)

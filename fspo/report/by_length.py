@@ -60,15 +60,58 @@ def sampling_se(cells: Mapping[str, Cell], n_runs: int, min_count: float = MIN_C
     return max(se) if se else None
 
 
+def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[float]]:
+    """(LRE of the runs pooled, its sampling noise floor); (None, None) without per-bin counts.
+
+    Bins as the run-level LRE: upper edge > the runs' ``diagnostics/lre_min_len`` param (0 if absent).
+    Pooled: per bin, q_b = 1 - sum_r n_br c_br / n_b with n_b = sum_r n_br, then the paper's LRE
+    = 0.5 sum_b (n_b / N) |q_b / q_bar - 1|, q_bar = sum_b n_b q_b / N (fspo/diagnostics/lre.py's
+    formula on the summed counts: the acceptance curve the seeds estimate together). Noise floor:
+    the LRE a perfectly flat curve (q_b = q_bar everywhere) shows in expectation with these counts,
+    0.5 sum_b (n_b / N) sqrt(2 / pi) sqrt(q_bar (1 - q_bar) / n_b) / q_bar (each bin's binomial
+    error, half-normal mean; the error of q_bar itself ignored). LRE is |.|-based, so noise only
+    adds: a run-level LRE near its floor cannot be told from a flat curve.
+    """
+    n: Dict[str, float] = {}
+    out: Dict[str, float] = {}
+    for r in runs:
+        min_len = float(r.params.get("diagnostics/lre_min_len", 0) or 0)
+        for b, c in r.out_of_band_by_length().items():
+            if _upper(b) <= min_len:  # as the run-level LRE: bins with upper edge > lre_min_len
+                continue
+            nb = r.metrics.get(RUN_COUNT_PREFIX + b)
+            if nb is None:
+                return None, None
+            n[b] = n.get(b, 0.0) + nb
+            out[b] = out.get(b, 0.0) + nb * c
+    N = sum(n.values())
+    if N <= 0:
+        return None, None
+    q = {b: 1.0 - out[b] / n[b] for b in n if n[b] > 0}
+    qbar = sum(n[b] * q[b] for b in q) / N
+    if qbar <= 0:
+        return None, None
+    lre = 0.5 * sum(n[b] * abs(q[b] / qbar - 1.0) for b in q) / N
+    floor = 0.5 * sum(n[b] * math.sqrt(2 / math.pi) * math.sqrt(qbar * (1 - qbar) / n[b]) / qbar for b in q) / N
+    return lre, floor
+
+
 def by_length_rows(groups: Mapping[str, Sequence[RunRecord]], min_count: float = MIN_COUNT) -> List[dict]:
-    """Per group: ``{"group", "n_runs", "cells": {bin: (c, n)}, "flatness", "n_populated", "max_se"}``."""
+    """Per group: ``{"group", "n_runs", "cells": {bin: (c, n)}, "flatness", "n_populated", "max_se",
+    "pooled_lre", "lre_floor"}``."""
     rows = []
     for g, runs in groups.items():
         cells = group_by_length(runs)
         flat, npop = flatness(cells, min_count)
+        lre, floor = pooled_lre(runs)
         rows.append({"group": g, "n_runs": len(runs), "cells": cells, "flatness": flat, "n_populated": npop,
-                     "max_se": sampling_se(cells, len(runs), min_count)})
+                     "max_se": sampling_se(cells, len(runs), min_count), "pooled_lre": lre, "lre_floor": floor})
     return rows
+
+
+def _upper(b: str) -> float:
+    hi = b.rsplit("_", 1)[1]
+    return math.inf if hi == "inf" else float(hi)
 
 
 def _label(b: str) -> str:
@@ -80,7 +123,8 @@ def by_length_markdown(rows: Sequence[dict], min_count: float = MIN_COUNT) -> st
     """Groups as rows, length bins as columns; each cell ``c(L)`` with its mean count per run below
     (``n=``); thin cells (count < ``min_count``) in parentheses; last column the flatness."""
     bins = sorted({b for r in rows for b in r["cells"]})
-    head = ["Method", "n"] + [_label(b) for b in bins] + [f"max - min (bins with n >= {min_count:g}; largest se)"]
+    head = (["Method", "n"] + [_label(b) for b in bins]
+            + [f"max - min (bins with n >= {min_count:g}; largest se)", "pooled LRE (noise floor)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for r in rows:
         cells = []
@@ -93,5 +137,6 @@ def by_length_markdown(rows: Sequence[dict], min_count: float = MIN_COUNT) -> st
             cells.append(txt if n is None or n >= min_count else f"({txt})")
         se = "" if r.get("max_se") is None else f"; se {r['max_se']:.3f}"
         flat = "-" if r["flatness"] is None else f"{r['flatness']:.3f} ({r['n_populated']} bins{se})"
-        lines.append("| " + " | ".join([str(r["group"]), str(r["n_runs"])] + cells + [flat]) + " |")
+        pl = "-" if r.get("pooled_lre") is None else f"{r['pooled_lre']:.4f} ({r['lre_floor']:.4f})"
+        lines.append("| " + " | ".join([str(r["group"]), str(r["n_runs"])] + cells + [flat, pl]) + " |")
     return "\n".join(lines) + "\n"
