@@ -78,15 +78,16 @@ class MLflowSweepParent(Callback):
         self.ok = 0
         self.failed = 0
         self._closed = False
+        self._where: dict = {}  # what the end-of-sweep block names (fspo/run_summary.py)
 
     # -- Hydra hooks -------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Create the parent run before the sweeper composes and launches the jobs."""
-        self._start(config)
+        self._start(config, "hydra.sweep.dir")
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A sweep config run without ``-m`` (one job) still gets its parent run."""
-        self._start(config)
+        self._start(config, "hydra.run.dir")
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Count finished / failed jobs (any failure makes the parent FAILED at the end)."""
@@ -104,7 +105,7 @@ class MLflowSweepParent(Callback):
         self._finish()
 
     # -- internals ---------------------------------------------------------------------------
-    def _start(self, config: DictConfig) -> None:
+    def _start(self, config: DictConfig, dir_key: str) -> None:
         from mlflow.tracking import MlflowClient
 
         uri = _select(config, "logger.tracking_uri")
@@ -125,6 +126,8 @@ class MLflowSweepParent(Callback):
         exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))
         run = self.client.create_run(exp_id, run_name=f"{sweep}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
         self.run_id = run.info.run_id
+        self._where = {"sweep": sweep, "sweep_dir": _select(config, dir_key), "tracking_uri": str(uri),
+                       "experiment_name": str(exp_name), "experiment_id": exp_id, "parent_name": run.info.run_name}
         os.environ[self.env_var] = self.run_id
         atexit.register(self._finish, "FAILED")  # an early exit leaves no RUNNING parent behind
         log.info("sweep %s: MLflow parent run %s in experiment %s (%s)", sweep, self.run_id, exp_name, uri)
@@ -140,3 +143,10 @@ class MLflowSweepParent(Callback):
             self.client.set_terminated(self.run_id, status=status)
         except Exception as e:  # noqa: BLE001 - never mask the sweep's own outcome
             log.warning("sweep parent run %s: could not set status %s: %s", self.run_id, status, e)
+        try:  # where the results are: experiment, parent run, jobs, how to open them
+            from fspo.run_summary import sweep_summary
+
+            print(sweep_summary(parent_id=self.run_id, jobs_ok=self.ok, jobs_failed=self.failed, status=status,
+                                **self._where), flush=True)
+        except Exception as e:  # noqa: BLE001
+            log.warning("sweep summary: %s", e)

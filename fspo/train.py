@@ -124,4 +124,22 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     log_final_artifacts(logger, module, trainer, cfg)
     log.info("run %s finished: %s", logger.run_id, {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
+    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/run_summary.py)
+        print(_summary(logger, out_dir, final), flush=True)
     return final
+
+
+def _summary(logger, out_dir: Path, final: Dict[str, float]) -> str:
+    """The end-of-run block; MLflow names looked up best-effort (a failing lookup leaves them out)."""
+    from fspo.run_summary import training_summary
+
+    run_id = getattr(logger, "run_id", None)
+    uri, exp_name = getattr(logger, "_tracking_uri", None), getattr(logger, "_experiment_name", None)
+    exp_id, run_name = getattr(logger, "_experiment_id", None), getattr(logger, "_run_name", None)
+    try:
+        if run_id:
+            info = logger.experiment.get_run(run_id).info
+            exp_id, run_name = info.experiment_id, info.run_name
+    except Exception as e:  # noqa: BLE001 - the summary never fails a finished run
+        log.debug("run summary: MLflow lookup failed: %s", e)
+    return training_summary(out_dir, checkpoint_dir(out_dir), uri, exp_name, exp_id, run_name, run_id, final)

@@ -178,6 +178,10 @@ def test_multirun_logs_child_runs_to_server(mlflow_server, tmp_path):
     assert len(parents) == 1 and parents[0]["info"]["status"] == "FINISHED"
     parent = parents[0]
     assert parent["tags"]["sweep"] == "methods" and parent["metrics"]["sweep/jobs_ok"] == 2
+    block = proc.stdout[proc.stdout.rindex("sweep methods finished"):]  # the sweep ends on where its results are
+    assert "2 jobs finished, 0 failed" in block and f"id {parent['info']['run_id']}" in block
+    assert f"methods (id {exp['experiment_id']})" in block and str(tmp_path / "multirun") in block
+    assert f"{mlflow_server}/#/experiments/{exp['experiment_id']}" in block
     children = sorted((r for r in flat if r is not parent), key=lambda r: r["tags"]["method"])
     assert [c["tags"]["method"] for c in children] == ["fspo", "grpo"]
     for c, m in zip(children, ("fspo", "grpo")):

@@ -1,0 +1,94 @@
+"""The block a training run, a sweep and an evaluation end on (fspo/run_summary.py): output and
+checkpoint folders, tracking URI, experiment, run, key results, and the command or URL that opens them.
+
+Owns: the block's content by hand for a SQLite store (a relative path made absolute in the `mlflow ui`
+command), a file store and an http server (the run page URL instead), and one real tiny training run
+(subprocess, CPU, conftest's SMALL settings) whose output ends with the block. The sweep's block is
+checked in tests/test_sweeps.py (a real multirun against an MLflow server).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMALL
+from fspo.run_summary import RULE, absolute_uri, eval_summary, open_hint, sweep_summary, training_summary
+
+
+def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert open_hint("sqlite:///mlflow.db", "1", "abc") == \
+        ("open with", f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}")
+    assert open_hint("sqlite:////data/m.db") == ("open with", "mlflow ui --backend-store-uri sqlite:////data/m.db")
+    assert open_hint("./mlruns") == ("open with", f"mlflow ui --backend-store-uri file://{tmp_path / 'mlruns'}")
+    assert open_hint("file:///data/mlruns", "0", "r") == ("open with", "mlflow ui --backend-store-uri file:///data/mlruns")
+    assert open_hint("http://host:5000/", "7", "abc") == ("run page", "http://host:5000/#/experiments/7/runs/abc")
+    assert open_hint("https://mlflow.example.org", "7") == ("experiment page", "https://mlflow.example.org/#/experiments/7")
+    assert open_hint("databricks", "7", "abc") == ("tracking URI", "databricks")
+    assert absolute_uri("http://host:5000") == "http://host:5000"
+
+
+def test_training_block_sqlite(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = training_summary(tmp_path / "out", tmp_path / "out" / "checkpoints", "sqlite:///mlflow.db", "fspo", "3",
+                            "brave-fox-1", "r123", {"val/accuracy": 0.5, "train/loss": 1.0})
+    lines = text.splitlines()
+    assert lines[0] == RULE and lines[-1] == RULE and lines[1] == "run brave-fox-1 finished"
+    rows = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in lines[2:-1]}
+    assert rows == {"output dir": str(tmp_path / "out"), "checkpoints": str(tmp_path / "out" / "checkpoints"),
+                    "tracking URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "fspo (id 3)",
+                    "run": "brave-fox-1 (id r123)", "results": "val/accuracy 0.5",
+                    "open with": f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}"}
+
+
+def test_training_block_http(tmp_path):
+    text = training_summary(tmp_path, tmp_path / "checkpoints", "http://127.0.0.1:5000", "fspo", "2", "x", "r9",
+                            {"val/accuracy": 0.25})
+    assert "  run page:     http://127.0.0.1:5000/#/experiments/2/runs/r9" in text.splitlines()
+    assert "mlflow ui" not in text and "tracking URI: http://127.0.0.1:5000" in text
+
+
+def test_sweep_and_eval_blocks(tmp_path):
+    text = sweep_summary("methods", str(tmp_path / "multirun"), "sqlite:////d/m.db", "methods", "4", "methods-2026",
+                         "p1", jobs_ok=7, jobs_failed=1, status="FAILED")
+    assert text.splitlines()[1] == "sweep methods failed: 7 jobs finished, 1 failed"
+    for s in ("sweep dir:    " + str(tmp_path / "multirun"), "experiment:   methods (id 4)",
+              "parent run:   methods-2026 (id p1)", "jobs:         7 finished, 1 failed",
+              "open with:    mlflow ui --backend-store-uri sqlite:////d/m.db"):
+        assert "  " + s in text.splitlines(), s
+    md = tmp_path / "eval" / "summary.md"
+    md.parent.mkdir()
+    md.write_text("x")
+    entries = [{"metrics": {"math500": {"avg_at_k": 0.125, "pass": 1.0}}}]
+    text = eval_summary(tmp_path, "http://h:1", "fspo-eval", "5", "ev", "r2", entries, md)
+    assert f"  summary:      {md}" in text and "results:      math500/avg_at_k 0.125" in text
+    assert "run page:     http://h:1/#/experiments/5/runs/r2" in text
+
+
+@pytest.mark.slow
+def test_training_run_ends_on_the_block(tmp_path):
+    """A real tiny run (experiments/run.py): its output ends with the block naming its folder and store."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *SMALL, f"hydra.run.dir={out}",
+           "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={tmp_path / 'artifacts'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.rstrip().splitlines()
+    assert lines[-1] == RULE
+    start = len(lines) - 1 - lines[::-1].index(RULE, 1)
+    block = lines[start:]
+    assert block[1].startswith("run ") and block[1].endswith(" finished")
+    rows = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in block[2:-1]}
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    assert rows["output dir"] == str(out) and rows["checkpoints"] == str(out / "checkpoints")
+    assert rows["tracking URI"] == f"sqlite:///{tmp_path / 'store.db'}"
+    assert rows["experiment"].startswith("fspo (id ") and rows["run"].endswith(f"(id {run_id})")
+    assert "val/accuracy" in rows["results"]
+    assert rows["open with"] == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'store.db'}"
+    assert any((out / "checkpoints").iterdir())
