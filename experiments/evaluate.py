@@ -31,6 +31,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from fspo.errors import user_error  # noqa: E402
+from fspo.cli import normalize_group_overrides  # noqa: E402  (also the help template's resolver)
 
 log = logging.getLogger("evaluate")
 
@@ -190,6 +191,25 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     return {"run_id": recorder.run_id, "entries": entries, "summary": summary}
 
 
+def summary_block(cfg: DictConfig, result: Dict[str, Any]) -> str:
+    """The end-of-evaluation block: output dir, where ``summary.md`` went, the MLflow run and how to open it."""
+    from fspo.run_summary import eval_summary
+
+    uri, rid = str(cfg.mlflow.tracking_uri), result.get("run_id")
+    exp_name, exp_id, run_name = str(cfg.mlflow.experiment_name), None, cfg.mlflow.run_name
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(uri)
+        info = client.get_run(rid).info
+        exp_id, run_name = info.experiment_id, info.run_name
+        exp_name = client.get_experiment(exp_id).name
+    except Exception as e:  # noqa: BLE001 - the block never fails a finished evaluation
+        log.debug("evaluation summary: MLflow lookup failed: %s", e)
+    return eval_summary(cfg.output_dir, uri, exp_name, exp_id, run_name, rid, result.get("entries"),
+                        Path(cfg.output_dir) / "eval" / "summary.md")
+
+
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
@@ -206,9 +226,11 @@ def main(cfg: DictConfig):
             raise
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
+    print(summary_block(cfg, result), flush=True)  # where the results went (fspo/run_summary.py)
     last = result["entries"][-1]["metrics"] if result["entries"] else {}
     return sum(v["avg_at_k"] for v in last.values()) / max(len(last), 1)
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "evaluate")  # group=x and +group=x both work
     main()

@@ -2,6 +2,7 @@
 
 With no arguments it runs the embedded default (FSPO, tiny warm-started Qwen3, built-in arithmetic
 task, CPU, MLflow SQLite store ./mlflow.db). Hydra multirun works as usual (`-m`, sweeps/).
+`method=grpo` and `+method=grpo` (any config group) both work (fspo/cli.py); `fspo-train` is this script.
 A bad setting or input ends with one line naming the problem (exit code 2), not a traceback;
 set HYDRA_FULL_ERROR=1 to see the traceback.
 """
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from fspo.errors import user_error  # noqa: E402
+from fspo.cli import normalize_group_overrides  # noqa: E402  (also the help template's resolver)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -39,4 +41,5 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "config")  # group=x and +group=x both work
     main()

@@ -6,6 +6,7 @@ Owns: `list_sweeps`, `sweep_jobs` (the override lists Hydra's basic sweeper laun
 
     python -m fspo.sweeps                       # every sweep and its jobs
     python -m fspo.sweeps methods seed=1,2      # one sweep, with command-line overrides
+    python -m fspo.sweeps --help                # usage
 
 Leaves out: running the jobs (experiments/run.py) and the MLflow parent run
 (fspo/hydra_callbacks.py).
@@ -63,8 +64,29 @@ def job_config(name: str, job_overrides: Sequence[str]) -> DictConfig:
     return _compose(name, list(job_overrides), return_hydra_config=False)
 
 
+USAGE = """usage: python -m fspo.sweeps [-h] [NAME [OVERRIDE ...]]
+
+Preview Hydra sweeps: print the jobs (override lists) that
+`python experiments/run.py -m --config-dir sweeps --config-name NAME [OVERRIDE ...]` would launch.
+Without NAME: every sweep in sweeps/ and its jobs.
+
+positional arguments:
+  NAME        a sweep: {names}
+  OVERRIDE    command-line overrides as for run.py (seed=1,2 replaces the sweep's seeds)
+
+options:
+  -h, --help  show this help message and exit"""
+
+
 def main(argv: Sequence[str]) -> int:
-    """CLI: print the jobs of one sweep (``name [overrides]``) or of every sweep."""
+    """CLI: print the jobs of one sweep (``name [overrides]``) or of every sweep; ``-h``: usage."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE.format(names=", ".join(list_sweeps())))
+        return 0
+    if argv and argv[0] not in list_sweeps():
+        print(f"error: unknown sweep {argv[0]!r}: choose one of {list_sweeps()} (files in {SWEEPS_DIR}); "
+              f"see --help", file=sys.stderr)
+        return 2
     names = [argv[0]] if argv else list_sweeps()
     for n in names:
         jobs = sweep_jobs(n, argv[1:] if argv else ())
