@@ -106,7 +106,7 @@ def eval_summary(output_dir, tracking_uri: Optional[str], experiment_name: Optio
     results: Dict[str, float] = {}
     if entries:
         results = {f"{b}/avg_at_k": float(m["avg_at_k"]) for b, m in entries[-1]["metrics"].items()}
-    return format_block(f"evaluation {run_name or run_id or ''} finished", [
+    return format_block(f"evaluation {run_name or run_id or ''} finished".replace("  ", " "), [
         ("output dir", str(Path(output_dir).resolve())),
         ("summary", str(Path(summary_md).resolve()) if summary_md is not None and Path(summary_md).exists() else None),
         ("tracking URI", absolute_uri(tracking_uri)),
