@@ -89,7 +89,12 @@ def main(argv: Sequence[str]) -> int:
         return 2
     names = [argv[0]] if argv else list_sweeps()
     for n in names:
-        jobs = sweep_jobs(n, argv[1:] if argv else ())
+        over = list(argv[1:]) if argv else []
+        if over:  # method=x and +method=x both work, as with run.py (fspo/cli.py)
+            from fspo.cli import normalize_group_overrides
+
+            over = normalize_group_overrides(["--config-dir", str(SWEEPS_DIR), "--config-name", n, *over])[4:]
+        jobs = sweep_jobs(n, over)
         print(f"{n}: {len(jobs)} jobs")
         for i, j in enumerate(jobs):
             print(f"  #{i} {' '.join(j)}")

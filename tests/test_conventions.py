@@ -93,6 +93,9 @@ def test_sweeps_help():
     p = run("-m", "fspo.sweeps", "--help")
     assert p.returncode == 0 and p.stdout.startswith("usage: python -m fspo.sweeps") and "Traceback" not in p.stderr
     assert "methods" in p.stdout
+    outs = [run("-m", "fspo.sweeps", "methods", form, "seed=1") for form in ("method=grpo", "+method=grpo")]
+    assert outs[0].returncode == 0 and outs[0].stdout == outs[1].stdout, outs[0].stderr[-2000:]
+    assert "#0 +method=grpo seed=1" in outs[0].stdout
     p = run("-m", "fspo.sweeps", "nosuch")
     assert p.returncode == 2 and p.stderr.startswith("error: unknown sweep 'nosuch'") and "Traceback" not in p.stderr
 
