@@ -125,10 +125,28 @@ class _MomentBand(torch.nn.Module):
         r2, one = torch.where(ok, r, 0.0).square(), torch.where(ok, length, 1.0)
         cols = torch.stack([ok.double(), one.log(), r2, r2 / one], dim=1)
         batch = torch.zeros_like(self.moments).index_add_(0, torch.where(ok, idx, 0), cols)
+        extra = self._extra_sums(r, length, torch.where(ok, idx, 0), ok)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(batch)
-        new = (1.0 - self.alpha) * self.moments + batch
-        self.moments.copy_(torch.where(batch[:, _N].sum() > 0, new, self.moments))
+            if extra is None:
+                dist.all_reduce(batch)
+            else:  # one collective for both states
+                flat = torch.cat([batch.reshape(-1), extra.reshape(-1)])
+                dist.all_reduce(flat)
+                batch, extra = flat[:batch.numel()].view_as(batch), flat[batch.numel():].view_as(extra)
+        seen = batch[:, _N].sum() > 0
+        self.moments.copy_(torch.where(seen, (1.0 - self.alpha) * self.moments + batch, self.moments))
+        if extra is not None:
+            self._update_extra(extra, seen)
+
+    def _extra_sums(self, r: Tensor, length: Tensor, idx: Tensor, ok: Tensor) -> Optional[Tensor]:
+        """Further per-batch sums a subclass keeps beside the moments (float64, reduced with them in
+        `observe`'s single all_reduce); ``idx`` is each sequence's length bin, ``ok`` the rows that
+        count. None: no further state."""
+        return None
+
+    def _update_extra(self, batch: Tensor, seen: Tensor) -> None:
+        """Fold the all-reduced ``_extra_sums`` into the subclass's state (``seen``: the batch had a
+        sequence on some rank)."""
 
     def _bins(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per bin: populated (n >= min_count), x = mean log L, y = log sqrt(mean r^2), n (float64)."""

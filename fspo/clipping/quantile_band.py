@@ -29,10 +29,9 @@ Estimator:
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fspo.clipping._common import check_positive
@@ -76,28 +75,18 @@ class QuantileBand(PerBinBand):
             self.u_edges = keep[1].to(self.hist.device)
         return out
 
-    @torch.no_grad()
-    def observe(self, seq_log_ratio: Tensor, lengths: Tensor, mu: Optional[Tensor] = None) -> None:
-        """The moments (base) and H <- (1 - alpha) H + this batch's (all ranks) histogram of
-        u = |S - mu| / sqrt(L) per length bin; sequences with L < 1 or non-finite values ignored; a
-        batch with none on any rank leaves H unchanged. Call on every rank."""
-        super().observe(seq_log_ratio, lengths, mu)
-        dev = self.hist.device
-        s = torch.as_tensor(seq_log_ratio).detach().to(dev, torch.float64).reshape(-1)
-        length = torch.as_tensor(lengths).detach().to(dev, torch.float64).reshape(-1)
-        r = s if mu is None else s - torch.as_tensor(mu).detach().to(dev, torch.float64).reshape(-1)
-        ok = (length >= 1) & (length < math.inf) & torch.isfinite(r)
+    def _extra_sums(self, r: Tensor, length: Tensor, idx: Tensor, ok: Tensor) -> Tensor:
+        """This batch's histogram of u = |S - mu| / sqrt(L) per length bin (rows that count only);
+        `observe` all-reduces it with the moments."""
         u = torch.where(ok, r.abs() / torch.where(ok, length, 1.0).sqrt(), 0.0)
-        k = torch.bucketize(length.floor(), torch.tensor(self.edges, dtype=torch.float64, device=dev), right=True) - 1
         j = (torch.bucketize(u, self.u_edges, right=True) - 1).clamp(0, self.hist.shape[1] - 1)
-        flat = torch.where(ok, k * self.hist.shape[1] + j, 0)
-        batch = torch.zeros(self.hist.numel(), dtype=torch.float64, device=dev)
-        batch.index_add_(0, flat, ok.double())
-        batch = batch.view_as(self.hist)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(batch)
-        new = (1.0 - self.alpha) * self.hist + batch
-        self.hist.copy_(torch.where(batch.sum() > 0, new, self.hist))
+        flat = torch.where(ok, idx * self.hist.shape[1] + j, 0)
+        batch = torch.zeros(self.hist.numel(), dtype=torch.float64, device=self.hist.device)
+        return batch.index_add_(0, flat, ok.double()).view_as(self.hist)
+
+    def _update_extra(self, batch: Tensor, seen: Tensor) -> None:
+        """H <- (1 - alpha) H + the batch's histogram (all ranks); unchanged when no rank had a sequence."""
+        self.hist.copy_(torch.where(seen, (1.0 - self.alpha) * self.hist + batch, self.hist))
 
     def quantiles(self) -> Tensor:
         """The coverage quantile of u per length bin [K] (float64; 0 for an empty bin): the cell

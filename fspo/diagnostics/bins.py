@@ -103,6 +103,12 @@ def label_edges(label: str) -> Tuple[float, float]:
     return float(m.group(1)), (math.inf if m.group(2) == "inf" else float(m.group(2)))
 
 
+def bin_midpoint(label: str) -> float:
+    """Where a bin is drawn: the midpoint of ``label``'s edges; the overflow bin (``..._inf``) at its lower edge."""
+    lo, hi = label_edges(label)
+    return lo if math.isinf(hi) else (lo + hi) / 2
+
+
 def check_finite(name: str, x: Tensor, hint: str = "check the inputs upstream") -> None:
     """Raise ``ValueError("<name> contains NaN at k positions; <hint>")`` (or inf) if not finite."""
     if not torch.is_floating_point(x) or x.numel() == 0:

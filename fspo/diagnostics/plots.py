@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy.special import ndtri
 
-from fspo.diagnostics.bins import label_edges
+from fspo.diagnostics.bins import bin_midpoint
 
 XY = Tuple[Sequence[float], Sequence[float]]
 Curve = Union[Callable[[np.ndarray], np.ndarray], XY]
@@ -43,8 +43,7 @@ def _label_xy(d: Mapping[str, float]) -> Tuple[np.ndarray, np.ndarray]:
     """Bin labels -> (bin midpoint, value); the overflow bin is placed at its lower edge."""
     pts = []
     for k, v in d.items():
-        lo, hi = label_edges(k)
-        pts.append(((lo + hi) / 2 if np.isfinite(hi) else lo, float(v)))
+        pts.append((bin_midpoint(k), float(v)))
     pts.sort()
     arr = np.asarray(pts, dtype=np.float64).reshape(-1, 2)
     return arr[:, 0], arr[:, 1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from fspo.diagnostics.bins import label_edges
 from fspo.report.collect import RunRecord
 
 MIN_COUNT = 100  # sequences per run (a run of the length-fairness sweep counts ~3,840 for acceptance)
@@ -77,7 +78,7 @@ def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[flo
     for r in runs:
         min_len = float(r.params.get("diagnostics/lre_min_len", 0) or 0)
         for b, c in r.out_of_band_by_length().items():
-            if _upper(b) <= min_len:  # as the run-level LRE: bins with upper edge > lre_min_len
+            if label_edges(b)[1] <= min_len:  # as the run-level LRE: bins with upper edge > lre_min_len
                 continue
             nb = r.metrics.get(RUN_COUNT_PREFIX + b)
             if nb is None:
@@ -109,14 +110,9 @@ def by_length_rows(groups: Mapping[str, Sequence[RunRecord]], min_count: float =
     return rows
 
 
-def _upper(b: str) -> float:
-    hi = b.rsplit("_", 1)[1]
-    return math.inf if hi == "inf" else float(hi)
-
-
 def _label(b: str) -> str:
-    lo, hi = b[len("len_"):].split("_")
-    return f"{int(lo)}-{hi if hi == 'inf' else int(hi)}"
+    lo, hi = label_edges(b)
+    return f"{lo:.0f}-{hi:.0f}" if math.isfinite(hi) else f"{lo:.0f}-inf"
 
 
 def by_length_markdown(rows: Sequence[dict], min_count: float = MIN_COUNT) -> str:

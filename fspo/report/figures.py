@@ -22,6 +22,7 @@ import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from fspo.diagnostics.bins import bin_midpoint as _bin_mid
 from fspo.diagnostics.plots import plot_clip_fraction_by_length
 from fspo.report.by_length import MIN_COUNT, flatness, group_by_length
 from fspo.report.collect import RunRecord
@@ -201,12 +202,6 @@ def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
-
-
-def _bin_mid(label: str) -> float:
-    """Bin label ``len_00016_00032`` -> its midpoint (the overflow bin ``len_00224_inf`` at its lower edge)."""
-    lo, hi = label[len("len_"):].split("_")
-    return float(lo) if hi == "inf" else (float(lo) + float(hi)) / 2
 
 
 def _match_colors(fig: Figure, groups: Sequence[str]) -> None:
