@@ -2,7 +2,7 @@
 
 For each model (the tiny Qwen3, ~0.8M parameters, a random ~100M-parameter Qwen3, and the tiny one
 with Qwen3's real 151,936-token vocabulary, where the logits dominate) and each
-world size (1: one process, no strategy; 2: `fspo.distributed.FSDP2Strategy` under torchrun) it runs
+world size (1: one process, no strategy; 2: `fspo.runtime.distributed.FSDP2Strategy` under torchrun) it runs
 one RL step of the real `RLModule` (2 PPO mini-batches, AdamW) on a synthetic rollout of 16
 sequences (prompt 32 + response 96 tokens) and reports per rank:
 
@@ -79,10 +79,11 @@ def worker(model_name: str, out: str) -> None:
 
     from fspo.clipping.fspo import FSPOClip
     from fspo.diagnostics import FairnessMetrics, LengthBins
-    from fspo.distributed import FSDP2Strategy, dp_rank_size
+    from fspo.runtime.distributed import FSDP2Strategy, dp_rank_size
     from fspo.losses import Aggregator
     from fspo.models.tiny import build_tiny_model
-    from fspo.module import PPOConfig, RLModule
+    from fspo.update.settings import PPOConfig
+    from fspo.update.module import RLModule
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -7,7 +7,7 @@ the corrections themselves and training.
 For each length L of ``--lengths`` the warm-started tiny policy (or ``--model random``) samples
 ``--prompts`` x ``--n`` completions of exactly L tokens (min_tokens = max_tokens = L, temperature 1) with
 `VLLMEngine` in ``--engine-dtype`` (bfloat16); the trainer recomputes the sampled tokens' log-probs in
-float32 (fspo.logprobs.response_log_probs), and d_t = logp_trainer - logp_engine. One `RolloutCorrection`
+float32 (fspo.update.logprobs.response_log_probs), and d_t = logp_trainer - logp_engine. One `RolloutCorrection`
 per rule is fitted on all lengths together (as one training step would be) and its per-sequence mask
 read per length: TRL's sequence mask (cap 3.0), verl's sequence rejection (threshold 2.0), and the
 length-fair band (z s sqrt(L), and the quantile band). ``--max-pos`` raises the exported model's
@@ -54,12 +54,12 @@ def measure(lengths: Sequence[int], n_prompts: int = 16, n: int = 8, model: str 
             engine_dtype: str = "bfloat16", max_pos: int = 0, seed: int = 0, workdir: str = "") -> Dict:
     """Per length: sequences, mean/std of S, std(S)/sqrt(L), and each rule's masked fraction; plus the
     token mean/std of d and the seconds spent."""
-    from fspo.logprobs import response_log_probs
+    from fspo.update.logprobs import response_log_probs
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.correction import RolloutCorrection, mismatch
     from fspo.rollout.vllm import VLLMEngine
-    from fspo.distributed import concat_rollouts
+    from fspo.runtime.distributed import concat_rollouts
 
     policy, tok = load_policy(source=model, seed=seed)
     policy = policy.float().eval()

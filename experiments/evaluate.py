@@ -11,7 +11,7 @@ Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the trainin
 ``model`` node when one is found), build the policy, engine and verifier once, then for the base
 model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
 to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
-(fspo/evaluation.py) and the summary/MLflow details (fspo/evaluation_summary.py).
+(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py).
 A bad setting or input ends with one line naming the problem (exit code 2), as in run.py.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import hydra  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from fspo.errors import user_error  # noqa: E402
+from fspo.runtime.errors import user_error  # noqa: E402
 from fspo.cli import normalize_group_overrides  # noqa: E402  (also the help template's resolver)
 
 log = logging.getLogger("evaluate")
@@ -42,7 +42,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
-    from fspo.evaluation_summary import find_run_config
+    from fspo.runtime.checkpoint_files import find_run_config
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     params = MlflowClient(uri).get_run(rid).data.params
@@ -71,7 +71,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
     from mlflow import MlflowClient
 
-    from fspo.evaluation_summary import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
     run_cfg, run_dir = _mlflow_run_config(str(rid), uri) if rid else (None, None)
@@ -112,9 +112,10 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     "summary"}`` where each entry is ``{"checkpoint", "step", "base", "metrics": {benchmark: {...}}}``."""
     import torch
 
-    from fspo.evaluation import context_length, evaluate_benchmark, load_checkpoint, load_into
-    from fspo.evaluation_summary import MlflowRecorder, summarize
-    from fspo.mlflow_utils import flatten_params
+    from fspo.evaluation.benchmark import context_length, evaluate_benchmark
+    from fspo.runtime.checkpoint_files import load_checkpoint, load_into
+    from fspo.evaluation.summary import MlflowRecorder, summarize
+    from fspo.tracking.artifacts import flatten_params
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.hf import HFEngine
@@ -193,7 +194,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
 
 def summary_block(cfg: DictConfig, result: Dict[str, Any]) -> str:
     """The end-of-evaluation block: output dir, where ``summary.md`` went, the MLflow run and how to open it."""
-    from fspo.run_summary import eval_summary
+    from fspo.tracking.run_summary import eval_summary
 
     uri, rid = str(cfg.mlflow.tracking_uri), result.get("run_id")
     exp_name, exp_id, run_name = str(cfg.mlflow.experiment_name), None, cfg.mlflow.run_name
@@ -226,7 +227,7 @@ def main(cfg: DictConfig):
             raise
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    print(summary_block(cfg, result), flush=True)  # where the results went (fspo/run_summary.py)
+    print(summary_block(cfg, result), flush=True)  # where the results went (fspo/tracking/run_summary.py)
     last = result["entries"][-1]["metrics"] if result["entries"] else {}
     return sum(v["avg_at_k"] for v in last.values()) / max(len(last), 1)
 

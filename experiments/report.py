@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fspo.report.build import make_report  # noqa: E402
+from fspo.evaluation.report.build import make_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
 Owns: `grpo`, `rloo`, `drgrpo`, the `ADVANTAGES` registry and `get_advantage_fn`. Every function
 maps (rewards [B], group_ids [B]) -> advantages [B] float32, computed in float64. A group whose
 rewards are all equal, or a group of one, gets exactly 0 (never NaN). Leaves out: when advantages
-are computed (fspo/callbacks.py) and how they enter the loss (fspo/clipping).
+are computed (fspo/rollout/callback.py) and how they enter the loss (fspo/clipping).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Owns: `aggregate`, `AggResult`, `Aggregator` (the Hydra-instantiable wrapper) and `AGG_MODES`.
 Leaves out: the per-token losses themselves (fspo/clipping), the split of a mini-batch into
-micro-batches (fspo/module.py), which passes the mini-batch denominators in, and verl's data-parallel
+micro-batches (fspo/update/module.py), which passes the mini-batch denominators in, and verl's data-parallel
 factor dp_size (this function is single-process: dp_size = 1; fspo/clipping/registry.py applies it).
 
 Every mode is a per-token coefficient k_i times each sequence's token sum, loss = sum_i k_i sum_t m l,

@@ -9,7 +9,7 @@ Owns: `list_sweeps`, `sweep_jobs` (the override lists Hydra's basic sweeper laun
     python -m fspo.sweeps --help                # usage
 
 Leaves out: running the jobs (experiments/run.py) and the MLflow parent run
-(fspo/hydra_callbacks.py).
+(fspo/tracking/sweep_parent.py).
 """
 from __future__ import annotations
 

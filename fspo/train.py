@@ -1,18 +1,17 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
-Owns: `train(cfg)` — check every setting first (fspo/config_check.py), build the policy, data,
+Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), build the policy, data,
 reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
 conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
 figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
-throughout (fspo/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
-``output_dir`` and its MLflow run (fspo/resume.py) with the run's saved config (fspo/run_config.py);
-checkpoints and signal stops are fspo/checkpointing.py's. Leaves out: Hydra's command line
+throughout (fspo/runtime/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
+``output_dir`` and its MLflow run (fspo/runtime/resume.py) with the run's saved config (fspo/runtime/run_config.py);
+checkpoints and signal stops are fspo/runtime/checkpointing.py's. Leaves out: Hydra's command line
 (experiments/run.py) and every component's internals.
 """
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -22,19 +21,21 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.callbacks import RolloutCallback
-from fspo.config_check import check_config
-from fspo.checkpointing import StepCheckpoint, checkpoint_dir, slurm_plugins
+from fspo.rollout.callback import RolloutCallback
+from fspo.runtime.config_check import check_config
+from fspo.runtime.checkpointing import StepCheckpoint, slurm_plugins
+from fspo.runtime.checkpoint_files import checkpoint_dir
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.rank_zero import RankZeroStub, launch_rank
+from fspo.runtime.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
-from fspo.module import RLModule
-from fspo.mlflow_utils import flatten_params, log_final_artifacts
-from fspo.resume import ResumePlan, build_logger, log_params_once, mark_preempted, record_run_id, resolve_resume
-from fspo.run_config import resume_config
-from fspo.run_lock import hold_output_dir
-from fspo.store_check import check_writable
+from fspo.update.module import RLModule
+from fspo.tracking.artifacts import flatten_params, log_final_artifacts
+from fspo.runtime.resume import ResumePlan, resolve_resume
+from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
+from fspo.runtime.run_config import resume_config
+from fspo.runtime.run_lock import hold_output_dir
+from fspo.runtime.store_check import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
     lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
-    the run's saved config (``overrides``: this launch's command line, see fspo/run_config.py)."""
-    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/config_check.py)
+    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/run_config.py)."""
+    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/config_check.py)
     out_dir = Path(cfg.output_dir)
     with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
         plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
@@ -124,14 +125,14 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     log_final_artifacts(logger, module, trainer, cfg)
     log.info("run %s finished: %s", logger.run_id, {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
-    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/run_summary.py)
+    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
     return final
 
 
 def _summary(logger, out_dir: Path, final: Dict[str, float]) -> str:
     """The end-of-run block; MLflow names looked up best-effort (a failing lookup leaves them out)."""
-    from fspo.run_summary import training_summary
+    from fspo.tracking.run_summary import training_summary
 
     run_id = getattr(logger, "run_id", None)
     uri, exp_name = getattr(logger, "_tracking_uri", None), getattr(logger, "_experiment_name", None)

@@ -2,8 +2,8 @@
 
 Owns: `RolloutBatch`, the one structure that crosses from generation to training, with every
 tensor's shape, dtype and mask polarity stated here and checked by `RolloutBatch.validate`.
-Leaves out: how the batch is produced (fspo/rollout, fspo/callbacks.py) and consumed
-(fspo/module.py).
+Leaves out: how the batch is produced (fspo/rollout, fspo/rollout/callback.py) and consumed
+(fspo/update/module.py).
 
 Layout (B sequences, P prompt positions, T response positions):
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import compose_config  # noqa: E402
-from fspo.callbacks import RolloutCallback  # noqa: E402
+from fspo.rollout.callback import RolloutCallback  # noqa: E402
 from fspo.data.datamodule import PromptDataModule  # noqa: E402
-from fspo.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
+from fspo.runtime.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
 from fspo.models.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from fspo.rollout.weights import iter_full_state_dict  # noqa: E402
 from fspo.train import build_fairness  # noqa: E402
@@ -60,7 +60,7 @@ def fixed_rollout() -> RolloutBatch:
         batch.response_ids[i, :r_len[i]] = torch.randint(4, 100, (int(r_len[i]),), generator=g)
         batch.response_mask[i, :r_len[i]] = 1
     with torch.no_grad():
-        lp, _ = __import__("fspo.logprobs", fromlist=["x"]).response_log_probs(build_tiny_model(seed=0), batch)
+        lp, _ = __import__("fspo.update.logprobs", fromlist=["x"]).response_log_probs(build_tiny_model(seed=0), batch)
     batch.old_log_probs = ((lp + 0.05 * torch.randn(b, T, generator=g)) * batch.response_mask).float()
     return batch.validate()
 
@@ -83,7 +83,7 @@ class InjectShare(L.Callback):
 
 def build_module(cfg):
     """RLModule from a composed config, as fspo/train.py builds it (random tiny policy, seed 0)."""
-    from fspo.module import RLModule
+    from fspo.update.module import RLModule
 
     L.seed_everything(int(cfg.seed))
     policy = build_tiny_model(seed=0)
@@ -136,7 +136,7 @@ def run_step(world: int, out: Path, extra=(), tag: str = "") -> dict:
     """One RL step on `fixed_rollout`; returns {"metrics", "params", ...} (saved to out/step_w{world}{tag}.pt)."""
     cfg = compose_config(OVERRIDES + ["trainer=fsdp", *extra], output_dir=out)
     module = build_module(cfg)
-    from fspo import passes
+    from fspo.update import forward as passes
 
     dummies, plain = [0], passes.micro_batches
 
@@ -215,7 +215,7 @@ def run_decode(world: int, out: Path) -> None:
     one rank runs out of rows first); saves every rank's tokens and engine log-probs."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fspo.distributed import ShardingConfig, shard_model
+    from fspo.runtime.distributed import ShardingConfig, shard_model
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.decode import decode_compact

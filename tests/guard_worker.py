@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_worker import (InjectShare, OVERRIDES, _data, _full_params, _trainer, build_module,  # noqa: E402
                          fixed_rollout)
 from conftest import compose_config  # noqa: E402
-from fspo.guard import DivergenceGuard, UpdateMeter  # noqa: E402
+from fspo.update.guard import DivergenceGuard, UpdateMeter  # noqa: E402
 
 
 class BreachOnRank(DivergenceGuard):

@@ -1,4 +1,4 @@
-"""Mini-batches, token-budget micro-batches and the resumable prompt sampler (fspo/batching.py)."""
+"""Mini-batches, token-budget micro-batches and the resumable prompt sampler (fspo/update/microbatches.py)."""
 from __future__ import annotations
 
 import itertools
@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from fspo.batching import (PromptStepSampler, check_mini_batch, group_minibatch_indices, minibatch_indices,
-                           minibatch_plan, token_budget_micro_batches)
+from fspo.data.sampler import PromptStepSampler
+from fspo.update.microbatches import check_mini_batch, group_minibatch_indices, minibatch_indices, minibatch_plan, token_budget_micro_batches
 
 
 def check_partition(groups, n):

@@ -101,7 +101,7 @@ def test_gspo_clip_fraction_falls_with_length(fractions):
 def test_rules_report_their_closed_form(name, fractions):
     """`ClipRule.theory_clip_fraction` (used for the theory curve in the run's plots) agrees with the
     closed forms above and with the observed fractions."""
-    pytest.importorskip("fspo.diagnostics.theory")
+    pytest.importorskip("fspo.clipping.theory")
     curve = RULES[name].theory_clip_fraction(LENGTHS, SIGMA)
     for L, c, got in zip(LENGTHS, curve, fractions[name]):
         assert c == pytest.approx(closed_form(name, L), abs=1e-9)

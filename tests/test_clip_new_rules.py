@@ -21,7 +21,7 @@ from fspo.clipping.gspo import GSPOClip
 from fspo.clipping.luspo import LUSPOClip
 from fspo.clipping.registry import POLICY_LOSSES, get_policy_loss_fn
 from fspo.clipping.sapo import HALF_WEIGHT, SAPOClip
-from fspo.diagnostics import theory
+from fspo.clipping import theory
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.collection import FairnessMetrics
 from fspo.losses import aggregate

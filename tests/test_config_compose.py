@@ -70,7 +70,7 @@ def check_components(cfg, tmp_path) -> None:
     import lightning as L
 
     from fspo.clipping.base import ClipRule
-    from fspo.module import PPOConfig
+    from fspo.update.settings import PPOConfig
     from fspo.rollout.base import RolloutEngine, SamplingConfig
 
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves (train.py logs it resolved)

@@ -5,7 +5,7 @@ Each sequence's tokens carry d_t = S/L, so the real clip rules (FSPOClip, RLOOCl
 paper's settings) see exactly S (and S/L for GSPO); their ClipResults go through FairnessMetrics.
 
 The paper's LRE (``fairness/lre``) uses the acceptance event (ratio inside the band, either sign of
-A): P(out | L) = upper(L) + lower(L), the closed forms of fspo.diagnostics.theory, and
+A): P(out | L) = upper(L) + lower(L), the closed forms of fspo.clipping.theory, and
 ``band/out_frac/<bin>`` is that c(L). The binding LRE (``fairness/binding_lre``): a clip binds only on
 the side that matches the advantage sign (A > 0: upper; A < 0: lower, plus dual), so with balanced
 signs P(bind | L) = 0.5 upper(L) + 0.5 (lower(L) + dual(L)); under this model (and 1000-token bins)

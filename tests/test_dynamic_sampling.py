@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from fspo.batching import PromptStepSampler
-from fspo.checkpointing import list_checkpoints
+from fspo.data.sampler import PromptStepSampler
+from fspo.runtime.checkpoint_files import list_checkpoints
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.group_filter import GroupFilter, informative_groups
 from fspo.types import RolloutBatch

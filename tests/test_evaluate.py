@@ -17,9 +17,10 @@ from omegaconf import OmegaConf, open_dict
 
 from fspo.data.base import ListSource, Sample
 from fspo.data.math_io import resolve_data_dir
-from fspo.evaluation import avg_at_k, evaluate_benchmark, load_checkpoint, load_into
-from fspo.evaluation_summary import (find_checkpoints, find_run_config, run_id_of_checkpoint, summarize,
-                                     summary_markdown)
+from fspo.evaluation.benchmark import avg_at_k, evaluate_benchmark
+from fspo.runtime.checkpoint_files import load_checkpoint, load_into
+from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
+from fspo.evaluation.summary import summarize, summary_markdown
 from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.math_verify_reward import MathVerifyReward
@@ -142,7 +143,8 @@ def _lightning_ckpt(policy, step: int) -> dict:
     """What RLModule's Lightning checkpoint holds: the module state dict with a ``policy.`` prefix."""
     from fspo.clipping.fspo import FSPOClip
     from fspo.losses import Aggregator
-    from fspo.module import PPOConfig, RLModule
+    from fspo.update.settings import PPOConfig
+    from fspo.update.module import RLModule
 
     module = RLModule(policy=policy, clip=FSPOClip(), aggregator=Aggregator(), ppo=PPOConfig(), diagnostics=None)
     sd = module.state_dict()
@@ -263,7 +265,7 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
         cfg.train_run_id = None
     with pytest.raises(ValueError, match="attach"):  # no run id anywhere
         ev.evaluate(cfg)
-    (run_dir / "mlflow_run_id").write_text(train_id + "\n")  # what fspo/resume.py writes
+    (run_dir / "mlflow_run_id").write_text(train_id + "\n")  # what fspo/runtime/resume.py writes
     assert run_id_of_checkpoint(ckpt_dir / "step_000008.ckpt") == train_id
     assert run_id_of_checkpoint(tmp_path / "x" / ("ab" * 16) / "checkpoints" / "e.ckpt") == "ab" * 16
     out = ev.evaluate(cfg)

@@ -1,4 +1,4 @@
-"""The divergence guard (fspo/guard.py; issue 19, defect 7).
+"""The divergence guard (fspo/update/guard.py; issue 19, defect 7).
 
 Owns: the limit arithmetic and the four actions; ``stop`` ends a diverging run with one line naming
 the measure, its limit and ppo.lr, with the checkpoints and metrics written before kept and the MLflow
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL
-from fspo import passes
-from fspo.checkpointing import list_checkpoints
-from fspo.guard import DivergenceError, DivergenceGuard, UpdateMeter
+from fspo.update import forward as passes
+from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.update.guard import DivergenceError, DivergenceGuard, UpdateMeter
 
 BASE = [o for o in SMALL if not o.startswith("steps=")] + ["reward._target_=test_resume.DigitReward"]
 
@@ -78,7 +78,7 @@ def inject_divergence(monkeypatch, at_step: int) -> None:
 def test_stop_ends_the_run_with_one_line_and_keeps_what_was_written(compose_cfg, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from fspo.errors import user_error
+    from fspo.runtime.errors import user_error
     from fspo.train import train
 
     cfg = compose_cfg(BASE + ["steps=3", "checkpoint.every_n_steps=1", "val.size=0"])

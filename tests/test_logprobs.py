@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fspo.logprobs import response_log_probs
+from fspo.update.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
 from fspo.types import RolloutBatch
 

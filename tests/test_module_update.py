@@ -2,7 +2,7 @@
 
 How the update is driven: through a real, minimal `lightning.Trainer` (one training batch, no
 logger, no checkpoints) with a callback that puts a hand-built `RolloutBatch` into the batch dict
-in ``on_train_batch_start`` — the same hand-off `fspo.callbacks.RolloutCallback` uses — and a
+in ``on_train_batch_start`` — the same hand-off `fspo.rollout.callback.RolloutCallback` uses — and a
 callback that copies every parameter's gradient in ``on_before_optimizer_step`` (called for
 manual optimization too). This uses only Lightning's public hooks and the module's documented
 batch contract, so it survives refactors of the module's private helpers (calling `_update` with a
@@ -25,13 +25,14 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from conftest import CONF
-from fspo.batching import token_budget_micro_batches
-from fspo.packing import packed_micro_batches
+from fspo.update.microbatches import token_budget_micro_batches
+from fspo.update.packing import packed_micro_batches
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.logprobs import response_log_probs
+from fspo.update.logprobs import response_log_probs
 from fspo.losses import Aggregator
 from fspo.models.tiny import build_tiny_model
-from fspo.module import PPOConfig, RLModule
+from fspo.update.settings import PPOConfig
+from fspo.update.module import RLModule
 from fspo.types import RolloutBatch
 
 B = 8

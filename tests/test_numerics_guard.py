@@ -19,9 +19,9 @@ import torch
 from omegaconf import open_dict
 
 from conftest import SMALL
-from fspo.callbacks import guarded_reward
-from fspo.checkpointing import list_checkpoints
-from fspo import passes
+from fspo.rollout.callback import guarded_reward
+from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.update import forward as passes
 from fspo.rewards.arithmetic import ArithmeticReward
 from fspo.rewards.base import RewardOutput
 
@@ -137,7 +137,7 @@ class PoisonReward:
 def test_bad_reward_samples_are_logged_and_training_goes_on(compose_cfg, monkeypatch):
     from hydra.utils import instantiate
 
-    from fspo.batching import PromptStepSampler
+    from fspo.data.sampler import PromptStepSampler
     from fspo.train import train
 
     cfg = compose_cfg(BASE + ["steps=1", "val.size=0", f"reward._target_={__name__}.PoisonReward"])
@@ -163,8 +163,8 @@ def closed_port() -> int:
 
 
 def test_unreachable_tracking_uri_fails_fast_with_clear_message(compose_cfg):
-    from fspo.errors import user_error
-    from fspo.resume import TrackingURIUnreachable
+    from fspo.runtime.errors import user_error
+    from fspo.tracking.logger import TrackingURIUnreachable
     from fspo.train import train
 
     cfg = compose_cfg(BASE + ["steps=1", "val.size=0"])

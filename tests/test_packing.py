@@ -1,4 +1,4 @@
-"""Sequence packing (fspo/packing.py): bin packing by hand, the packed layout by hand, and packed
+"""Sequence packing (fspo/update/packing.py): bin packing by hand, the packed layout by hand, and packed
 log-probs / entropies / gradients equal to the padded pass (which tests/test_logprobs.py pins to a
 manual float64 computation)."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fspo.logprobs import response_log_probs
+from fspo.update.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
-from fspo.packing import TokenUsage, pack_batch, pack_rows, packed_micro_batches, row_width
+from fspo.update.packing import TokenUsage, pack_batch, pack_rows, packed_micro_batches, row_width
 from fspo.types import RolloutBatch
 
 
@@ -106,7 +106,7 @@ def test_padding_waste_at_4x_spread_is_below_10_percent():
     `row_width` picks 1.25 x the longest, and packing wastes < 10% (measured 3.6% / 3.4% for seeds
     0 / 1; rows of exactly the longest waste 10.6% / 9.9%, twice the longest 5.6% / 3.5%); sorted
     padded micro-batches of the same budget waste more."""
-    from fspo.batching import token_budget_micro_batches
+    from fspo.update.microbatches import token_budget_micro_batches
 
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)

@@ -85,7 +85,7 @@ def test_paper_batch_arithmetic():
     ("ppo.mini_batch_unit=groups", r"ppo.mini_batch_unit must be one of sequences, prompts"),
 ])
 def test_preset_bad_batch_is_one_clear_error(preset, override, match):
-    from fspo.errors import user_error
+    from fspo.runtime.errors import user_error
 
     with pytest.raises(Exception) as err:
         instantiate(compose_config([f"+experiment={preset}", override]).ppo)
@@ -177,7 +177,7 @@ def test_preset_with_method_has_the_papers_values(preset, method):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_components_instantiate(preset):
     """The pieces train.py builds from the preset (vLLM only where it is installed)."""
-    from fspo.module import PPOConfig
+    from fspo.update.settings import PPOConfig
     from fspo.rollout.base import SamplingConfig
 
     cfg = compose_config([f"+experiment={preset}"])

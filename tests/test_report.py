@@ -17,9 +17,9 @@ from matplotlib.figure import Figure
 from scipy.special import ndtr
 
 from conftest import REPO
-from fspo.report.collect import RunRecord
-from fspo.report.figures import theory_curve
-from fspo.report.table import group_runs, table1
+from fspo.evaluation.report.collect import RunRecord
+from fspo.evaluation.report.figures import theory_curve
+from fspo.evaluation.report.table import group_runs, table1
 
 FSPO = {"clip/target": "fspo.clipping.fspo.FSPOClip", "clip/c_upper": "0.03", "clip/c_lower": "0.03",
         "clip/c_dual": "0.03", "clip/band": "fixed", "clip/drift": "zero", "clip/z": "1.0",
@@ -198,7 +198,7 @@ def test_clip_by_length_falls_back_to_per_step_mean():
 
 
 def test_clip_by_length_figures_put_out_of_band_beside_theory():
-    from fspo.report.figures import clip_by_length_figures
+    from fspo.evaluation.report.figures import clip_by_length_figures
 
     run = {"run/logratio/sigma_hat": 0.03, "run/band/out_frac/len_00000_00016": 0.3,
            "run/clip/seq_frac/len_00000_00016": 0.1}

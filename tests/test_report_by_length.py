@@ -1,5 +1,5 @@
-"""The report's by-length view (fspo/report/by_length.py) with hand-computed numbers, the per-group
-grid and the std(S_L) vs sqrt(L) figures, and the across-seeds table (fspo/report/table.py)."""
+"""The report's by-length view (fspo/evaluation/report/by_length.py) with hand-computed numbers, the per-group
+grid and the std(S_L) vs sqrt(L) figures, and the across-seeds table (fspo/evaluation/report/table.py)."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from fspo.report.by_length import by_length_markdown, by_length_rows, flatness, group_by_length, sampling_se
-from fspo.report.collect import RunRecord
-from fspo.report.figures import clip_by_length_grid, std_vs_sqrt_len_figure
-from fspo.report.table import fairness_rows, seeds_markdown, table1
+from fspo.evaluation.report.by_length import by_length_markdown, by_length_rows, flatness, group_by_length, sampling_se
+from fspo.evaluation.report.collect import RunRecord
+from fspo.evaluation.report.figures import clip_by_length_grid, std_vs_sqrt_len_figure
+from fspo.evaluation.report.table import fairness_rows, seeds_markdown, table1
 
 A, B, C = "len_00016_00032", "len_00032_00048", "len_00224_inf"
 
@@ -95,7 +95,7 @@ def test_std_vs_sqrt_len_figure():
 
 
 def test_pooled_lre_and_noise_floor_by_hand():
-    from fspo.report.by_length import pooled_lre
+    from fspo.evaluation.report.by_length import pooled_lre
 
     # pooled counts: A n = 400, out = 300*0.2 + 100*0.4 = 100 -> q 0.75; B n = 100, out 30 -> q 0.7;
     # C n = 6, out 2 -> q 2/3; N = 506, q_bar = (300 + 70 + 4) / 506

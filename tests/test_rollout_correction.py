@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
-from fspo.config_check import ConfigError, check_config
+from fspo.runtime.config_check import ConfigError, check_config
 from fspo.losses import Aggregator
 from fspo.rollout.correction import RolloutCorrection, mismatch
 from test_module_update import B, make_rollout, run_update
@@ -234,7 +234,7 @@ def test_corrections_need_recompute_and_temperature_one():
 def _engine_shifted(rows_shift):
     """make_rollout() as a fresh rollout whose engine log-probs are the policy's own minus ``shift`` per
     token on the given rows (so d_t = +shift there, 0 elsewhere up to float noise)."""
-    from fspo.logprobs import response_log_probs
+    from fspo.update.logprobs import response_log_probs
     from fspo.models.tiny import build_tiny_model
     rollout = make_rollout()
     rollout.old_log_probs = None

@@ -1,4 +1,4 @@
-"""The block a training run, a sweep and an evaluation end on (fspo/run_summary.py): output and
+"""The block a training run, a sweep and an evaluation end on (fspo/tracking/run_summary.py): output and
 checkpoint folders, tracking URI, experiment, run, key results, and the command or URL that opens them.
 
 Owns: the block's content by hand for a SQLite store (a relative path made absolute in the `mlflow ui`
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL
-from fspo.run_summary import RULE, absolute_uri, eval_summary, open_hint, sweep_summary, training_summary
+from fspo.tracking.run_summary import RULE, absolute_uri, eval_summary, open_hint, sweep_summary, training_summary
 
 
 def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Segment attention (fspo/models/segment_attention.py) and the one-row packing it reads
-(fspo/packing.py `pack_segments`, `segment_micro_batches`).
+(fspo/update/packing.py `pack_segments`, `segment_micro_batches`).
 
 Checked: runs and the one-row layout by hand; packed log-probs, entropies and gradients equal the
 padded pass (itself pinned to a float64 manual computation in tests/test_logprobs.py) with a mix
@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 
-from fspo.logprobs import response_log_probs
+from fspo.update.logprobs import response_log_probs
 from fspo.models.segment_attention import (SEGMENT_ATTENTION, enable_segment_attention, segment_runs,
                                            uses_segment_attention)
 from fspo.models.tiny import build_tiny_model
-from fspo.packing import TokenUsage, pack_segments, segment_micro_batches
+from fspo.update.packing import TokenUsage, pack_segments, segment_micro_batches
 from test_packing import batch_of, random_batch
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fspo.checkpointing import StepCheckpoint, list_checkpoints
-from fspo.resume import latest_complete_checkpoint
+from fspo.runtime.checkpointing import StepCheckpoint
+from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.resume import latest_complete_checkpoint
 from test_resume import ARGS, last_train_step, start_run
 
 SIG_ARGS = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.every_n_steps="))] + \
@@ -61,7 +62,7 @@ def test_sigterm_near_a_validation_saves_after_it(compose_cfg, monkeypatch, hook
     validation logged at step 2, and the stop is a SystemExit with code 0."""
     from mlflow.tracking import MlflowClient
 
-    from fspo.callbacks import RolloutCallback
+    from fspo.rollout.callback import RolloutCallback
     from fspo.train import train
 
     cfg = compose_cfg([a for a in ARGS if not a.startswith(("steps=", "val.every_n_steps=", "checkpoint."))]
@@ -138,7 +139,7 @@ def test_failed_write_keeps_previous_checkpoint_and_keep_last(tmp_path):
 SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from fspo.checkpointing import StepCheckpoint
+from fspo.runtime.checkpointing import StepCheckpoint
 from test_signals import FakeTrainer
 
 def slow(p):

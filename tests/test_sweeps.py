@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import REPO, SMALL, free_port
-from fspo.hydra_callbacks import effective_grid
+from fspo.tracking.sweep_parent import effective_grid
 from fspo.sweeps import job_config, list_sweeps, sweep_jobs
 
 
@@ -107,7 +107,7 @@ def test_parent_callback_registered(name):
     from fspo.sweeps import _compose
 
     cfg = _compose(name, [], return_hydra_config=True)
-    assert cfg.hydra.callbacks.mlflow_parent._target_ == "fspo.hydra_callbacks.MLflowSweepParent"
+    assert cfg.hydra.callbacks.mlflow_parent._target_ == "fspo.tracking.sweep_parent.MLflowSweepParent"
     assert cfg.hydra.sweeper.params
 
 

@@ -65,7 +65,7 @@ def test_two_steps_log_everything(method, compose_cfg, mlflow_uri, tmp_path):
     assert p["clip/target"] == CLIP_TARGETS[method]
     assert p["ppo/mini_batch_size"] == "8"
     assert p["ppo/epochs"] == "1"
-    assert p["ppo/target"] == "fspo.module.PPOConfig"
+    assert p["ppo/target"] == "fspo.update.settings.PPOConfig"
     assert p["rollout/sampling/n"] == "4"
     assert p["steps"] == "2"
     assert p["model/source"] == "random"

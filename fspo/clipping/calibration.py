@@ -4,7 +4,7 @@ Owns: `PowerLawBand` and `PerBinBand` (running per-length-bin moments kept as a 
 they land in checkpoints; their update in `observe`, exact across ranks; the scale std(S_L) the band
 is built from; their metrics) and `CALIBRATORS` (name -> class, for ``clip.band=power|per_bin``).
 Leaves out: the band, the clip and the loss (fspo/clipping/fspo.py builds mu_L +- z scale(L)), z,
-the drift mu_L (the caller passes the one in effect) and when to observe (fspo/module.py: once per
+the drift mu_L (the caller passes the one in effect) and when to observe (fspo/update/module.py: once per
 optimizer step, not on on-policy mini-batches, where S = 0 exactly).
 
 Why: the paper's band mu_L +- z sigma sqrt(L) clips with probability 2 Phi(-z) at every L only if

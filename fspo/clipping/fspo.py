@@ -206,7 +206,7 @@ class FSPOClip(ClipRule):
         """c(L) = P(S - mu_L > c_upper sqrt L) + P(S - mu_L < -c_lower sqrt L), S ~ N(mu_L, sigma^2 L),
         with the scales in effect; 2 Phi(-z) when c = z sigma, flat in L. (The band is centred on
         the drift, so the data's drift is assumed to be the band's.)"""
-        from fspo.diagnostics.theory import c_fspo, c_fspo_symmetric
+        from fspo.clipping.theory import c_fspo, c_fspo_symmetric
         if self.calibrator is not None:  # the band tracks std(S_L) itself: 2 Phi(-z) at every L
             return c_fspo_symmetric(lengths, self.z)
         c_up, c_lo, _ = self.scales()

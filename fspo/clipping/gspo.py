@@ -49,6 +49,6 @@ class GSPOClip(RatioClipRule):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. c_gspo)."""
-        from fspo.diagnostics.theory import c_gspo
+        from fspo.clipping.theory import c_gspo
         return c_gspo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)
 

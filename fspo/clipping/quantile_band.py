@@ -5,7 +5,7 @@ Owns: `QuantileBand` (``clip.band=quantile``): a decayed per-length-bin histogra
 u = |S - mu_L| / sqrt(L) (float64 buffer, checkpointed; one all_reduce per update, exact across
 ranks), the bin quantile at the coverage 1 - 2 Phi(-z) = erf(z / sqrt 2), and the scale FSPOClip
 multiplies by z. Leaves out: the band and the loss (fspo/clipping/fspo.py), when to observe
-(fspo/module.py), the moment state and the log-L interpolation it inherits (calibration.py).
+(fspo/update/module.py), the moment state and the log-L interpolation it inherits (calibration.py).
 
 Why (measured on data=arithmetic_long, Q-Q R^2 ~0.8): the per-bin std band of `PerBinBand`
 is exact for Gaussian S only; heavier tails put less mass beyond z std (0.16-0.18 out of band at

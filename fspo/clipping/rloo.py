@@ -57,5 +57,5 @@ class RLOOClip(RatioClipRule):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S > log(1 + high)) + P(S < log(1 - low)), S ~ N(0, sigma^2 L) (paper eq. c_rloo)."""
-        from fspo.diagnostics.theory import c_rloo
+        from fspo.clipping.theory import c_rloo
         return c_rloo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)

@@ -1,19 +1,19 @@
 """LightningDataModule over prompt sources: one training batch = the prompts of one RL step.
 
-Owns: `PromptDataModule`. Training uses `fspo.batching.PromptStepSampler` (deterministic, with
+Owns: `PromptDataModule`. Training uses `fspo.data.sampler.PromptStepSampler` (deterministic, with
 a resumable position); validation iterates the validation source in order. A batch is a dict
 ``{"prompts": [str], "answers": [str], "index": LongTensor}``; the rollout callback adds the
 rollout to it. Leaves out: what the prompts are (fspo/data/*.py sources).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fspo.batching import PromptStepSampler
+from fspo.data.sampler import PromptStepSampler
 
 
 class _Prompts(Dataset):

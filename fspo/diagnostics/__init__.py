@@ -12,7 +12,7 @@ from fspo.diagnostics.lengths import RolloutLengthStats
 from fspo.diagnostics.log_ratio import LogRatioStats, normal_quantiles
 from fspo.diagnostics.lre import acceptance, length_fairness, lre, min_len_mask, q_bar
 from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
-from fspo.diagnostics.theory import (
+from fspo.clipping.theory import (
     c_fspo,
     c_fspo_symmetric,
     c_gspo,

@@ -2,8 +2,8 @@
 
 Owns: `SEGMENT_ATTENTION` (the attention implementation name registered with transformers),
 `segment_attention` (the function), `enable_segment_attention` / `uses_segment_attention`
-and `segment_runs`. Leaves out: how sequences are packed (fspo/packing.py `pack_segments`) and
-the log-prob pass (fspo/logprobs.py).
+and `segment_runs`. Leaves out: how sequences are packed (fspo/update/packing.py `pack_segments`) and
+the log-prob pass (fspo/update/logprobs.py).
 
 Why: a packed row attended with sdpa and a block-diagonal mask costs the full row x row
 attention (the kernel computes the masked blocks too), so rows wider than one sequence waste

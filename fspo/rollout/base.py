@@ -1,7 +1,7 @@
 """The rollout-engine contract: prompts in, a `RolloutBatch` of completions out.
 
 Owns: `SamplingConfig` and the `RolloutEngine` interface. Leaves out: scoring, advantages and
-old log-probs (fspo/callbacks.py) and the engines themselves (hf.py, vllm.py).
+old log-probs (fspo/rollout/callback.py) and the engines themselves (hf.py, vllm.py).
 
 Lifecycle, driven by the rollout callback:
   1. ``setup(model, tokenizer, workdir)`` once, on the rank that generates; ``model`` is the

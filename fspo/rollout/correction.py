@@ -3,10 +3,10 @@ between the rollout engine's sampling distribution and the trainer's old policy.
 
 Owns: `RolloutCorrection` (``rollout_correction:`` in conf/config.yaml): from the trainer's old log-probs,
 the engine's log-probs of the same sampled tokens and the response mask it computes one detached weight
-per token, [B, T], that fspo/module.py multiplies into each token's loss term before aggregation (as verl
+per token, [B, T], that fspo/update/module.py multiplies into each token's loss term before aggregation (as verl
 multiplies its ``rollout_is_weights`` into the per-token policy loss); and `CorrectionMetrics`, its
 per-length-bin diagnostics. Leaves out: the clip rule and aggregation (unchanged), where the old log-probs
-come from (fspo/module.py), the engines (fspo/rollout/hf.py, vllm.py report ``engine_log_probs``).
+come from (fspo/update/module.py), the engines (fspo/rollout/hf.py, vllm.py report ``engine_log_probs``).
 
 Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
 
@@ -39,7 +39,7 @@ verl, which drops rejected tokens from the mask; the gradient of every other tok
 The mismatch is zero by construction when the old log-probs are the engine's (``ppo.old_log_probs=engine``):
 a correction needs the trainer's own recompute and is refused otherwise; it also needs temperature 1
 (engine log-probs are untempered). With a correction on, the trainer recomputes old log-probs for every row
-(fspo/module.py; without one it skips the step's first mini-batch).
+(fspo/update/module.py; without one it skips the step's first mini-batch).
 
 Diagnostics (`CorrectionMetrics`, sum states reduced over ranks; bins = the clip diagnostics' bins):
 ``rollout_corr/logratio_mean/<bin>``, ``rollout_corr/logratio_std/<bin>`` (of S_i),
@@ -60,7 +60,7 @@ from fspo.clipping.quantile_band import QuantileBand
 from fspo.diagnostics._base import DiagnosticMetric
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
-from fspo.distributed import reduce_sum
+from fspo.runtime.distributed import reduce_sum
 
 MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_fair_mask", "seq_fair_tis")
 BANDS = ("sqrt", "quantile")

@@ -2,8 +2,8 @@
 
 Owns: `GroupFilter` (the settings ``rollout.dynamic_sampling``: ``enable``, ``metric``, ``max_rounds``;
 verl's enable / metric / max_num_gen_batches) and `informative_groups`. Leaves out: generating and
-scoring a round (fspo/callbacks.py passes them in as functions), drawing the prompts
-(`fspo.batching.PromptStepSampler.draw`) and the advantages (computed by the callback on the batch
+scoring a round (fspo/rollout/callback.py passes them in as functions), drawing the prompts
+(`fspo.data.sampler.PromptStepSampler.draw`) and the advantages (computed by the callback on the batch
 this returns).
 
 Contract, for one RL step on each data-parallel rank (W ranks; one process is W = 1):
@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fspo.distributed import concat_rollouts, reduce_sum, sync_count
+from fspo.runtime.distributed import concat_rollouts, reduce_sum, sync_count
 from fspo.types import RolloutBatch
 
 SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")

@@ -1,7 +1,7 @@
 """Hugging Face rollout engine (the policy module itself, on CPU or GPU): the CPU default.
 
 Owns: `HFEngine` and `completion_mask` (the EOS-aware response mask). Leaves out: scoring and
-advantages (fspo/callbacks.py). The engine shares the trainer's policy module, so `sync_weights`
+advantages (fspo/rollout/callback.py). The engine shares the trainer's policy module, so `sync_weights`
 is a no-op: generation always sees the current parameters.
 
 Contract (fspo/rollout/base.py): prompts are LEFT-padded, each prompt is expanded to ``n``
@@ -30,7 +30,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from fspo.distributed import is_sharded
+from fspo.runtime.distributed import is_sharded
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.decode import decode_compact
 from fspo.types import RolloutBatch

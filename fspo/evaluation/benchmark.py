@@ -1,0 +1,167 @@
+"""Benchmark evaluation: sample k completions per problem, verify them, and reduce to Avg@k.
+
+Owns: `avg_at_k`, `ProblemResult` / `BenchmarkResult` (per-problem rows and benchmark metrics),
+`evaluate_benchmark` (one benchmark with any `RolloutEngine` and any `RewardFn`). Leaves out: finding
+and loading a run's checkpoints and config (fspo/runtime/checkpoint_files.py), best/last summaries and MLflow logging (fspo/evaluation/summary.py),
+and the command line (experiments/evaluate.py).
+
+Metrics of one benchmark with problems p = 1..P, k_p samples each, c_p of them correct::
+
+    avg_at_k          = (1/P) sum_p c_p / k_p         (the paper's Avg@8 / Avg@32)
+    pass_at_k         = (1/P) sum_p 1[c_p > 0]
+    overlong_rate     = fraction of all samples that hit max_new_tokens without EOS
+    response_len_mean = mean response length in tokens over all samples (EOS included)
+    answered_rate     = fraction of samples with an extractable final answer (reward "format")
+
+A sample is correct when the reward's ``correct`` component is 1 (fspo/rewards/math_verify_reward.py);
+a reward without that component counts ``score > 0`` as correct.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence
+
+
+from fspo.rollout.base import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+def avg_at_k(n_correct: Sequence[int], k: Sequence[int] | int) -> float:
+    """Avg@k = mean over problems of ``n_correct[p] / k[p]`` (``k`` an int or one per problem)."""
+    ks = [k] * len(n_correct) if isinstance(k, int) else list(k)
+    if len(ks) != len(n_correct) or not n_correct:
+        raise ValueError(f"avg_at_k needs one k per problem and >= 1 problem (got {len(n_correct)} / {len(ks)})")
+    return sum(c / kk for c, kk in zip(n_correct, ks)) / len(n_correct)
+
+
+@dataclass
+class ProblemResult:
+    """One problem's row of the per-problem table."""
+
+    problem_id: str
+    reference: str
+    k: int
+    n_correct: int
+    accuracy: float
+    mean_response_len: float
+    n_overlong: int
+    n_answered: int
+
+
+@dataclass
+class BenchmarkResult:
+    """All problems of one benchmark plus run facts; `metrics` gives the logged scalars."""
+
+    name: str
+    problems: List[ProblemResult]
+    max_new_tokens: int
+    skipped_prompts: int = 0
+    seconds: float = 0.0
+    completions: List[dict] = field(default_factory=list)  # filled when keep_completions=True
+
+    def metrics(self) -> Dict[str, float]:
+        """``{avg_at_k, pass_at_k, overlong_rate, response_len_mean, answered_rate, ...}`` (module docstring)."""
+        ps = self.problems
+        n = sum(p.k for p in ps)
+        tokens = sum(p.mean_response_len * p.k for p in ps)
+        return {"avg_at_k": avg_at_k([p.n_correct for p in ps], [p.k for p in ps]),
+                "pass_at_k": sum(p.n_correct > 0 for p in ps) / len(ps),
+                "overlong_rate": sum(p.n_overlong for p in ps) / n,
+                "response_len_mean": tokens / n,
+                "answered_rate": sum(p.n_answered for p in ps) / n,
+                "n_problems": float(len(ps)), "k": float(max(p.k for p in ps)),
+                "skipped_prompts": float(self.skipped_prompts), "max_new_tokens": float(self.max_new_tokens),
+                "seconds": self.seconds, "tokens_per_s": tokens / max(self.seconds, 1e-9)}
+
+    def table(self) -> Dict[str, list]:
+        """The per-problem rows as columns (``{"problem_id": [...], "n_correct": [...], ...}``)."""
+        rows = [asdict(p) for p in self.problems]
+        return {key: [r[key] for r in rows] for key in rows[0]} if rows else {}
+
+
+def context_length(policy, engine) -> Optional[int]:
+    """Longest prompt + completion the model/engine accepts (min of max_position_embeddings and the
+    engine's max_model_len when it has one); None when neither is known."""
+    limits = [getattr(getattr(policy, "config", None), "max_position_embeddings", None),
+              getattr(engine, "max_model_len", None)]
+    limits = [int(x) for x in limits if x]
+    return min(limits) if limits else None
+
+
+def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, sampling: SamplingConfig, *,
+                       context_len: Optional[int] = None, max_prompt_len: Optional[int] = None,
+                       on_long_prompt: str = "raise", fit_context: bool = True, prompts_per_call: Optional[int] = 64,
+                       seed: int = 0, keep_completions: bool = False) -> BenchmarkResult:
+    """Sample ``k`` completions for every prompt of ``source`` with ``engine`` (already set up and
+    synced) and score them with ``reward_fn``.
+
+    Prompts longer than ``max_prompt_len`` tokens raise (``on_long_prompt='raise'``) or are
+    dropped and counted (``'skip'``). If the longest prompt + ``sampling.max_new_tokens`` exceeds
+    ``context_len``, ``fit_context`` lowers max_new_tokens to fit (with a warning), else it raises.
+    Engine call j samples with seed ``seed + j``, so two policies see the same random streams.
+    """
+    if on_long_prompt not in ("raise", "skip"):
+        raise ValueError(f"on_long_prompt must be 'raise' or 'skip', got {on_long_prompt!r}")
+    if k < 1:
+        raise ValueError(f"samples per prompt (k) must be >= 1 for {name}, got {k}")
+    samples = [source[i] for i in range(len(source))]
+    ids = tokenizer([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
+    keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
+    if len(keep) < len(ids) and on_long_prompt == "raise":
+        worst = max(len(x) for x in ids)
+        raise ValueError(f"{name}: {len(ids) - len(keep)} prompts exceed max_prompt_len={max_prompt_len} tokens "
+                         f"(longest {worst}): raise max_prompt_len or set on_long_prompt=skip")
+    if not keep:
+        raise ValueError(f"{name}: every prompt is longer than max_prompt_len={max_prompt_len} tokens")
+    samples, ids = [samples[i] for i in keep], [ids[i] for i in keep]
+    new_tokens = _fit_new_tokens(name, max(len(x) for x in ids), sampling.max_new_tokens, context_len, fit_context)
+    params = replace(sampling, n=k, max_new_tokens=new_tokens)
+    step = prompts_per_call or len(ids)
+    problems: List[ProblemResult] = []
+    completions: List[dict] = []
+    t0 = time.perf_counter()
+    for call, start in enumerate(range(0, len(ids), step)):
+        chunk = samples[start:start + step]
+        rollout = engine.generate(ids[start:start + step], replace(params, seed=seed + call))
+        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        groups = [int(g) for g in rollout.group_ids]
+        lengths, overlong = rollout.lengths.tolist(), [bool(o) for o in rollout.overlong]
+        out = reward_fn(texts, [chunk[g].answer for g in groups], lengths, overlong, new_tokens)
+        correct = out.components.get("correct") or [float(s > 0) for s in out.scores]
+        answered = out.components.get("format") or [1.0] * len(texts)
+        for j, sample in enumerate(chunk):
+            rows = [i for i, g in enumerate(groups) if g == j]
+            n_ok = int(sum(correct[i] > 0.5 for i in rows))
+            problems.append(ProblemResult(
+                problem_id=str(sample.meta.get("id", start + j)), reference=sample.answer, k=len(rows),
+                n_correct=n_ok, accuracy=n_ok / max(len(rows), 1),
+                mean_response_len=sum(lengths[i] for i in rows) / max(len(rows), 1),
+                n_overlong=sum(overlong[i] for i in rows), n_answered=int(sum(answered[i] > 0.5 for i in rows))))
+            if keep_completions:
+                completions += [{"problem_id": problems[-1].problem_id, "completion": texts[i],
+                                 "correct": bool(correct[i] > 0.5), "length": lengths[i],
+                                 "overlong": overlong[i]} for i in rows]
+        log.info("%s: %d/%d problems, %.1f s", name, len(problems), len(ids), time.perf_counter() - t0)
+    return BenchmarkResult(name=name, problems=problems, max_new_tokens=new_tokens,
+                           skipped_prompts=len(source) - len(samples),
+                           seconds=time.perf_counter() - t0, completions=completions)
+
+
+def _fit_new_tokens(name: str, longest: int, wanted: int, context_len: Optional[int], fit: bool) -> int:
+    if context_len is None or longest + wanted <= context_len:
+        return wanted
+    room = context_len - longest
+    if room < 1:
+        raise ValueError(f"{name}: the longest prompt ({longest} tokens) leaves no room in the model's context "
+                         f"({context_len}): set max_prompt_len=<N> with on_long_prompt=skip")
+    if not fit:
+        raise ValueError(f"{name}: longest prompt ({longest} tokens) + max_new_tokens ({wanted}) exceeds the "
+                         f"model's context ({context_len}): lower sampling.max_new_tokens or set fit_context=true")
+    log.warning("%s: max_new_tokens lowered from %d to %d to fit the model's context of %d tokens",
+                name, wanted, room, context_len)
+    return room
+
+

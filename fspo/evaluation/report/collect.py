@@ -1,0 +1,136 @@
+"""Read training runs back from MLflow for the report.
+
+Owns: `RunRecord` (one job's tags, params, latest metrics and the histories the report needs) and
+`load_runs` (search by experiment names and/or a filter string, drop sweep parents and report runs,
+fetch histories). Leaves out: the numbers (table.py) and figures (figures.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from fspo.evaluation.best_last import best_last
+
+ROLE_TAG = "fspo.role"  # set on sweep parents and report runs (fspo/tracking/sweep_parent.py); jobs have none
+BENCH_RE = re.compile(r"^(val/accuracy|eval/[^/]+/avg_at_(?:k|\d+))$")
+CURVES = ("reward/mean", "rollout/response_len_mean", "rollout/overlong_rate", "val/accuracy")
+RUN_CLIP_PREFIX = "run/clip/seq_frac/len_"  # binding-clip fraction by length (what the optimizer sees)
+STEP_CLIP_PREFIX = "clip/seq_frac/len_"
+RUN_BAND_PREFIX = "run/band/out_frac/len_"  # out-of-band fraction by length: the paper's c(L) = 1 - q(L)
+STEP_BAND_PREFIX = "band/out_frac/len_"
+BY_LENGTH = ((RUN_CLIP_PREFIX, STEP_CLIP_PREFIX), (RUN_BAND_PREFIX, STEP_BAND_PREFIX))
+History = List[Tuple[int, float]]
+
+
+@dataclass
+class RunRecord:
+    """One training run: ``metrics`` are MLflow's latest values, ``history[key]`` is [(step, value)]
+    sorted by step (ties by logging time, so the last entry is the final value)."""
+
+    run_id: str
+    name: str
+    experiment_id: str
+    status: str
+    tags: Dict[str, str] = field(default_factory=dict)
+    params: Dict[str, str] = field(default_factory=dict)
+    metrics: Dict[str, float] = field(default_factory=dict)
+    history: Dict[str, History] = field(default_factory=dict)
+
+    def value(self, key: str, default: str = "?") -> str:
+        """A tag, else a param (``clip/c_upper``), else ``default``: what runs are grouped by."""
+        return self.tags.get(key, self.params.get(key, default))
+
+    def group(self, keys: Sequence[str]) -> str:
+        """Group label: the values of ``keys`` (``method``) or ``k=v`` joined by ``,`` for several keys."""
+        if len(keys) == 1:
+            return self.value(keys[0])
+        return ",".join(f"{k}={self.value(k)}" for k in keys)
+
+    def benchmarks(self) -> List[str]:
+        """Validation metrics present: ``val/accuracy`` and ``eval/<benchmark>/avg_at_<k>``."""
+        return sorted(k for k in self.metrics if BENCH_RE.match(k))
+
+    def best(self, key: str) -> Optional[float]:
+        """The best value of the logged history of ``key`` (`best_last`: the max; None if never logged)."""
+        h = self.history.get(key)
+        return h[best_last([v for _, v in h])[0]][1] if h else None
+
+    def last(self, key: str) -> Optional[float]:
+        """Value at the largest step (`best_last`; the last one logged there)."""
+        h = self.history.get(key)
+        return h[best_last([v for _, v in h])[1]][1] if h else None
+
+    def _by_length(self, run_prefix: str, step_prefix: str) -> Dict[str, float]:
+        """``{len_XXXXX_YYYYY: value}`` from the run-level ``<run_prefix>*`` metrics, else the mean over
+        steps of ``<step_prefix>*`` (an unweighted mean of per-step fractions: an approximation when
+        bin counts vary)."""
+        cut = len(run_prefix) - len("len_")
+        run = {k[cut:]: v for k, v in self.metrics.items() if k.startswith(run_prefix)}
+        if run:
+            return run
+        cut = len(step_prefix) - len("len_")
+        return {k[cut:]: sum(v for _, v in h) / len(h) for k, h in self.history.items()
+                if k.startswith(step_prefix) and h}
+
+    def clip_by_length(self) -> Dict[str, float]:
+        """Sequence binding-clip fraction per length bin (``run/clip/seq_frac/len_*``, else the mean
+        over steps of ``clip/seq_frac/len_*``)."""
+        return self._by_length(RUN_CLIP_PREFIX, STEP_CLIP_PREFIX)
+
+    def out_of_band_by_length(self) -> Dict[str, float]:
+        """Out-of-band fraction per length bin, the paper's c(L) = 1 - q(L) (``run/band/out_frac/len_*``,
+        else the mean over steps of ``band/out_frac/len_*``); empty for runs that predate these keys."""
+        return self._by_length(RUN_BAND_PREFIX, STEP_BAND_PREFIX)
+
+
+def _history(client, run_id: str, key: str) -> History:
+    hist = client.get_metric_history(run_id, key)
+    return [(int(m.step), float(m.value)) for m in sorted(hist, key=lambda m: (m.step, m.timestamp))]
+
+
+def experiment_ids(client, names: Sequence[str]) -> List[str]:
+    """Ids of the named experiments (ValueError naming the missing ones); all experiments if none named."""
+    if not names:
+        return [e.experiment_id for e in client.search_experiments()]
+    ids, missing = [], []
+    for n in names:
+        e = client.get_experiment_by_name(n)
+        (missing.append(n) if e is None else ids.append(e.experiment_id))
+    if missing:
+        have = sorted(e.name for e in client.search_experiments())
+        raise ValueError(f"no MLflow experiment named {missing}; experiments at this tracking URI: {have}")
+    return ids
+
+
+def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
+              statuses: Sequence[str] = ("FINISHED",)) -> List[RunRecord]:
+    """Training runs matching ``experiments`` (names) and ``filter_string`` (MLflow search syntax,
+    e.g. ``tags.sweep = 'methods'``) with a status in ``statuses``; sweep parents and report runs
+    (tag ``fspo.role``) are left out. Histories are fetched for the benchmarks, learning curves
+    and, when a run has no run-level clip (resp. out-of-band) metrics by length, its per-step ones.
+    """
+    from mlflow.entities import ViewType
+
+    ids = experiment_ids(client, experiments)
+    runs, token = [], None
+    while True:
+        page = client.search_runs(ids, filter_string=filter_string or "", run_view_type=ViewType.ACTIVE_ONLY,
+                                  max_results=500, order_by=["attributes.start_time ASC"], page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    out = []
+    for r in runs:
+        if r.data.tags.get(ROLE_TAG) or r.info.status not in statuses:
+            continue
+        rec = RunRecord(r.info.run_id, r.info.run_name or r.info.run_id, r.info.experiment_id, r.info.status,
+                        dict(r.data.tags), dict(r.data.params), dict(r.data.metrics))
+        keys = set(rec.benchmarks()) | {k for k in CURVES if k in rec.metrics}
+        for run_prefix, step_prefix in BY_LENGTH:
+            if not any(k.startswith(run_prefix) for k in rec.metrics):
+                keys |= {k for k in rec.metrics if k.startswith(step_prefix)}
+        rec.history = {k: _history(client, rec.run_id, k) for k in sorted(keys)}
+        out.append(rec)
+    return out

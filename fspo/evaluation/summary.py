@@ -1,0 +1,168 @@
+"""Summarizing an evaluation of a training run's checkpoints: the best/last summary, and MLflow logging.
+
+Owns: `summarize` / `summary_markdown` (best and last
+checkpoint per benchmark, as in the paper's results table) and `MlflowRecorder` (metrics,
+per-problem tables, tags and the summary of one evaluation, into a new MLflow run or into the
+training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoint_files.py), sampling
+and scoring (fspo/evaluation/benchmark.py) and the command line (experiments/evaluate.py).
+
+Summary conventions (paper, "Main Results"): per benchmark, **best** is the checkpoint with the
+highest Avg@k (ties: the earliest step) and **last** the checkpoint with the largest step; the
+**Average** row is the mean over benchmarks of the per-benchmark best (resp. last) values, which is
+how the paper's "Average (Best/Last)" column is computed (8B FSPO: (90.20+34.48+24.69)/3 = 49.79).
+The base model (``base=True`` entry) is reported beside them and never counts as best or last.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from fspo.evaluation.best_last import best_last
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------- summary
+def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[str, Any]:
+    """Best/last summary of evaluated checkpoints.
+
+    ``entries``: one dict per evaluated model, ``{"checkpoint": str|None, "step": int|None,
+    "base": bool, "metrics": {benchmark: {metric: value, ...}}}``. Returns ``{"metric", "benchmarks":
+    {name: {"best": {value, step, checkpoint}, "last": {...}, "base": value|None}}, "average": {...},
+    "checkpoints": [entries sorted by step]}`` (conventions in the module docstring).
+    """
+    ckpts = [e for e in entries if not e.get("base")]
+    base = next((e for e in entries if e.get("base")), None)
+    if not ckpts:
+        raise ValueError("summarize needs at least one evaluated checkpoint")
+    # by step (unknown steps first, in the given order): the last entry is the last checkpoint
+    ckpts = [e for _, e in sorted(enumerate(ckpts), key=lambda ie: (ie[1].get("step") is not None,
+                                                                    ie[1].get("step") or 0, ie[0]))]
+    names = list(dict.fromkeys(b for e in entries for b in e["metrics"]))
+    benches: Dict[str, Any] = {}
+    for b in names:
+        have = [e for e in ckpts if b in e["metrics"]]
+        if not have:
+            continue
+        pick = lambda e: {"value": e["metrics"][b][metric], "step": e.get("step"),  # noqa: E731
+                          "checkpoint": e.get("checkpoint")}
+        i_best, i_last = best_last([e["metrics"][b][metric] for e in have])
+        benches[b] = {"best": pick(have[i_best]), "last": pick(have[i_last]),
+                      "base": base["metrics"][b][metric] if base and b in base["metrics"] else None}
+    avg = lambda key: sum(v[key]["value"] for v in benches.values()) / len(benches)  # noqa: E731
+    base_vals = [v["base"] for v in benches.values()]
+    return {"metric": metric, "benchmarks": benches,
+            "average": {"best": avg("best"), "last": avg("last"),
+                        "base": sum(base_vals) / len(base_vals) if base and None not in base_vals else None},
+            "checkpoints": ([base] if base else []) + ckpts}
+
+
+def summary_markdown(summary: Dict[str, Any]) -> str:
+    """The summary as Markdown: a Best/Last table in percent (like the paper's) and one row per checkpoint."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    m, benches = summary["metric"], summary["benchmarks"]
+    lines = [f"## {m}: best / last checkpoint", "", "| Benchmark | Base | Best | Best step | Last | Last step |",
+             "|---|---|---|---|---|---|"]
+    for b, v in list(benches.items()) + [("Average", summary["average"])]:
+        best, last = (v["best"], v["last"]) if b != "Average" else ({"value": v["best"]}, {"value": v["last"]})
+        lines.append(f"| {b} | {pct(v['base'])} | {pct(best['value'])} | {best.get('step', '')} | "
+                     f"{pct(last['value'])} | {last.get('step', '')} |")
+    lines += ["", f"## {m} per checkpoint", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
+              "|---|---|" + "---|" * (len(benches) + 1)]
+    for e in summary["checkpoints"]:
+        vals = [e["metrics"].get(b, {}).get(m) for b in benches]
+        mean = sum(vals) / len(vals) if vals and None not in vals else None
+        name = "base model" if e.get("base") else Path(str(e.get("checkpoint"))).name
+        lines.append(f"| {e.get('step')} | {name} | " + " | ".join(pct(v) for v in vals) + f" | {pct(mean)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- MLflow
+class MlflowRecorder:
+    """One evaluation's MLflow sink: a new run in ``experiment_name``, or ``run_id``'s existing run
+    (e.g. the training run) when given. Every artifact is also written under ``out_dir``."""
+
+    def __init__(self, tracking_uri: str, out_dir, experiment_name: str = "fspo-eval", run_id: Optional[str] = None,
+                 run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
+                 artifact_location: Optional[str] = None):
+        from mlflow import MlflowClient
+
+        self.client, self.out_dir = MlflowClient(tracking_uri), Path(out_dir)
+        tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if run_id:
+            self.run_id, self.attached = self.client.get_run(run_id).info.run_id, True  # raises if unknown
+            for k, v in tags.items():
+                self.client.set_tag(self.run_id, k, v)
+        else:
+            exp = self.client.get_experiment_by_name(experiment_name)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                experiment_name, artifact_location=str(artifact_location) if artifact_location else None)
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+            self.attached = False
+
+    def log_params(self, params: Dict[str, Any]) -> None:
+        """Run parameters (new runs only: an attached run keeps the training parameters)."""
+        if not self.attached:
+            from mlflow.entities import Param
+
+            items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
+        """Scalar metrics at ``step`` (one batch call)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, int(step)) for k, v in metrics.items()])
+
+    def log_json(self, obj: Any, artifact_file: str) -> Path:
+        """Write ``obj`` as JSON to ``out_dir/artifact_file`` and log it at the same artifact path."""
+        return self._log_text(json.dumps(obj, indent=1, default=str), artifact_file)
+
+    def _log_text(self, text: str, artifact_file: str) -> Path:
+        local = self.out_dir / artifact_file
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+        parent = str(Path(artifact_file).parent)
+        self.client.log_artifact(self.run_id, str(local), artifact_path=None if parent == "." else parent)
+        return local
+
+    def log_benchmark(self, result, step: Optional[int], checkpoint: Optional[str], folder: str) -> Dict[str, float]:
+        """``eval/<name>/<metric>`` at ``step`` (0 when unknown), the per-problem table as
+        ``<folder>/per_problem.json`` (MLflow table format: ``{"columns": [...], "data": [[...]]}``),
+        completions when kept, and tags ``eval/checkpoint`` / ``eval/step``. Returns the metrics."""
+        metrics = result.metrics()
+        self.log_metrics({f"eval/{result.name}/{k}": v for k, v in metrics.items()}, step or 0)
+        table, artifact = result.table(), f"{folder}/per_problem.json"
+        local = self.out_dir / artifact
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(json.dumps({"columns": list(table), "data": [list(r) for r in zip(*table.values())]}))
+        self.client.log_table(self.run_id, data=table, artifact_file=artifact)  # same format; a table in the UI
+        if result.completions:
+            self._log_text("\n".join(json.dumps(c) for c in result.completions) + "\n", f"{folder}/completions.jsonl")
+        self.client.set_tag(self.run_id, "eval/checkpoint", str(checkpoint))
+        self.client.set_tag(self.run_id, "eval/step", str(step))
+        return metrics
+
+    def log_summary(self, summary: Dict[str, Any]) -> None:
+        """``eval/summary.json``, ``eval/summary.md`` and ``summary/<benchmark>/{best,last}_<metric>``
+        (plus ``best_step``) metrics."""
+        m = summary["metric"]
+        flat = {f"summary/average/{k}_{m}": v for k, v in summary["average"].items() if v is not None}
+        for b, v in summary["benchmarks"].items():
+            flat.update({f"summary/{b}/best_{m}": v["best"]["value"], f"summary/{b}/last_{m}": v["last"]["value"]})
+            if v["best"]["step"] is not None:
+                flat[f"summary/{b}/best_step"] = v["best"]["step"]
+        self.log_metrics(flat, step=max((e.get("step") or 0) for e in summary["checkpoints"]))
+        self.log_json(summary, "eval/summary.json")
+        self._log_text(summary_markdown(summary), "eval/summary.md")
+
+    def close(self, ok: bool = True) -> None:
+        """End a run this recorder created (FINISHED or FAILED); an attached run is left as it was."""
+        if not self.attached:
+            self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")

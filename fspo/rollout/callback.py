@@ -1,0 +1,228 @@
+"""The rollout callback: turns each batch of prompts into a scored rollout batch before the step runs.
+
+Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
+
+    sync weights -> generate G completions per prompt -> decode -> reward -> advantages
+
+and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
+``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
+``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
+overlong rate) from completions sampled with the validation settings.
+With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
+whose rewards are all equal are dropped and further prompts drawn from the sampler, within
+``max_rounds`` rounds; advantages are then computed on the kept groups. Round j >= 1 of step k
+samples with the round-1 seed + ``15_485_863 * j``; reward metrics stay those of round 1 (the
+step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
+estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
+
+Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
+``seed * 1_000_003 + 999_999_937 + j``, so successive validations differ only by the policy.
+
+Data parallel (fspo/runtime/distributed.py): every rank receives the step's global prompt batch and
+generates for its contiguous slice (whole groups, so advantages are exact); data-parallel rank r
+adds ``7919 * r`` to the sampling seed. Reward metrics are sums over ranks. Validation batches are
+padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import lightning as L
+import torch
+
+from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.rewards.base import RewardOutput
+from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.group_filter import GroupFilter
+from fspo.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[int], overlong: List[bool],
+                   max_new_tokens: int) -> RewardOutput:
+    """``reward_fn`` on the batch, made safe for the update: if the call raises (or returns the wrong
+    number of scores) each sample is scored alone and a sample whose call raises scores 0 and counts
+    in ``errors``; a non-finite score becomes 0 and is flagged in the ``nonfinite`` component (logged
+    as ``reward/nonfinite``, the fraction of such samples)."""
+    n = len(texts)
+    try:
+        out = reward_fn(texts, refs, lengths, overlong, max_new_tokens)
+        if len(out.scores) != n:
+            raise ValueError(f"reward function returned {len(out.scores)} scores for {n} completions")
+        scores, comps, errors = [float(x) for x in out.scores], dict(out.components), int(out.errors)
+    except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
+        log.warning("reward function failed on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
+        scores, rows, errors = [], [], 0
+        for i in range(n):
+            try:
+                o = reward_fn(texts[i:i + 1], refs[i:i + 1], lengths[i:i + 1], overlong[i:i + 1], max_new_tokens)
+                scores.append(float(o.scores[0]))
+                rows.append({k: float(v[0]) for k, v in o.components.items()})
+                errors += int(o.errors)
+            except Exception:  # noqa: BLE001
+                scores.append(0.0)
+                rows.append({})
+                errors += 1
+        comps = {k: [r.get(k, 0.0) for r in rows] for k in sorted({k for r in rows for k in r})}
+    bad = [not math.isfinite(x) for x in scores]
+    comps["nonfinite"] = [float(b) for b in bad]
+    return RewardOutput(scores=[0.0 if b else x for x, b in zip(scores, bad)], components=comps, errors=errors)
+
+
+class RolloutCallback(L.Callback):
+    """Drives the rollout engine; see the module docstring. ``max_prompt_len`` bounds prompt tokens."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
+                 sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
+                 seed: int = 0, group_filter: Optional[GroupFilter] = None):
+        self.engine = engine
+        self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.advantage_fn = advantage_fn
+        self.sampling = sampling
+        self.val_sampling = val_sampling
+        self.max_prompt_len = max_prompt_len
+        self.seed = seed
+        self._ready = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer, pl_module, stage):
+        self._workdir = Path(trainer.default_root_dir) / "engine"
+
+    def _ensure_engine(self, pl_module) -> None:
+        # at first use, not in `setup`: the strategy shards the policy (configure_model) after the
+        # callbacks' setup, and an engine that copies weights must see the sharded module
+        if not self._ready:
+            self._workdir.mkdir(parents=True, exist_ok=True)
+            self.engine.setup(pl_module.policy, self.tokenizer, str(self._workdir))
+            self._ready = True
+
+    def _tokenize(self, prompts: List[str]) -> List[List[int]]:
+        ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        longest = max((len(x) for x in ids), default=0)
+        if longest > self.max_prompt_len:
+            raise ValueError(
+                f"a prompt has {longest} tokens but data.max_prompt_len is {self.max_prompt_len}: raise "
+                f"data.max_prompt_len or filter long prompts")
+        return ids
+
+    def _generate(self, pl_module, prompts: List[str], params: SamplingConfig,
+                  timings: Dict[str, float]) -> RolloutBatch:
+        self._ensure_engine(pl_module)
+        t0 = time.perf_counter()
+        self.engine.sync_weights(pl_module.policy)
+        self.engine.wake()
+        t1 = time.perf_counter()
+        rollout = self.engine.generate(self._tokenize(prompts), params)
+        self.engine.sleep()
+        t2 = time.perf_counter()
+        timings["time/weight_sync"] = t1 - t0
+        timings["time/generate"] = t2 - t1
+        return rollout.to(pl_module.device)
+
+    def _score(self, rollout: RolloutBatch, answers: List[str], params: SamplingConfig):
+        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        refs = [answers[int(g)] for g in rollout.group_ids]
+        return guarded_reward(self.reward_fn, texts, refs, rollout.lengths.tolist(), rollout.overlong.tolist(),
+                              params.max_new_tokens)
+
+    # ------------------------------------------------------------------ training
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = int(pl_module.rl_step)
+        rank, world = dp_rank_size(pl_module)
+        prompts, answers = batch["prompts"], batch["answers"]
+        if world > 1:  # this rank's contiguous share of the prompts
+            part = rank_slice(len(prompts), rank, world)
+            prompts, answers = prompts[part], answers[part]
+        params = replace(self.sampling, seed=self.seed * 1_000_003 + step + 7919 * rank)
+        timings: Dict[str, float] = {}
+        rollout = self._generate(pl_module, prompts, params, timings)
+        t0 = time.perf_counter()
+        out = self._score(rollout, answers, params)
+        rewards = torch.tensor(out.scores, dtype=torch.float32, device=rollout.response_ids.device)
+        rollout.rewards = rewards
+        rollout.advantages = self.advantage_fn(rewards, rollout.group_ids).float()
+        timings["time/reward"] = time.perf_counter() - t0
+        # fraction of prompts whose G rewards are all equal (zero advantage: no learning signal)
+        g = rollout.group_ids
+        n_groups = int(g.max()) + 1 if len(g) else 0
+        zero_adv = 0.0
+        if n_groups:
+            rmax = torch.full((n_groups,), -float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amax")
+            rmin = torch.full((n_groups,), float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amin")
+            zero_adv = float((rmax == rmin).float().sum())
+        names = sorted(out.components)
+        sums = reduce_sum([rewards.sum(), len(rewards), out.errors, zero_adv, n_groups]
+                          + [x for k in names for x in (sum(out.components[k]), len(out.components[k]))],
+                          pl_module.device)  # exact over data-parallel ranks
+        metrics: Dict[str, float] = {"reward/mean": sums[0] / max(sums[1], 1), "reward/errors": sums[2]}
+        for i, name in enumerate(names):
+            metrics[f"reward/{name}"] = sums[5 + 2 * i] / max(sums[6 + 2 * i], 1)
+        if sums[4]:
+            metrics["reward/zero_adv_group_frac"] = sums[3] / sums[4]
+        if self.group_filter is not None:  # dynamic sampling: the kept groups, their advantages
+            rollout, ds = self._filter_groups(trainer, pl_module, rollout, out, params, len(prompts), timings)
+            metrics.update(ds)
+        batch["rollout"] = rollout
+        batch["rollout_metrics"] = metrics
+        batch["rollout_timings"] = timings
+
+    def _filter_groups(self, trainer, pl_module, rollout: RolloutBatch, out: RewardOutput, params: SamplingConfig,
+                       target: int, timings: Dict[str, float]):
+        """`GroupFilter.run` on round 1; each further round draws the sampler's next ``prompts_per_step``
+        prompts (this rank's slice) and generates and scores them as round 1 was."""
+        dm = getattr(trainer, "datamodule", None)
+        sampler = getattr(dm, "sampler", None)
+        if sampler is None or not hasattr(sampler, "draw"):
+            raise RuntimeError("rollout.dynamic_sampling needs the trainer's datamodule to be a "
+                               "fspo.data.datamodule.PromptDataModule (it draws further prompts from its sampler)")
+        rank, world = dp_rank_size(pl_module)
+
+        def more(j: int):
+            idx = sampler.draw(sampler.prompts_per_step)
+            if world > 1:
+                idx = idx[rank_slice(len(idx), rank, world)]
+            items = [dm.train_source[i] for i in idx]
+            p = replace(params, seed=params.seed + 15_485_863 * j)
+            spent = {k: timings.get(k, 0.0) for k in ("time/weight_sync", "time/generate", "time/reward")}
+            r = self._generate(pl_module, [x.prompt for x in items], p, timings)
+            t0 = time.perf_counter()
+            o = self._score(r, [x.answer for x in items], p)
+            r.rewards = torch.tensor(o.scores, dtype=torch.float32, device=r.response_ids.device)
+            timings["time/reward"] = time.perf_counter() - t0
+            for k, v in spent.items():  # the step's time over all rounds
+                timings[k] = timings.get(k, 0.0) + v
+            return r, self.group_filter.values(o.scores, o.components)
+
+        first = (rollout, self.group_filter.values(out.scores, out.components))
+        kept, metrics = self.group_filter.run(first, more, target, pl_module.device)
+        kept.advantages = self.advantage_fn(kept.rewards, kept.group_ids).float()
+        return kept, metrics
+
+    # ------------------------------------------------------------------ validation
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        rank, world = dp_rank_size(pl_module)
+        params = replace(self.val_sampling, seed=self.seed * 1_000_003 + 999_999_937 + batch_idx + 7919 * rank)
+        prompts, answers = batch["prompts"], batch["answers"]
+        real = len(prompts)
+        if world > 1:  # equal counts on every rank (lockstep generation); padding is not scored
+            (prompts, real), (answers, _) = pad_slice(prompts, rank, world), pad_slice(answers, rank, world)
+        rollout = self._generate(pl_module, prompts, params, {})
+        out = self._score(rollout, answers, params)
+        n = real * params.n
+        scores = out.scores[:n]
+        correct = out.components.get("correct", [float(s > 0) for s in out.scores])[:n]
+        batch["val_stats"] = {
+            "val/accuracy": sum(correct) / max(n, 1),
+            "val/reward": sum(scores) / max(n, 1),
+            "val/response_len": float(rollout.lengths[:n].float().mean()) if n else 0.0,
+            "val/overlong_rate": float(rollout.overlong[:n].float().mean()) if n else 0.0,
+            "_count": n,
+        }

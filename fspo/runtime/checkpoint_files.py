@@ -1,0 +1,174 @@
+"""Reading checkpoints: where a run's checkpoints are, what they hold, and the policy weights in them.
+
+Owns: `checkpoint_dir` / `list_checkpoints` (``<output_dir>/checkpoints/step_N.ckpt``, complete ones
+only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what fspo/runtime/resume.py looks for);
+`RUN_ID_FILE` (``<output_dir>/mlflow_run_id``, the tracking run id: written by fspo/tracking/logger.py,
+read by resume and evaluation); `find_checkpoints` (files, run folders, globs), `find_run_config` (the
+run's config next to a checkpoint) and `run_id_of_checkpoint`; `load_checkpoint` (a Lightning ``.ckpt``
+file or a distributed-checkpoint folder -> the policy's state dict and its RL step), `checkpoint_step`
+and `load_into`. Leaves out: writing checkpoints (fspo/runtime/checkpointing.py) and checking their
+integrity (fspo/runtime/checkpoint_integrity.py).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
+META_KEY = "fspo_resume"
+RUN_ID_FILE = "mlflow_run_id"  # <output_dir>/mlflow_run_id: the MLflow run of the training run
+
+
+# ---------------------------------------------------------------------------------------- a run's folder
+def checkpoint_dir(output_dir) -> Path:
+    """``<output_dir>/checkpoints``."""
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(dirpath) -> List[Path]:
+    """Complete checkpoints ``step_N.ckpt`` (files or shard folders) in ``dirpath``, oldest first."""
+    d = Path(dirpath)
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := CKPT_RE.match(p.name))] if d.is_dir() else []
+    return [p for _, p in sorted(found)]
+
+
+def read_resume_meta(path) -> Dict[str, Any]:
+    """``checkpoint["fspo_resume"]`` of a checkpoint file or shard folder (its ``meta.pt``); raises if unreadable."""
+    p = Path(path)
+    f = p / "meta.pt" if p.is_dir() else p
+    ckpt = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(ckpt, dict) or META_KEY not in ckpt:
+        raise ValueError(f"{p} is not a checkpoint written by fspo.runtime.checkpointing (no {META_KEY!r})")
+    return ckpt[META_KEY]
+
+
+# ---------------------------------------------------------------------------------------- finding
+def _is_ckpt(p: Path) -> bool:
+    return p.is_file() or (p.is_dir() and (p / ".metadata").exists())
+
+
+def find_checkpoints(spec) -> List[Path]:
+    """Checkpoint paths for ``spec``: a path or list of them; each a ``.ckpt`` file, a distributed
+    checkpoint folder, a glob, or a run folder (searched recursively for ``*.ckpt``, leaving out
+    ``checkpoints/damaged/``, where a resume moved checkpoints that failed their checksum). Symlinks
+    (``last.ckpt``) resolve and duplicates drop; order: as given, run folders sorted by path."""
+    items = [spec] if isinstance(spec, (str, Path)) else list(spec or [])
+    found: List[Path] = []
+    for item in items:
+        s = str(Path(str(item)).expanduser())
+        if any(c in s for c in "*?["):
+            paths = [Path(x) for x in sorted(glob.glob(s, recursive=True))]
+        elif _is_ckpt(Path(s)):
+            paths = [Path(s)]
+        elif Path(s).is_dir():
+            paths = sorted(p for p in Path(s).rglob("*.ckpt") if _is_ckpt(p) and p.parent.name != "damaged")
+        else:
+            raise FileNotFoundError(f"no checkpoint at {s}: give a .ckpt file, a run folder or a glob")
+        paths = [p.resolve() for p in paths if _is_ckpt(p)]
+        if not paths:
+            raise FileNotFoundError(f"no checkpoints (*.ckpt) found for {s}")
+        found += paths
+    return list(dict.fromkeys(found))
+
+
+def find_run_config(path, levels: int = 5) -> Optional[Path]:
+    """The training run's config next to a checkpoint: the first ``run_config.yaml``, ``.hydra/config.yaml``
+    or ``config.yaml`` in ``path``'s folder or up to ``levels`` parents (run.py's output_dir holds the
+    first two: ``run_config.yaml`` is the run's own config, which a resumed launch keeps
+    (fspo/runtime/run_config.py), while Hydra rewrites ``.hydra/`` with each launch's command line; Lightning
+    puts checkpoints in ``<output_dir>/<experiment id>/<run id>/checkpoints/``)."""
+    p = Path(path).resolve()
+    start = p if p.is_dir() else p.parent
+    for d in [start, *start.parents][:levels + 1]:
+        for cand in (d / "run_config.yaml", d / ".hydra" / "config.yaml", d / "config.yaml"):
+            if cand.is_file():
+                return cand
+    return None
+
+
+def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
+    """The MLflow run id of the training run that wrote a checkpoint, or None: the file
+    ``mlflow_run_id`` in the checkpoint's folder or up to ``levels`` parents (``fspo.runtime.resume``
+    writes it into output_dir; checkpoints sit in ``<output_dir>/checkpoints/``), else the id in
+    Lightning's MLFlowLogger layout ``.../<run id>/checkpoints/<file>``."""
+    p = Path(path).resolve()
+    for d in list(p.parents)[:levels + 1]:
+        f = d / RUN_ID_FILE
+        if f.is_file() and re.fullmatch(r"[0-9a-f]{32}", f.read_text().strip()):
+            return f.read_text().strip()
+    rid = p.parent.parent.name
+    return rid if p.parent.name == "checkpoints" and re.fullmatch(r"[0-9a-f]{32}", rid) else None
+
+
+# ---------------------------------------------------------------------------------------- policy weights
+def _torch_load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # Lightning stores plain Python objects too; the file is the user's own run
+        log.info("weights_only load of %s failed (%s): loading it as a full pickle", path, type(e).__name__)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _dcp_load(path: Path) -> dict:
+    """A distributed checkpoint folder (Lightning's ModelParallelStrategy) as one dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
+        ckpt = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    meta = path / "meta.pt"  # Lightning's non-tensor state (loops, global_step)
+    if meta.exists():
+        ckpt = {**_torch_load(meta), **ckpt}
+    return ckpt
+
+
+def checkpoint_step(ckpt: dict, path: Optional[Path] = None) -> Optional[int]:
+    """The RL step of a checkpoint: RLModule's ``rl_step`` buffer, else the fit loop's
+    ``_batches_that_stepped``, else ``global_step``, else ``step=N`` in the file name; None if unknown."""
+    sd = ckpt.get("state_dict") or {}
+    if "rl_step" in sd:
+        return int(sd["rl_step"])
+    loop = ((ckpt.get("loops") or {}).get("fit_loop") or {}).get("epoch_loop.state_dict") or {}
+    if "_batches_that_stepped" in loop:
+        return int(loop["_batches_that_stepped"])
+    if "global_step" in ckpt:
+        return int(ckpt["global_step"])
+    m = re.search(r"step=(\d+)", path.name) if path is not None else None
+    return int(m.group(1)) if m else None
+
+
+def load_checkpoint(path, prefix: str = "policy.") -> Tuple[Dict[str, torch.Tensor], Optional[int]]:
+    """(policy state dict, RL step) from a Lightning checkpoint: the entries of ``ckpt["state_dict"]``
+    that start with ``prefix``, with the prefix removed. ``path``: a ``.ckpt`` file or a folder
+    written by torch.distributed.checkpoint (it holds ``.metadata``)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / ".metadata").exists():
+            raise ValueError(f"{p} is a folder but not a distributed checkpoint (no .metadata)")
+        ckpt = _dcp_load(p)
+    elif p.is_file():
+        ckpt = _torch_load(p)
+    else:
+        raise FileNotFoundError(f"checkpoint not found: {p}")
+    sd = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(sd, dict):
+        raise ValueError(f"{p} has no 'state_dict': expected a Lightning checkpoint written by a training run")
+    policy = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    if not policy:
+        raise ValueError(f"{p}: no '{prefix}*' entries in state_dict (keys start {sorted(sd)[:3]})")
+    return policy, checkpoint_step(ckpt, p)
+
+
+def load_into(policy, state: Dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``policy`` (strict: every key must match; a clear error otherwise)."""
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model built from the model config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}: check model.* (or use_run_model=true)")

@@ -1,0 +1,147 @@
+"""Checkpoint integrity: a SHA-256 manifest beside every checkpoint, verified before a resume,
+damaged checkpoints moved aside (never deleted), and a non-finite check of loaded parameters.
+
+Owns: `write_manifest` / `verify` / `manifest_path` (``step_N.ckpt.sha256`` next to
+``step_N.ckpt``, in ``sha256sum`` format: ``cd <output_dir>/checkpoints && sha256sum -c
+step_N.ckpt.sha256`` checks it by hand), `shard_digests` (each rank hashes its own shards of a
+sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to
+``checkpoints/damaged/``), `nonfinite_tensors` and `CheckpointCorrupt`. Leaves out: when checkpoints
+are written and pruned (fspo/runtime/checkpointing.py) and which one a run resumes from (fspo/runtime/resume.py).
+
+Contract:
+- the manifest lists every file of the checkpoint (one line for a file checkpoint; one per file,
+  ``step_N.ckpt/<relative path>``, for a shard folder) and is committed before the checkpoint is
+  renamed into place, so a complete checkpoint always has its manifest;
+- `verify` returns True when every listed file exists with its digest (and a folder holds no
+  unlisted file), False for a checkpoint without manifest (written before manifests existed: it is
+  loaded, with a warning that it is unverified), and raises `CheckpointCorrupt` otherwise;
+- `quarantine` renames within the checkpoint folder's file system, so nothing is copied or lost;
+  an existing name in ``damaged/`` gets a ``.1``, ``.2``, ... suffix.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+SUFFIX = ".sha256"
+DAMAGED = "damaged"
+_CHUNK = 1 << 22
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint whose bytes do not match its manifest, or whose parameters are not finite."""
+
+
+def manifest_path(ckpt) -> Path:
+    """``step_N.ckpt.sha256`` beside ``step_N.ckpt``."""
+    ckpt = Path(ckpt)
+    return ckpt.with_name(ckpt.name + SUFFIX)
+
+
+def sha256_file(path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(path: Path) -> List[Path]:
+    return [path] if path.is_file() else sorted(q for q in path.rglob("*") if q.is_file())
+
+
+def shard_digests(tmp, rank: int) -> Dict[str, str]:
+    """``{relative path: sha256}`` of rank ``rank``'s own shard files (``__<rank>_*.distcp``) in the
+    shard folder ``tmp`` ({} for a file checkpoint): every rank hashes what it wrote, in parallel."""
+    tmp = Path(tmp)
+    if not tmp.is_dir():
+        return {}
+    pat = re.compile(rf"^__{int(rank)}_\d+\.distcp$")
+    return {q.relative_to(tmp).as_posix(): sha256_file(q) for q in _files(tmp) if pat.match(q.name)}
+
+
+def write_manifest(tmp, final, known: Optional[Dict[str, str]] = None) -> Path:
+    """Hash the checkpoint being written at ``tmp`` (a file or shard folder; ``known`` digests by
+    relative path are taken as given) and commit ``<final>.sha256`` (written, fsynced, renamed)
+    naming the files as they will be once ``tmp`` is renamed to ``final``. Returns the manifest path."""
+    tmp, final = Path(tmp), Path(final)
+    known = known or {}
+    lines = []
+    for q in _files(tmp):
+        rel = q.relative_to(tmp).as_posix() if tmp.is_dir() else ""
+        digest = known.get(rel) or sha256_file(q)
+        lines.append(f"{digest}  {final.name}{'/' + rel if rel else ''}\n")
+    out = manifest_path(final)
+    part = out.with_name(out.name + ".partial")
+    with open(part, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, out)
+    return out
+
+
+def verify(ckpt) -> bool:
+    """True: every file of ``ckpt`` matches its manifest; False: no manifest (an unverified checkpoint
+    of an older version); raises `CheckpointCorrupt` naming the first mismatch."""
+    ckpt = Path(ckpt)
+    man = manifest_path(ckpt)
+    if not man.is_file():
+        return False
+    base = ckpt.parent
+    listed = set()
+    for n, line in enumerate(man.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        digest, _, name = line.partition("  ")
+        if len(digest) != 64 or not (name == ckpt.name or name.startswith(ckpt.name + "/")):
+            raise CheckpointCorrupt(f"{man}: line {n} is not '<sha256>  {ckpt.name}[/file]'")
+        f = base / name
+        listed.add(f)
+        if not f.is_file():
+            raise CheckpointCorrupt(f"{name} is missing")
+        if sha256_file(f) != digest:
+            raise CheckpointCorrupt(f"{name} does not match its SHA-256 in {man.name} (damaged on disk)")
+    extra = [q for q in _files(ckpt) if q not in listed] if ckpt.is_dir() else []
+    if extra or not listed:
+        raise CheckpointCorrupt(f"{ckpt.name} holds files not in {man.name}: {[q.name for q in extra][:5]}" if extra
+                                else f"{man} lists no file")
+    return True
+
+
+def quarantine(ckpt) -> Path:
+    """Move ``ckpt`` and its manifest into ``<its folder>/damaged/`` (kept, never deleted); returns
+    the new path of the checkpoint."""
+    ckpt = Path(ckpt)
+    dest_dir = ckpt.parent / DAMAGED
+    dest_dir.mkdir(exist_ok=True)
+    dest, i = dest_dir / ckpt.name, 0
+    while dest.exists() or manifest_path(dest).exists():
+        i += 1
+        dest = dest_dir / f"{ckpt.name}.{i}"
+    man = manifest_path(ckpt)
+    if man.exists():
+        os.replace(man, manifest_path(dest))
+    os.replace(ckpt, dest)
+    return dest
+
+
+def nonfinite_tensors(named: Iterable) -> List[str]:
+    """Names of the floating-point tensors in ``named`` ((name, tensor) pairs; sharded DTensors are
+    checked on their local shard) holding a NaN or an infinity."""
+    bad = []
+    for name, t in named:
+        if not torch.is_tensor(t) or not t.is_floating_point():
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+            bad.append(name)
+    return bad

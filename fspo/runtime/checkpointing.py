@@ -1,0 +1,295 @@
+"""Resumable checkpoints: every N RL steps, on SIGTERM / SIGUSR1, written atomically, keep-last-k.
+
+Owns: `StepCheckpoint` (the Lightning callback), `atomic_commit` and `slurm_plugins`. Leaves out:
+reading checkpoints (fspo/runtime/checkpoint_files.py), choosing the checkpoint to resume from
+(fspo/runtime/resume.py) and the MLflow run (fspo/tracking/logger.py).
+
+``<output_dir>/checkpoints/step_000040.ckpt`` is the state after RL step 40 and its validation:
+what Lightning saves (module state dict with the policy, FSPO's ``sigma_hat``/``kl_bar`` buffers,
+``rl_step``, ``skipped_updates``; optimizer; LR scheduler; loop progress; the sampler position)
+plus ``checkpoint["fspo_resume"]``: every torchmetrics state of the module (``run_diagnostics``
+accumulates over the run; its states are non-persistent), the RNG states (both: fspo/runtime/resume_state.py),
+the MLflow run id and the run's config (``run_config``, YAML: fspo/runtime/run_config.py restores it on resume).
+Sampling seeds and mini-batch shuffles derive from ``rl_step``, so they follow.
+
+Writing: Lightning writes ``step_N.ckpt.partial`` (a file, or a folder of shards under FSDP); it is
+fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``step_N.ckpt.sha256``
+(fspo/runtime/checkpoint_integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
+only the ``.partial``, which nothing reads and the next save removes. Pruning (keep-last-k) deletes
+only checkpoints of this run that nothing failed to load; damaged ones live in ``damaged/``.
+Signals: SIGTERM through Lightning's handler (``trainer.received_sigterm``), ``signals`` (SIGUSR1:
+SLURM's ``--signal=USR1@90``) through ours;
+the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
+(``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
+handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
+over ours (Lightning issue 13773).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from fspo.runtime.checkpoint_integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
+                                       shard_digests, write_manifest)
+from fspo.runtime.checkpoint_files import META_KEY, list_checkpoints
+from fspo.runtime.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
+
+log = logging.getLogger(__name__)
+
+
+def _fsync(path: Path) -> None:
+    for q in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()] + [path]:
+        fd = os.open(q, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_commit(tmp, final) -> None:
+    """fsync ``tmp`` (file or folder), rename it to ``final`` (replacing it) and fsync the parent folder."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync(tmp)
+    if final.is_dir() and tmp.is_dir():  # os.replace cannot replace a non-empty folder
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def slurm_plugins() -> list:
+    """``[SLURMEnvironment(auto_requeue=False)]`` when running under SLURM (see the module docstring), else []."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+def validation_follows(trainer) -> bool:
+    """Whether Lightning validates right after the current training batch (its own rule)."""
+    try:
+        return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except Exception:  # noqa: BLE001 - an internal that moved: checkpoint before validation instead
+        return False
+
+
+class StepCheckpoint(Checkpoint):
+    """Saves ``step_N.ckpt`` after every ``every_n_steps`` RL steps (0: never periodically), after the
+    last step (``save_last``) and at the first step boundary after a stop signal, then stops (exit 0).
+    Keeps the newest ``keep_last`` checkpoints. ``run_id_fn`` returns the MLflow run id to store.
+    With ``slurm_requeue`` a signalled job under SLURM is requeued (``scontrol requeue``) after saving.
+    With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/runtime/checkpoint_integrity.py);
+    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/run_config.py.
+    A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
+    """
+
+    def __init__(self, dirpath, every_n_steps: int = 10, keep_last: int = 2, save_last: bool = True,
+                 signals: Sequence[str] = ("SIGUSR1",), slurm_requeue: bool = False,
+                 run_id_fn: Optional[Callable[[], Optional[str]]] = None, checksum: bool = True,
+                 run_config: Optional[str] = None):
+        if every_n_steps < 0 or keep_last < 1:
+            raise ValueError(f"checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1, got "
+                             f"{every_n_steps} and {keep_last}")
+        bad = [s for s in signals if not hasattr(signal, str(s)) or str(s) in ("SIGKILL", "SIGSTOP")]
+        if bad:
+            raise ValueError(f"checkpoint.signals: {bad} are not catchable signal names (e.g. SIGUSR1, SIGUSR2)")
+        self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), int(every_n_steps), int(keep_last)
+        self.save_last, self.slurm_requeue, self.run_id_fn = bool(save_last), bool(slurm_requeue), run_id_fn
+        self.checksum, self.run_config = bool(checksum), run_config
+        self.signals = [getattr(signal, str(s)) for s in signals]
+        self._signal: Optional[str] = None
+        self._pending: Optional[bool] = None  # a save deferred to the end of this step's validation (value: stop)
+        self._in_val = False
+        self._saved_step = -1
+        self._restore: Optional[Dict[str, Any]] = None
+        self._old_handlers: Dict[int, Any] = {}
+        self.last_path: Optional[Path] = None
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signal.Signals(signum).name
+        log.warning("received %s: saving a checkpoint at the end of this step, then stopping", self._signal)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._old_handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
+        if self._restore is not None:  # after Lightning created the data iterators (they draw from the RNG)
+            self._check_finite(trainer, pl_module)
+            set_rng_states(self._restore["rng"])
+            dm = trainer.datamodule
+            pos = getattr(getattr(dm, "sampler", None), "position", None)
+            if pos is not None and pos != int(pl_module.rl_step):
+                raise RuntimeError(f"resumed checkpoint is inconsistent: prompt sampler at step {pos}, module at "
+                                   f"rl_step {int(pl_module.rl_step)}")
+            self._restore = None
+
+    def _check_finite(self, trainer, pl_module) -> None:
+        """Stop before the first step when the loaded parameters hold NaN/inf: the checkpoint is moved to
+        ``damaged/`` (when it is one of this run's) so that resume=auto takes the previous one next time."""
+        from fspo.runtime.distributed import any_rank
+
+        bad = nonfinite_tensors(pl_module.named_parameters())
+        if not any_rank(bool(bad), pl_module.device):
+            return
+        path = Path(trainer.ckpt_path) if trainer.ckpt_path else None
+        ours = path is not None and path.exists() and path.parent.resolve() == self.dirpath.resolve()
+        moved = quarantine(path) if ours and trainer.is_global_zero else None
+        trainer.strategy.barrier("fspo_checkpoint_nonfinite")
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") or "on another rank"
+        fix = (f"moved it to {moved}; run again with resume=auto to continue from the newest good checkpoint"
+               if ours else "resume from an earlier checkpoint (resume=<path>)")
+        raise CheckpointCorrupt(f"checkpoint {path} loaded non-finite parameters ({names}): damaged without a "
+                                f"checksum, or written after the run diverged; {fix}")
+
+    def _restore_handlers(self) -> None:
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._old_handlers = {}
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._restore_handlers()
+
+    def _stop_requested(self, trainer) -> bool:
+        local = self._signal is not None or bool(trainer.received_sigterm)
+        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+    # ------------------------------------------------------------------ when to save
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step, stop = int(pl_module.rl_step), self._stop_requested(trainer)
+        due = stop or (self.every_n_steps and step % self.every_n_steps == 0) or \
+            (self.save_last and step >= trainer.num_training_batches)
+        if not due:
+            return
+        if validation_follows(trainer):  # save after it: a checkpoint never precedes a step's validation
+            self._pending = stop
+            return
+        self._save_and_maybe_stop(trainer, step, stop)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._in_val = not trainer.sanity_checking and trainer.state.fn == "fit"
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._in_val = False
+        if self._pending is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            stop = self._pending or self._stop_requested(trainer)
+            self._pending = None
+            self._save_and_maybe_stop(trainer, int(pl_module.rl_step), stop)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore_handlers()
+        step = int(pl_module.rl_step)
+        if isinstance(exception, SIGTERMException):
+            # Lightning stops on SIGTERM after a validation that our batch-end check did not see
+            if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
+                self._save(trainer, step)
+            return
+        if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
+            return
+        last = self.last_path or (list_checkpoints(self.dirpath) or [None])[-1]
+        log.error("training stopped at RL step %d by %s; the last complete checkpoint is %s "
+                  "(continue with resume=auto)", step, type(exception).__name__, last)
+
+    def _save_and_maybe_stop(self, trainer, step: int, stop: bool) -> None:
+        self._save(trainer, step)
+        if stop:
+            self._requeue(trainer)
+            log.warning("stopping after RL step %d on %s; resume with resume=auto",
+                        step, self._signal or "SIGTERM")
+            raise SIGTERMException()
+
+    # ------------------------------------------------------------------ writing
+    def _save(self, trainer, step: int) -> None:
+        t0, final = time.perf_counter(), self.dirpath / f"step_{step:06d}.ckpt"
+        tmp = final.with_name(final.name + ".partial")
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            for stale in self.dirpath.glob("*.partial"):
+                _remove(stale)
+        trainer.strategy.barrier("fspo_checkpoint_prepare")
+        trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
+        known = self._shard_digests(trainer, tmp) if self.checksum else {}
+        if trainer.is_global_zero:
+            if self.checksum:  # committed before the checkpoint: a complete checkpoint has its manifest
+                write_manifest(tmp, final, known)
+            else:
+                manifest_path(final).unlink(missing_ok=True)
+            atomic_commit(tmp, final)
+            for old in list_checkpoints(self.dirpath)[:-self.keep_last]:
+                _remove(old)
+                _remove(manifest_path(old))
+            for man in self.dirpath.glob("step_*.ckpt.sha256"):  # a manifest whose checkpoint was never committed
+                if not man.with_suffix("").exists():
+                    _remove(man)
+        trainer.strategy.barrier("fspo_checkpoint_commit")
+        self._saved_step, self.last_path = step, final
+        log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+
+    @staticmethod
+    def _shard_digests(trainer, tmp: Path) -> Dict[str, str]:
+        """SHA-256 of every rank's own shard files of a sharded checkpoint, gathered (rank 0 hashes the rest)."""
+        mine = shard_digests(tmp, trainer.global_rank)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: List[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, mine)
+            return {k: v for part in gathered for k, v in part.items()}
+        return mine
+
+    def _requeue(self, trainer) -> None:
+        job = os.environ.get("SLURM_JOB_ID")
+        if not (self.slurm_requeue and job and trainer.is_global_zero):
+            return
+        if os.environ.get("SLURM_ARRAY_JOB_ID"):
+            job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+        rc = subprocess.call(["scontrol", "requeue", job])
+        log.warning("scontrol requeue %s -> exit code %d", job, rc)
+
+    # ------------------------------------------------------------------ checkpoint contents
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        states = metric_states(pl_module)
+        world = trainer.world_size
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: List[Any] = [None] * world
+            torch.distributed.all_gather_object(gathered, states)
+        else:
+            gathered = [states]
+        checkpoint[META_KEY] = {"rl_step": int(pl_module.rl_step), "rng": rng_states(), "metrics": gathered,
+                                "mlflow_run_id": self.run_id_fn() if self.run_id_fn else None,
+                                "world_size": world, "run_config": self.run_config}
+
+    @staticmethod
+    def _extend(trainer, checkpoint: Dict[str, Any], step: int) -> None:
+        """A finished run resumed with more ``steps``: its last batch is no longer the epoch's last, else
+        Lightning's restored loop would end the fit at once."""
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress") or {}
+        steps = getattr(getattr(trainer.datamodule, "sampler", None), "steps", None)
+        if progress.get("is_last_batch") and steps is not None and int(steps) > step:
+            progress["is_last_batch"] = False
+            log.info("extending the finished run from step %d to %d", step, int(steps))
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        meta = checkpoint.get(META_KEY)
+        if meta is None:
+            log.warning("checkpoint has no %r: metric states and RNG states are not restored", META_KEY)
+            return
+        self._extend(trainer, checkpoint, int(meta["rl_step"]))
+        per_rank, same = meta["metrics"], len(meta["metrics"]) == trainer.world_size
+        if not same:
+            log.warning("checkpoint written by %d ranks, resuming on %d: run-level diagnostics keep rank 0's "
+                        "share only", len(per_rank), trainer.world_size)
+        if same or trainer.is_global_zero:
+            load_metric_states(pl_module, per_rank[trainer.global_rank if same else 0])
+        self._restore = meta
+        self._saved_step = int(meta["rl_step"])

@@ -1,0 +1,138 @@
+"""Resuming a run: which checkpoint a launch continues from, and which tracking run.
+
+Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`),
+`ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
+writing checkpoints and signals (fspo/runtime/checkpointing.py), the config a continued run keeps
+(fspo/runtime/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
+
+The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
+(`fspo.runtime.checkpoint_files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py).
+
+Damaged checkpoints (fspo/runtime/checkpoint_integrity.py): ``auto`` takes the newest checkpoint that passes
+its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
+warning. When none passes, the run stops with an error and touches nothing; ``resume=fresh`` is
+the explicit way to start over from step 0 then (the damaged ones are moved aside, a new MLflow
+run begins). Checkpoints are never deleted here.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, quarantine, verify
+from fspo.runtime.checkpoint_files import RUN_ID_FILE, checkpoint_dir, list_checkpoints, read_resume_meta
+from fspo.runtime.rank_zero import launch_rank
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResumePlan:
+    """``ckpt_path`` for ``trainer.fit`` (None: fresh start), the RL ``step`` it holds, and the MLflow
+    ``run_id`` to continue (None: a new run). ``overrides``: the allowed config changes of this launch
+    (key -> "old -> new", fspo/runtime/run_config.py), recorded as MLflow tags of the continued run."""
+
+    ckpt_path: Optional[str] = None
+    step: int = 0
+    run_id: Optional[str] = None
+    overrides: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def resuming(self) -> bool:
+        """True when continuing an earlier attempt (a checkpoint or an MLflow run exists)."""
+        return self.ckpt_path is not None or self.run_id is not None
+
+
+def check_checkpoint(path) -> None:
+    """Raise unless ``path`` matches its checksum manifest and its resume metadata reads; a checkpoint
+    without manifest (an older version's) passes with a warning that it is unverified."""
+    if not verify(path):
+        log.warning("checkpoint %s has no checksum manifest (written by an older version): loading it unverified",
+                    path)
+    read_resume_meta(path)
+
+
+def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """(the newest usable ``step_N.ckpt`` under ``<output_dir>/checkpoints`` or None, [(each damaged
+    checkpoint newer than it, why)]), newest first. Nothing is moved or deleted."""
+    bad: List[Tuple[Path, str]] = []
+    for p in reversed(list_checkpoints(checkpoint_dir(output_dir))):
+        try:
+            check_checkpoint(p)
+            return p, bad
+        except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to the previous one
+            if not p.exists():  # moved aside meanwhile (by rank 0 of this launch)
+                continue
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            why = msg if isinstance(e, CheckpointCorrupt) else f"unreadable, {type(e).__name__}: {msg}"
+            log.warning("skipping damaged checkpoint %s (%s)", p, why)
+            bad.append((p, why))
+    return None, bad
+
+
+def latest_complete_checkpoint(output_dir) -> Optional[Path]:
+    """The newest usable ``step_N.ckpt`` under ``<output_dir>/checkpoints`` (damaged ones are skipped
+    with a warning), or None."""
+    return scan_checkpoints(output_dir)[0]
+
+
+def _move_aside(bad: List[Tuple[Path, str]]) -> None:
+    if launch_rank() != 0:  # the launching process moves; the other ranks reach the same verdict
+        return
+    for p, _ in bad:
+        log.warning("moved damaged checkpoint %s to %s", p, quarantine(p))
+
+
+def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
+    """The `ResumePlan` for ``cfg.resume``: null starts fresh (an error if ``output_dir`` already holds
+    checkpoints), ``auto`` continues from the newest usable checkpoint (fresh when there is none, in
+    the same MLflow run if one was started; an error when all of them are damaged), ``fresh`` starts
+    over from step 0 in a new MLflow run when all checkpoints are damaged (an error when one is usable),
+    a path continues from that checkpoint (an error if it is damaged)."""
+    mode = OmegaConf.select(cfg, "resume", default=None)
+    out = Path(output_dir)
+    id_file = out / RUN_ID_FILE
+    if mode is None:
+        found = list_checkpoints(checkpoint_dir(out))
+        if found:
+            raise ValueError(f"{checkpoint_dir(out)} already holds checkpoints of an earlier run ({found[-1].name}): "
+                             f"pass resume=auto to continue it, or choose another output_dir")
+        return ResumePlan()
+    if str(mode) in ("auto", "fresh"):
+        ckpt, bad = scan_checkpoints(out)
+        if str(mode) == "fresh":
+            if ckpt is not None:
+                raise ValueError(f"resume=fresh: {ckpt} is a usable checkpoint of this run: resume=auto continues "
+                                 f"it; to start over choose another output_dir")
+            _move_aside(bad)
+            old = id_file.read_text().strip() if id_file.is_file() else None
+            log.warning("resume=fresh: starting over from step 0 in a new MLflow run%s",
+                        f" (run {old} keeps what it logged)" if old else "")
+            return ResumePlan()
+        if ckpt is None and bad:
+            raise CheckpointCorrupt(
+                f"resume=auto: no checkpoint in {checkpoint_dir(out)} can be used ("
+                + "; ".join(why if why.startswith(p.name) else f"{p.name}: {why}" for p, why in bad)
+                + f"); nothing was changed. Pass resume=fresh to start this run over from step 0 (they are then moved "
+                f"to {checkpoint_dir(out) / 'damaged'}, not deleted), or resume=<path> to try one of them")
+        _move_aside(bad)
+    else:
+        ckpt = Path(str(mode)).expanduser()
+        if not ckpt.exists():
+            raise FileNotFoundError(f"resume={mode}: no such checkpoint; use resume=auto to pick the newest in "
+                                    f"{checkpoint_dir(out)}")
+        try:
+            check_checkpoint(ckpt)
+        except Exception as e:  # noqa: BLE001 - the named checkpoint is damaged: say so, move nothing
+            raise CheckpointCorrupt(f"resume={mode}: the checkpoint is damaged ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200]}); use resume=auto to take the newest good one "
+                                    f"in {checkpoint_dir(out)}, or name an earlier one") from None
+    meta: Dict[str, Any] = read_resume_meta(ckpt) if ckpt is not None else {}
+    run_id = meta.get("mlflow_run_id") or (id_file.read_text().strip() if id_file.is_file() else None)
+    plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None)
+    log.info("resume=%s: %s", mode, f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
+    return plan

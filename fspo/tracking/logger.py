@@ -1,0 +1,170 @@
+"""The experiment logger of a training run: built from ``logger:``, continuing a resumed MLflow run.
+
+Owns: `build_logger` (the configured logger after checking that the tracking server answers and that
+the store can be written, fspo/runtime/store_check.py; continuing the resume plan's MLflow run;
+optional fallback to a local SQLite store), `record_run_id`, `log_params_once`, `mark_preempted`,
+`check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch
+continues (fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py).
+
+Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
+run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
+already holds at or after the checkpoint's step (the first write wins, as with W&B's resume), so
+each step keeps one value per metric; with deterministic training both writes are equal.
+The run id lives in ``<output_dir>/mlflow_run_id`` (`RUN_ID_FILE`, written at start) and in every checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Optional
+from urllib.parse import urlparse
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fspo.runtime.checkpoint_files import RUN_ID_FILE
+from fspo.runtime.rank_zero import is_rank_zero
+from fspo.runtime.resume import ResumePlan
+from fspo.runtime.store_check import NotAnMLflowServer, prepare_store
+
+log = logging.getLogger(__name__)
+
+
+class TrackingURIUnreachable(ValueError):
+    """The MLflow tracking server did not answer at start-up (a bad ``logger.tracking_uri`` or a server down)."""
+
+
+def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2) -> None:
+    """Raise `TrackingURIUnreachable` unless an http(s) tracking server answers ``GET /health``
+    (any HTTP status counts as an answer) within ``attempts`` tries of ``timeout_s``. Other URIs
+    (sqlite, file, databricks) are not probed."""
+    if not uri or urlparse(str(uri)).scheme not in ("http", "https"):
+        return
+    url, reason = str(uri).rstrip("/") + "/health", ""
+    for i in range(attempts):
+        try:
+            urllib.request.urlopen(url, timeout=timeout_s).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except (urllib.error.URLError, OSError) as e:
+            reason = str(getattr(e, "reason", e))
+            if i + 1 < attempts:
+                time.sleep(1.0)
+    raise TrackingURIUnreachable(
+        f"MLflow tracking server {uri} did not answer ({reason}): start it, fix logger.tracking_uri, or "
+        f"set logger_fallback=local to log to a SQLite store in the output folder")
+
+
+def _is_mlflow(lcfg) -> bool:
+    return "MLFlowLogger" in str(lcfg.get("_target_", ""))
+
+
+def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: ResumePlan):
+    """Instantiate ``cfg.logger``; for MLflow: probe the tracking URI (fallback per ``logger_fallback``),
+    continue ``plan.run_id`` (status back to RUNNING, already logged steps skipped). A new run is created
+    lazily, at the first logging call, as before."""
+    lcfg = cfg.logger
+    if not _is_mlflow(lcfg):
+        return instantiate(lcfg, tags=tags)
+    kwargs: Dict[str, Any] = {}
+    name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
+    try:
+        check_tracking_uri(lcfg.get("tracking_uri"))
+        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/runtime/store_check.py
+    except (TrackingURIUnreachable, NotAnMLflowServer) as e:
+        fallback = OmegaConf.select(cfg, "logger_fallback", default=None)
+        if fallback != "local":
+            raise
+        out = Path(output_dir)
+        local = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        log.warning("%s -- logger_fallback=local: logging to %s instead", e, local)
+        kwargs = {"tracking_uri": local, "artifact_location": str((out / "mlartifacts").resolve())}
+        prepare_store(local, name, kwargs["artifact_location"])
+    logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
+    if plan.run_id is not None and is_rank_zero():  # other ranks hold a dummy experiment
+        try:
+            client = logger.experiment  # get_run: fails for an unknown id
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot continue MLflow run {plan.run_id} at {kwargs.get('tracking_uri', lcfg.get('tracking_uri'))} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): point logger.tracking_uri at "
+                             f"the store the run was started in") from None
+        client.update_run(plan.run_id, status="RUNNING")
+        for key, change in plan.overrides.items():  # allowed config changes of this launch (params are immutable)
+            client.set_tag(plan.run_id, f"fspo.resume.step_{plan.step}.{key}", change[:5000])
+        _skip_logged(logger, plan.step)
+    return logger
+
+
+def record_run_id(logger, output_dir) -> None:
+    """Write the MLflow run id to ``<output_dir>/mlflow_run_id`` (atomically; creates the run if needed)."""
+    if not (_is_mlflow_logger(logger) and is_rank_zero()):
+        return
+    out = Path(output_dir)
+    tmp = out / (RUN_ID_FILE + ".tmp")
+    tmp.write_text(str(logger.run_id) + "\n")
+    tmp.replace(out / RUN_ID_FILE)
+
+
+def _skip_logged(logger, from_step: int) -> None:
+    """Make the logger's MLflow client drop (key, step) pairs the run already holds for steps >=
+    ``from_step``: both paths metrics take (``log_batch`` from the logger, ``log_metric`` from
+    fspo/tracking/artifacts.py's run-level metrics)."""
+    client, run_id = logger.experiment, logger.run_id
+    seen = {k: {m.step for m in client.get_metric_history(run_id, k) if m.step >= from_step}
+            for k in client.get_run(run_id).data.metrics}
+    seen = {k: v for k, v in seen.items() if v}
+    if not seen:
+        return
+    log.info("MLflow run %s already holds steps %d..%d: those values are kept, not logged again", run_id,
+             from_step, max(max(v) for v in seen.values()))
+    log_batch, log_metric = client.log_batch, client.log_metric
+
+    def fresh(rid, key, step) -> bool:
+        return rid != run_id or int(step or 0) not in seen.get(key, ())
+
+    def filtered_batch(run_id, metrics=(), params=(), tags=(), **kw):
+        metrics = [m for m in metrics if fresh(run_id, m.key, m.step)]
+        if metrics or params or tags:
+            log_batch(run_id, metrics=metrics, params=params, tags=tags, **kw)
+
+    def filtered_metric(run_id, key, value, timestamp=None, step=None, **kw):
+        if fresh(run_id, key, step):
+            log_metric(run_id, key, value, timestamp=timestamp, step=step, **kw)
+
+    client.log_batch, client.log_metric = filtered_batch, filtered_metric
+
+
+def log_params_once(logger, params: Dict[str, str]) -> None:
+    """Log ``params``; on a continued run only the keys it does not hold yet (MLflow params are
+    immutable: a changed value, such as ``resume``, keeps its first value and is reported)."""
+    if not (_is_mlflow_logger(logger) and is_rank_zero()):
+        logger.log_hyperparams(params)  # rank-zero-only itself
+        return
+    have = logger.experiment.get_run(logger.run_id).data.params
+    new = {k: v for k, v in params.items() if k not in have}
+    changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250])
+    if changed:
+        log.warning("continued run keeps the first value of params %s", changed)
+    if new:
+        logger.log_hyperparams(new)
+
+
+def _is_mlflow_logger(logger) -> bool:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return isinstance(logger, MLFlowLogger)
+
+
+def mark_preempted(logger, step: int) -> None:
+    """After a signal stop: MLflow run status KILLED (Lightning marked it FAILED) and a tag with the step."""
+    if not (_is_mlflow_logger(logger) and is_rank_zero()):
+        return
+    try:
+        logger.experiment.set_tag(logger.run_id, "fspo.stopped_at_step", str(step))
+        logger.experiment.set_terminated(logger.run_id, status="KILLED")
+    except Exception as e:  # noqa: BLE001 - never mask the stop itself
+        log.warning("could not mark MLflow run %s as KILLED: %s", logger.run_id, e)

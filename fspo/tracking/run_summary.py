@@ -1,0 +1,116 @@
+"""Where the results went: the few lines printed at the end of a training run, a sweep and an evaluation.
+
+Owns: `open_hint` (the command or URL that opens a run in MLflow: ``mlflow ui --backend-store-uri
+<uri>`` for a file / SQLite store, with relative SQLite paths made absolute so the command works
+from any folder; the run page ``<uri>/#/experiments/<id>/runs/<run id>`` for an http(s) server),
+`format_block` (the plain-text block) and `training_summary` / `sweep_summary` / `eval_summary`
+(what each end prints). Used by fspo/train.py (rank zero), fspo/tracking/sweep_parent.py (the sweep
+parent) and experiments/evaluate.py. Leaves out: logging anything (callers print the block).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+RULE = "-" * 72
+
+
+def _is_path(u: str) -> bool:
+    """A plain path (MLflow's file store), not a scheme URI nor ``databricks`` / ``databricks-uc``."""
+    return bool(u) and "://" not in u and not u.startswith(("databricks", "uc:"))
+
+
+def absolute_uri(uri: Optional[str]) -> Optional[str]:
+    """``uri`` with a relative SQLite or file path made absolute (against the current folder)."""
+    if not uri:
+        return uri
+    u = str(uri)
+    if u.startswith("databricks") or u.startswith("uc:"):
+        return u
+    if u.startswith("sqlite:///") and not u.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(u[len("sqlite:///"):]).resolve())
+    if u.startswith("file:") or _is_path(u):
+        path = u[len("file://"):] if u.startswith("file://") else u[len("file:"):] if u.startswith("file:") else u
+        return Path(path).resolve().as_uri()
+    return u
+
+
+def open_hint(uri: Optional[str], experiment_id: Optional[str] = None, run_id: Optional[str] = None) -> Tuple[str, str]:
+    """(label, text): how to open the run. http(s) store: ("run page", URL of the run, or of the experiment
+    without a run id); file / SQLite store: ("open with", ``mlflow ui --backend-store-uri <absolute uri>``)."""
+    u = str(uri or "")
+    if u.startswith(("http://", "https://")):
+        base = u.rstrip("/")
+        if experiment_id is not None and run_id:
+            return "run page", f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+        if experiment_id is not None:
+            return "experiment page", f"{base}/#/experiments/{experiment_id}"
+        return "MLflow server", base
+    if u.startswith(("sqlite:", "file:")) or _is_path(u):
+        return "open with", f"mlflow ui --backend-store-uri {absolute_uri(u)}"
+    return "tracking URI", u or "(none)"
+
+
+def format_block(title: str, rows: Iterable[Tuple[str, Any]]) -> str:
+    """``title`` between two rules, one ``label: value`` line per row (rows with value None are left out)."""
+    rows = [(k, v) for k, v in rows if v is not None]
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join([RULE, title, *(f"  {k + ':':<{width + 1}} {v}" for k, v in rows), RULE])
+
+
+def _results(metrics: Optional[Mapping[str, float]], prefix: Tuple[str, ...] = ("val/",)) -> Optional[str]:
+    keep = {k: v for k, v in (metrics or {}).items() if k.startswith(prefix)}
+    if not keep:
+        return None
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(keep.items()))
+
+
+def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], experiment_name: Optional[str],
+                     experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
+                     metrics: Optional[Mapping[str, float]] = None) -> str:
+    """The block a training run ends on."""
+    label, hint = open_hint(tracking_uri, experiment_id, run_id)
+    exp = f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None else experiment_name
+    run = f"{run_name} (id {run_id})" if run_name and run_id else run_id
+    return format_block(f"run {run_name or run_id or ''} finished".replace("  ", " "), [
+        ("output dir", str(Path(output_dir).resolve())),
+        ("checkpoints", str(Path(checkpoint_dir).resolve())),
+        ("tracking URI", absolute_uri(tracking_uri)),
+        ("experiment", exp),
+        ("run", run),
+        ("results", _results(metrics)),
+        (label, hint)])
+
+
+def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[str], experiment_name: Optional[str],
+                  experiment_id: Optional[str], parent_name: Optional[str], parent_id: Optional[str],
+                  jobs_ok: int, jobs_failed: int, status: str) -> str:
+    """The block a sweep (Hydra multirun) ends on."""
+    label, hint = open_hint(tracking_uri, experiment_id, None)
+    return format_block(f"sweep {sweep} {status.lower()}: {jobs_ok} jobs finished, {jobs_failed} failed", [
+        ("sweep dir", str(Path(sweep_dir).resolve()) if sweep_dir else None),
+        ("tracking URI", absolute_uri(tracking_uri)),
+        ("experiment", f"{experiment_name} (id {experiment_id})" if experiment_id is not None else experiment_name),
+        ("parent run", f"{parent_name} (id {parent_id})" if parent_name else parent_id),
+        ("jobs", f"{jobs_ok} finished, {jobs_failed} failed"),
+        (label, hint),
+        ("report", f"python experiments/report.py --experiment {experiment_name} --out reports/{experiment_name}"
+         if experiment_name else None)])
+
+
+def eval_summary(output_dir, tracking_uri: Optional[str], experiment_name: Optional[str],
+                 experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
+                 entries: Optional[list] = None, summary_md: Optional[Path] = None) -> str:
+    """The block an evaluation ends on: where ``summary.md`` went and the last target's Avg@k."""
+    label, hint = open_hint(tracking_uri, experiment_id, run_id)
+    results: Dict[str, float] = {}
+    if entries:
+        results = {f"{b}/avg_at_k": float(m["avg_at_k"]) for b, m in entries[-1]["metrics"].items()}
+    return format_block(f"evaluation {run_name or run_id or ''} finished".replace("  ", " "), [
+        ("output dir", str(Path(output_dir).resolve())),
+        ("summary", str(Path(summary_md).resolve()) if summary_md is not None and Path(summary_md).exists() else None),
+        ("tracking URI", absolute_uri(tracking_uri)),
+        ("experiment", f"{experiment_name} (id {experiment_id})" if experiment_id is not None else experiment_name),
+        ("run", f"{run_name} (id {run_id})" if run_name and run_id else run_id),
+        ("results", _results(results, ("",))),
+        (label, hint)])

@@ -1,0 +1,115 @@
+"""The divergence guard: limits on each optimizer update's gradient norm, loss and KL, checked before the step.
+
+Owns: `DivergenceGuard` (config ``guard:`` in conf/config.yaml), `UpdateMeter` (what one update
+measured) and `DivergenceError`. fspo/update/module.py feeds the meter while it accumulates an update's
+micro-batches and calls `DivergenceGuard.check` after the backward passes and the gradient norm, before
+``optimizer.step()``. Leaves out: non-finite values (``ppo.nonfinite``, handled before the guard) and
+the metrics themselves (fspo/update/stats.py).
+
+The three measures, over the whole mini-batch of the update (all ranks together):
+
+    grad_norm  the global gradient norm before clipping (what ``train/grad_norm`` averages)
+    loss       |sum_t m l_t| / sum_t m, the mini-batch's mean per-token surrogate loss, whatever
+               ``loss_agg_mode`` (so one limit fits every mode)
+    kl         mean_t k3_t, k3 = r - 1 - log r, r = exp(logp_current - logp_old) per response token
+               (the policy's distance from the one that sampled the batch; ``train/kl``)
+
+A limit set to null is not checked. When any is exceeded ``action`` decides: ``stop`` raises
+`DivergenceError` (one line naming the measure, its limit and the keys to change; the run ends as
+FAILED, checkpoints already written stay), ``skip`` drops this update exactly (gradients zeroed, no
+optimizer step, AdamW state and parameters unchanged; counted in ``train/skipped_updates``),
+``warn`` logs and steps; ``off`` checks nothing. Every breach counts in ``guard/trips``.
+Under data parallelism (trainer=fsdp) the sums are all-reduced before the comparison and the verdict
+is agreed with one more all-reduce, so every rank skips or stops on the same update.
+
+The update that makes a policy diverge looks normal itself (its gradient is computed before it moves
+the weights); the guard sees it in the next update's KL and loss, so with ``stop`` a run ends one
+update after the damage and with ``skip`` no further damaging update is applied.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from fspo.runtime.distributed import any_rank, reduce_sum
+from fspo.update.stats import k3_sum
+
+log = logging.getLogger(__name__)
+ACTIONS = ("stop", "skip", "warn", "off")
+
+
+class DivergenceError(ValueError):
+    """Training diverged past a ``guard.*`` limit; the message names the measure and the settings to change."""
+
+
+class UpdateMeter:
+    """Sums over one update's micro-batches (this rank's share): token loss, k3 KL and tokens."""
+
+    def __init__(self):
+        self.loss_sum, self.kl_sum, self.tokens = 0.0, 0.0, 0.0
+
+    @torch.no_grad()
+    def add(self, token_loss: Tensor, logp: Tensor, old: Tensor, mask: Tensor) -> None:
+        """Add one micro-batch: per-token loss, current and old log-probs, response mask (all [b, T])."""
+        m = mask.float()
+        self.loss_sum += float((token_loss.detach().float() * m).sum())
+        self.kl_sum += k3_sum(logp.detach(), old, mask)
+        self.tokens += float(m.sum())
+
+
+@dataclass
+class DivergenceGuard:
+    """Limits checked before every optimizer step (see the module docstring); null disables a limit."""
+
+    action: str = "stop"
+    max_grad_norm: Optional[float] = 1.0e4
+    max_loss: Optional[float] = 1.0e3
+    max_kl: Optional[float] = 1.0
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"guard.action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+        for k in ("max_grad_norm", "max_loss", "max_kl"):
+            v = getattr(self, k)
+            if v is not None and not float(v) > 0:
+                raise ValueError(f"guard.{k} must be > 0 or null, got {v}")
+
+    @property
+    def enabled(self) -> bool:
+        limits = (self.max_grad_norm, self.max_loss, self.max_kl)
+        return self.action != "off" and any(v is not None for v in limits)
+
+    def breaches(self, grad_norm: float, loss: float, kl: float) -> List[str]:
+        """The exceeded limits as ``"<measure> <value> > guard.<key>=<limit>"`` (empty: within limits)."""
+        out = []
+        for name, value, key in (("grad norm", grad_norm, "max_grad_norm"), ("loss", abs(loss), "max_loss"),
+                                 ("KL", kl, "max_kl")):
+            limit = getattr(self, key)
+            if limit is not None and value > float(limit):
+                out.append(f"{name} {value:.3g} > guard.{key}={float(limit):g}")
+        return out
+
+    def check(self, grad_norm: Tensor, meter: UpdateMeter, device=None, where: str = "", lr: float = 0.0) -> str:
+        """The verdict for one update: ``"step"`` (within limits), ``"warn"`` (exceeded, step anyway) or
+        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data parallelism: every rank must call it for
+        every update (``where`` and ``lr`` only go into the message)."""
+        if not self.enabled:
+            return "step"
+        loss_sum, kl_sum, tokens = reduce_sum([meter.loss_sum, meter.kl_sum, meter.tokens], device)
+        tokens = max(tokens, 1.0)
+        found = self.breaches(float(grad_norm), loss_sum / tokens, kl_sum / tokens)
+        if not any_rank(bool(found), device):  # the same verdict on every rank
+            return "step"
+        what = "; ".join(found) or "a limit was exceeded on another rank"
+        if self.action == "stop":
+            raise DivergenceError(
+                f"training diverged at {where}: {what}. Lower ppo.lr (now {lr:g}), or set "
+                f"guard.action=skip (drop such updates) / warn, or raise the guard.* limit; checkpoints already "
+                f"written are kept (continue with resume=auto)")
+        log.warning("divergence guard at %s: %s -- %s", where, what,
+                    "update skipped" if self.action == "skip" else "stepping anyway (guard.action=warn)")
+        return "skip" if self.action == "skip" else "warn"

@@ -1,0 +1,88 @@
+"""Per-token log-probabilities of sampled responses under a causal LM.
+
+Owns: `response_log_probs`, the one forward pass the trainer uses both for old log-probs and
+for the policy loss (so both sides of the ratio come from the same computation).
+
+    logp[i, t] = log softmax(logits[i, P - 1 + t] / temperature)[response_ids[i, t]]
+
+computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Only the K
+positions that predict response tokens are turned into log-probs (a [K, V] float32 tensor, never
+[B, T, V] with the padding of the response layout; with the one-row layout the LM head itself
+runs on those K positions only), which matters for real vocabularies (151,936 for Qwen3). Position ids
+are ``cumsum(attention_mask) - 1`` so left padding does not shift positions, as in generation.
+Optionally returns the per-token entropy of the same distribution (no gradient).
+
+With ``pack_width`` set, the sequences are packed without padding and the response logits are
+gathered back to the [B, T] layout, so the result is the same as the padded pass: into one row
+with causal attention per sequence when the model uses segment attention
+(fspo/models/segment_attention.py; ``pack_width`` is then ignored), else into rows of
+``pack_width`` with block-diagonal attention from restarting position ids (fspo/update/packing.py). ``usage`` (a
+`fspo.update.packing.TokenUsage`) counts the token slots computed vs real tokens (padding waste).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fspo.models.segment_attention import uses_segment_attention
+from fspo.update.packing import TokenUsage, pack_batch, pack_segments
+from fspo.types import RolloutBatch
+
+
+def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> Tensor:
+    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass."""
+    input_ids = batch.input_ids()
+    attn = batch.attention_mask()
+    if usage is not None:
+        usage.add(input_ids.numel(), int(attn.sum()))
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                   use_cache=False).logits
+    return logits[:, p - 1:p + t - 1][batch.response_mask.bool()]
+
+
+def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage]) -> Tensor:
+    """[K, V] as `_padded_logits`, from a packed pass; the one-row layout computes the LM head only
+    at those K positions (``logits_to_keep``)."""
+    mask = batch.response_mask.bool()
+    if uses_segment_attention(model):  # one unpadded row; the placeholder 4D mask stops mask building
+        lay = pack_segments(batch)
+        keep = lay.logit_index[mask]
+        kw = dict(attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lay.input_ids.device),
+                  fspo_segments=lay.segments, logits_to_keep=keep)
+    else:
+        lay, keep = pack_batch(batch, width), None
+        kw = dict(attention_mask=None)
+    if usage is not None:
+        usage.add(lay.slots, lay.real_tokens)
+    logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, use_cache=False, **kw).logits
+    return logits[0] if keep is not None else logits.flatten(0, 1)[lay.logit_index[mask]]
+
+
+def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False,
+                       pack_width: Optional[int] = None,
+                       usage: Optional[TokenUsage] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(logp [B, T] float32, entropy [B, T] float32 or None) for ``batch``'s responses.
+
+    ``pack_width``: None for the padded pass, else the packed row width (at least the longest
+    sequence; see the module docstring)."""
+    mask = batch.response_mask.bool()
+    if pack_width is None:
+        logits = _padded_logits(model, batch, usage)
+    else:
+        logits = _packed_logits(model, batch, pack_width, usage)
+    logits = logits.float()  # [K, V]: only the sampled tokens' positions, never [B, T, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    flat = logits.gather(-1, batch.response_ids[mask].unsqueeze(-1)).squeeze(-1) - logz
+    logp = flat.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat)
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            ent = logz.new_zeros(batch.response_ids.shape).masked_scatter(mask, logz - (probs * logits).sum(-1))
+    return logp, ent

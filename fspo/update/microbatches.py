@@ -1,0 +1,127 @@
+"""Splitting a rollout batch into PPO mini-batches and token-budget micro-batches.
+
+Owns: the PPO mini-batches of a step
+(`minibatch_plan`: `minibatch_indices` shuffles sequences, `group_minibatch_indices` whole prompt
+groups; `check_mini_batch` validates the batch settings) and `token_budget_micro_batches`
+(micro-batches for the forward/backward passes). Leaves out: the loss itself (fspo/update/module.py,
+fspo/losses.py) and which prompts a step sees (fspo/data/sampler.py).
+
+Units: ``prompts_per_step`` counts prompts; the step's batch is ``prompts_per_step * n`` sequences
+(n = ``rollout.sampling.n``). ``ppo.mini_batch_size`` counts what ``ppo.mini_batch_unit`` says:
+``sequences`` (rows shuffled one by one) or ``prompts`` (verl's ``ppo_mini_batch_size``: that many
+whole groups of n, i.e. ``mini_batch_size * n`` sequences, so the 1/G group average of the
+objective lies inside one mini-batch).
+
+Micro-batches follow verl's dynamic batch size: sequences are sorted by total length
+(prompt + response) and packed greedily so that ``rows * longest_row <= max_tokens`` (the padded
+size of the micro-batch), with at most ``max_seqs`` rows. Sorting keeps padding waste low for any
+length mix; a single sequence longer than the budget gets a micro-batch of its own.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+MINI_BATCH_UNITS = ("sequences", "prompts")
+
+
+def check_mini_batch(prompts_per_step: int, n: int, mini_batch_size: int, unit: str = "sequences") -> int:
+    """Optimizer updates per epoch of one step's batch; a ValueError naming the keys and the fix when
+    ``ppo.mini_batch_size`` (counted in ``unit``) does not fit the step's batch of ``prompts_per_step``
+    prompts x ``n`` samples. With ``unit="prompts"`` the batch must split into equal mini-batches of
+    whole groups (verl: ``train_batch_size % ppo_mini_batch_size == 0``); with ``"sequences"`` the last
+    mini-batch may be smaller (the behaviour before the unit existed)."""
+    if unit not in MINI_BATCH_UNITS:
+        raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, got {unit!r}")
+    if mini_batch_size < 1:
+        raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
+    if prompts_per_step < 1 or n < 1:
+        raise ValueError(f"prompts_per_step and rollout.sampling.n must be >= 1, got {prompts_per_step} and {n}")
+    seqs = prompts_per_step * n
+    step = prompts_per_step if unit == "prompts" else seqs
+    batch = (f"the step's batch of prompts_per_step={prompts_per_step} prompts x rollout.sampling.n={n} "
+             f"= {seqs} sequences")
+    if mini_batch_size > step:
+        hint = ""
+        if unit == "prompts" and mini_batch_size <= seqs:
+            hint = f"; if {mini_batch_size} counts sequences, set ppo.mini_batch_unit=sequences"
+        raise ValueError(
+            f"ppo.mini_batch_size={mini_batch_size} {unit} (ppo.mini_batch_unit={unit}) is larger than {batch}: "
+            f"set ppo.mini_batch_size <= {step} or raise prompts_per_step{hint}")
+    if unit == "prompts" and prompts_per_step % mini_batch_size:
+        raise ValueError(
+            f"prompts_per_step={prompts_per_step} does not split into whole mini-batches of "
+            f"ppo.mini_batch_size={mini_batch_size} prompts (ppo.mini_batch_unit=prompts): make prompts_per_step "
+            f"a multiple of ppo.mini_batch_size (every update then sees the same number of whole groups)")
+    return -(-step // mini_batch_size)
+
+
+def minibatch_plan(batch_size: int, mini_batch_size: int, epochs: int = 1, generator: Optional[torch.Generator] = None,
+                   unit: str = "sequences", group_ids: Optional[Tensor] = None) -> List[Tensor]:
+    """A step's mini-batches in training order: ``epochs`` reshuffles of the ``batch_size`` rows into
+    mini-batches of ``mini_batch_size`` ``unit``s (``"prompts"``: whole groups by ``group_ids`` [B],
+    `group_minibatch_indices`; ``"sequences"``: `minibatch_indices`, ``group_ids`` unused)."""
+    if unit == "sequences":
+        return [mb for _ in range(epochs) for mb in minibatch_indices(batch_size, mini_batch_size, generator)]
+    if unit != "prompts":
+        raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, got {unit!r}")
+    if group_ids is None or group_ids.numel() != batch_size:
+        raise ValueError(f"ppo.mini_batch_unit=prompts needs the batch's group ids ({batch_size} rows), got "
+                         f"{None if group_ids is None else group_ids.numel()}")
+    return [mb for _ in range(epochs) for mb in group_minibatch_indices(group_ids, mini_batch_size, generator)]
+
+
+def group_minibatch_indices(group_ids: Tensor, mini_batch_size: int, generator: Optional[torch.Generator] = None,
+                            shuffle: bool = True) -> List[Tensor]:
+    """Partition the rows into mini-batches of ``mini_batch_size`` whole groups (last may have fewer).
+
+    ``group_ids`` [B]: the prompt each row answers (`fspo.types.RolloutBatch.group_ids`). The groups,
+    not the rows, are shuffled; a mini-batch lists its groups' rows group after group, each group's
+    rows in batch order. Every row lands in exactly one mini-batch.
+    """
+    if mini_batch_size < 1:
+        raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
+    uniq, inv = torch.unique(group_ids.reshape(-1).cpu(), return_inverse=True)
+    k = len(uniq)
+    if k == 0:
+        return []
+    order = torch.randperm(k, generator=generator) if shuffle else torch.arange(k)
+    slot = torch.empty(k, dtype=torch.long)
+    slot[order] = torch.arange(k)  # position of each group in the shuffled order
+    rows = torch.argsort(slot[inv], stable=True)
+    sizes = torch.bincount(inv, minlength=k)[order]
+    return list(rows.split([int(s.sum()) for s in sizes.split(mini_batch_size)]))
+
+
+def minibatch_indices(batch_size: int, mini_batch_size: int, generator: Optional[torch.Generator] = None,
+                      shuffle: bool = True) -> List[Tensor]:
+    """Partition ``range(batch_size)`` into PPO mini-batches of ``mini_batch_size`` (last may be smaller)."""
+    if mini_batch_size < 1:
+        raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
+    order = torch.randperm(batch_size, generator=generator) if shuffle else torch.arange(batch_size)
+    return list(order.split(mini_batch_size))
+
+
+def token_budget_micro_batches(total_lengths: Tensor, max_tokens: int, max_seqs: int = 1 << 30) -> List[Tensor]:
+    """Index groups with ``len(group) * max(total_lengths[group]) <= max_tokens`` (padded tokens).
+
+    ``total_lengths`` [B] is each row's prompt+response token count. Returns index tensors into
+    the batch, each sorted by length descending.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
+    order = torch.argsort(total_lengths, descending=True, stable=True)
+    groups, cur, cur_max = [], [], 0
+    for i in order.tolist():
+        li = int(total_lengths[i])
+        new_max = max(cur_max, li)
+        if cur and ((len(cur) + 1) * new_max > max_tokens or len(cur) >= max_seqs):
+            groups.append(torch.tensor(cur, dtype=torch.long))
+            cur, new_max = [], li
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        groups.append(torch.tensor(cur, dtype=torch.long))
+    return groups

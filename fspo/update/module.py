@@ -1,0 +1,286 @@
+"""The LightningModule: holds the policy and optimizer and runs the PPO-style update on a rollout batch.
+
+Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
+aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are `fspo.update.settings.PPOConfig`.
+Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills ``batch["rollout"]``),
+the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
+forward passes and their micro-batch layouts (fspo/update/forward.py) and the diagnostics
+(fspo/diagnostics) — the step only wires them together, with no per-method code.
+
+Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
+shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
+shuffled one by one; ``prompts``: whole groups of G, as verl counts ``ppo_mini_batch_size``;
+fspo/update/microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
+micro-batches with the mini-batch's total token and sequence counts as denominators, so
+micro-batching never changes the loss. Old log-probs
+(``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
+(same policy, no extra pass; the train-inference gap is logged as ``rollout/logprob_gap``);
+``recompute`` runs this module's own no-grad forward pass before the first update, leaving out,
+with one epoch, the rows of the step's first mini-batch: the policy has not changed since
+generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
+old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
+one update per step it skips all of it. Old log-probs already in the batch are used as given.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional
+
+import lightning as L
+import torch
+
+from fspo.update import forward as passes
+from fspo.runtime.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
+                              gather_rollout, rank_offset, reduce_step_stats, reduce_sum, share)
+from fspo.update.metric_logging import emit_metrics
+from fspo.update.guard import DivergenceGuard, UpdateMeter
+from fspo.update.settings import PPOConfig
+from fspo.models.segment_attention import enable_segment_attention
+from fspo.update.stats import StepStats, peak_memory_mib
+from fspo.types import RolloutBatch
+
+
+class RLModule(L.LightningModule):
+    """Policy + optimizer + the clipped policy-gradient update.
+
+    ``policy`` is an HF causal LM; ``clip`` a `ClipRule`; ``aggregator`` maps
+    (token_loss, response_mask, total_tokens=, total_seqs=) to an object with ``.loss``;
+    ``diagnostics`` a `FairnessMetrics` (per-step, reset every step) and ``run_diagnostics`` a
+    second one accumulated over the whole run (for end-of-run plots).
+    """
+
+    def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
+                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None):
+        super().__init__()
+        self.policy = policy
+        # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
+        self.correction = correction if correction is not None and correction.enabled else None
+        if self.correction is not None and ppo.old_log_probs != "recompute":
+            raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
+                             "have zero mismatch by construction)")
+        self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
+        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
+            enable_segment_attention(policy)
+        self.clip = clip
+        self.aggregator = aggregator
+        self.ppo = ppo
+        self.diagnostics = diagnostics
+        self.run_diagnostics = run_diagnostics
+        self.seed = seed
+        self.automatic_optimization = False
+        self.timings: Dict[str, float] = {}  # this step's seconds per phase: the rollout's, then the update's
+        self.register_buffer("skipped_updates", torch.zeros((), dtype=torch.long))
+        # RL steps completed; MLflow step of both the step's training metrics (logged before the
+        # increment) and of validations run after it, so "step s" always means "after s updates".
+        self.register_buffer("rl_step", torch.zeros((), dtype=torch.long))
+        self._val_sums: Dict[str, float] = {}
+
+    # ---------------------------------------------------------------- optimizer
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.ppo.lr, betas=tuple(self.ppo.betas),
+                                weight_decay=self.ppo.weight_decay)
+        warm = max(0, int(self.ppo.warmup_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        return [opt], [sched]
+
+    def configure_model(self):
+        """Shard the policy under `trainer=fsdp` (fspo/runtime/distributed.py); a no-op on one device."""
+        configure_sharding(self)
+
+    def _diagnostics(self):
+        return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
+
+    def _has_gap(self, batch: RolloutBatch) -> bool:
+        """Whether the train-inference gap can be measured: the engine reported log-probs (vLLM's are
+        raw, i.e. at temperature 1) and the trainer's are at temperature 1 too."""
+        return batch.engine_log_probs is not None and float(self.ppo.logprob_temperature) == 1.0
+
+    # ---------------------------------------------------------------- training
+    def training_step(self, batch, batch_idx):
+        rollout: Optional[RolloutBatch] = batch.get("rollout") if isinstance(batch, dict) else None
+        if rollout is None:
+            raise RuntimeError("training batch has no 'rollout': add fspo.rollout.callback.RolloutCallback to the "
+                               "Trainer's callbacks (experiments/run.py does this)")
+        rollout.validate()
+        self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward (fspo/rollout/callback.py)
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        stats = StepStats()
+        # data parallel (fspo/runtime/distributed.py): each rank generated its share of the prompts; after its
+        # old log-probs the whole batch is gathered and mini-batches are drawn from it as on one process
+        rank, world = dp_rank_size(self)
+        local = rollout
+        global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
+        groups = None
+        if self.ppo.mini_batch_unit == "prompts":  # whole groups: the global batch's group ids
+            if rollout.group_ids is None:
+                raise ValueError("ppo.mini_batch_unit=prompts needs RolloutBatch.group_ids; the rollout has none")
+            groups = gather_group_ids(rollout.group_ids)
+        plan = self.ppo.minibatch_plan(global_size, g, groups)
+        t0 = time.perf_counter()
+        if rollout.old_log_probs is None and self.ppo.old_log_probs == "engine":
+            if rollout.engine_log_probs is None:
+                raise ValueError(
+                    "ppo.old_log_probs=engine but the rollout engine reported no log-probs (HFEngine reports them "
+                    "when rollout.engine.compact=true, VLLMEngine always): set ppo.old_log_probs=recompute")
+            rollout.old_log_probs = rollout.engine_log_probs.float() * rollout.response_mask
+        supplied = rollout.old_log_probs is not None
+        if not supplied:
+            # the first mini-batch is trained before any update: its loss pass gives its old log-probs
+            # (with one epoch; with more, its rows recur after updates and need theirs computed here)
+            offset = rank_offset(rollout.batch_size, rank, world, self.device)
+            # (a mismatch correction needs every row's recomputed old log-probs before the first update)
+            first = plan[0] - offset if self.ppo.epochs == 1 and self.correction is None else plan[0][:0]
+            first = first[(first >= 0) & (first < rollout.batch_size)]
+            rollout.old_log_probs = passes.old_log_probs(self, rollout, usage=stats.usage_old, skip=first)
+            if self._has_gap(rollout):  # the skipped rows' gap is taken in their loss pass (_update)
+                computed = rollout.response_mask.clone()
+                computed[first.to(computed.device)] = 0
+                stats.add_gap(rollout.engine_log_probs, rollout.old_log_probs, computed)
+        if self.correction is not None:  # the step's mismatch law and diagnostics, from this rank's rows
+            self.correction.fit(rollout)
+        rollout = gather_rollout(rollout)
+        self.timings["time/old_log_probs"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for updates, mb_idx in enumerate(plan):
+            mb = rollout.select(mb_idx.to(rollout.response_ids.device))
+            # the gap of rows the old-log-prob pass did not compute is taken in the first loss pass
+            self._update(mb, opt, stats, on_policy=(updates == 0), old_from_loss=(updates == 0 and not supplied),
+                         gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
+                         rows=share(torch.arange(mb.batch_size), rank, world))
+        sched.step()
+        self.timings["time/train"] = time.perf_counter() - t0
+        self._log_step(local, stats, batch.get("rollout_metrics", {}))
+        self.rl_step += 1
+
+    def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,
+                rows=None, gap: bool = False) -> None:
+        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches); with
+        ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones;
+        with ``gap`` the loss pass's log-probs are compared with the engine's (``rollout/logprob_gap``).
+
+        The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
+        FSDP sums the ranks' gradients)."""
+        total_tokens = mb.lengths.sum().clamp(min=1)
+        total_seqs = mb.batch_size
+        norm_len = mb.response_mask.shape[-1]  # seq-mean-token-sum-norm: the mini-batch's width, not a micro-batch's
+        dummy = mb.select(torch.zeros(1, dtype=torch.long, device=mb.response_ids.device)).trim()
+        if rows is not None:
+            mb = mb.select(rows.to(mb.response_ids.device))
+        opt.zero_grad()
+        observed = []
+        meter = UpdateMeter()  # this update's loss and KL for the divergence guard
+        groups, width = passes.micro_batches(self, mb)
+        for idx in groups:
+            micro = dummy if idx is None else mb.select(idx).trim()
+            logp, ent = passes.log_probs(self, micro, with_entropy=self.ppo.log_entropy, pack_width=width,
+                                       usage=None if idx is None else stats.usage)
+            old = logp.detach() if old_from_loss else micro.old_log_probs  # no update yet: the old policy
+            if gap and idx is not None and self._has_gap(micro):  # no update yet: the policy the engine sampled
+                stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
+            t_l = time.perf_counter()
+            res = self.clip(logp, old, micro.advantages, micro.response_mask)
+            tok_loss = res.token_loss if self.correction is None else res.token_loss * self.correction.weights(micro)
+            agg = self.aggregator(tok_loss, micro.response_mask, total_tokens=total_tokens,
+                                  total_seqs=total_seqs, norm_len=norm_len)
+            stats.loss_time += time.perf_counter() - t_l
+            loss = agg.loss if idx is not None else agg.loss * 0.0
+            if any_rank(not bool(torch.isfinite(loss)), self.device):  # every rank takes the same branch
+                stats.nonfinite = True
+                break
+            self.manual_backward(loss)
+            if idx is None:
+                continue
+            t_m = time.perf_counter()
+            stats.add_micro(agg.loss.detach(), logp.detach(), old, ent, micro.response_mask)
+            meter.add(res.token_loss, logp, old, micro.response_mask)
+            # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
+            for d in self._diagnostics():
+                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
+            stats.metrics_time += time.perf_counter() - t_m
+            observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
+        grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)
+        if stats.nonfinite or not torch.isfinite(grad_norm):
+            if self.ppo.nonfinite == "raise":
+                raise FloatingPointError(
+                    "non-finite loss or gradient in the policy update; set ppo.nonfinite=skip to skip such "
+                    "updates instead (the last checkpoint is intact)")
+            opt.zero_grad()
+            self.skipped_updates += 1
+            stats.skipped += 1
+            return
+        if self.guard is not None:  # collective: every rank checks every update and gets the same verdict
+            update = len(stats.grad_norms) + stats.skipped + 1  # this step's updates so far, stepped or skipped
+            verdict = self.guard.check(grad_norm, meter, self.device, lr=float(opt.param_groups[0]["lr"]),
+                                       where=f"RL step {int(self.rl_step)}, update {update}")
+            if verdict != "step":
+                stats.guard_trips += 1
+            if verdict == "skip":  # exactly no update: gradients dropped, no optimizer step
+                opt.zero_grad()
+                self.skipped_updates += 1
+                stats.skipped += 1
+                return
+        opt.step()
+        stats.grad_norms.append(float(grad_norm))
+        # on-policy mini-batches have S == 0 exactly: no information on sigma; with several ranks every
+        # rank calls observe (it all-reduces), even one whose share was empty
+        if not on_policy and (observed or dp_rank_size(self)[1] > 1):
+            # once per optimizer step, on the whole mini-batch (micro-batches joined; tokens flattened)
+            z = torch.zeros(0, device=self.device)
+            seq = torch.cat([z] + [o[0] for o in observed])
+            lengths = torch.cat([z.long()] + [o[1] for o in observed])
+            tok = torch.cat([z] + [o[2][o[3].bool()] for o in observed])
+            self.clip.observe(seq, lengths, tok, torch.ones_like(tok))
+
+    def _log_step(self, rollout: RolloutBatch, stats: "StepStats", extra: Dict[str, float]) -> None:
+        t_m = time.perf_counter()
+        for d in self._diagnostics():
+            d.update_rollout(rollout.lengths, rollout.overlong)
+        metrics = dict(self.diagnostics.compute())
+        self.diagnostics.reset()
+        metrics.update(self.clip.extra_metrics())
+        if self.correction is not None:
+            metrics.update(self.correction.compute_metrics())
+        if dp_rank_size(self)[1] > 1:
+            reduce_step_stats(stats, self.device)  # token and loss sums over ranks
+        metrics.update(stats.compute())
+        metrics.update(extra)
+        metrics["train/skipped_updates_total"] = float(self.skipped_updates)
+        metrics["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
+        self.timings["time/metrics"] = stats.metrics_time + time.perf_counter() - t_m
+        metrics.update(self.timings)
+        tokens = reduce_sum([rollout.lengths.sum()], self.device)[0]
+        step_time = sum(v for k, v in self.timings.items() if k.startswith("time/"))
+        metrics["perf/step_time_s"] = step_time
+        metrics["perf/peak_memory_mib"] = peak_memory_mib(self.device)
+        metrics["perf/loss_metrics_share"] = (stats.loss_time + self.timings["time/metrics"]) / max(step_time, 1e-9)
+        metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
+        self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
+
+    def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
+        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics`` (fspo/update/metric_logging.py)."""
+        emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
+
+    # ---------------------------------------------------------------- validation
+    def validation_step(self, batch, batch_idx):
+        stats = batch.get("val_stats") if isinstance(batch, dict) else None
+        if stats is None:
+            raise RuntimeError("validation batch has no 'val_stats': add fspo.rollout.callback.RolloutCallback")
+        n = stats["_count"]
+        self._val_sums["_count"] = self._val_sums.get("_count", 0) + n
+        for k, v in stats.items():
+            if k != "_count":
+                self._val_sums[k] = self._val_sums.get(k, 0.0) + v * n
+
+    def on_validation_epoch_end(self):
+        sums, self._val_sums = self._val_sums, {}
+        n = sums.pop("_count", 0)
+        if n or self.trainer.world_size > 1:  # a rank may hold only padding prompts (n = 0): it still reduces
+            metrics = {k: v / max(n, 1) for k, v in sums.items()}
+            if self.trainer.world_size > 1:  # exact mean over ranks: all-reduce the sums
+                t = torch.tensor([n] + [sums[k] for k in sorted(sums)], dtype=torch.float64, device=self.device)
+                t = self.trainer.strategy.reduce(t, reduce_op="sum")
+                metrics = {k: float(t[i + 1] / t[0].clamp(min=1)) for i, k in enumerate(sorted(sums))}
+            self._emit(metrics, prog_bar={"val/accuracy"}, on_step=False)

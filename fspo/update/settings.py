@@ -1,0 +1,81 @@
+"""The update's settings (``ppo:`` in conf/config.yaml): batch units, passes, optimizer, old log-probs.
+
+Owns: `PPOConfig`, a pure value checked on construction (fspo/runtime/config_check.py builds it before
+anything loads). Leaves out: the update itself (fspo/update/module.py) and the mini-batch arithmetic
+(fspo/update/microbatches.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fspo.update.microbatches import MINI_BATCH_UNITS, check_mini_batch, minibatch_plan
+
+
+@dataclass
+class PPOConfig:
+    """PPO-style update settings.
+
+    ``mini_batch_size`` counts ``mini_batch_unit``: ``"sequences"`` (the default) or ``"prompts"``
+    (whole groups of ``samples_per_prompt`` sequences, verl's ``ppo_mini_batch_size``). The paper
+    (Table 2, run in verl) has 128 prompts x n 16 = 2,048 sequences per step and mini-batch 32
+    prompts (512 sequences): 4 optimizer updates per step (conf/experiment/paper_*.yaml).
+    ``prompts_per_step`` / ``samples_per_prompt`` mirror the root ``prompts_per_step`` and
+    ``rollout.sampling.n`` (conf/config.yaml interpolates them): with both set the batch settings
+    are checked on construction (`fspo.update.microbatches.check_mini_batch`), before any model loads.
+    """
+
+    mini_batch_size: int = 32
+    mini_batch_unit: str = "sequences"  # what mini_batch_size counts: "sequences" | "prompts"
+    prompts_per_step: Optional[int] = None
+    samples_per_prompt: Optional[int] = None
+    epochs: int = 1
+    micro_batch_max_tokens: int = 8192
+    packing: bool = True         # no padding: one row per micro-batch, or rows (fspo/update/forward.py)
+    pack_row_factor: float = 2.0  # rows layout: widest = this x the longest (fspo.update.packing.row_width picks)
+    max_grad_norm: float = 1.0
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    warmup_steps: int = 0
+    logprob_temperature: float = 1.0
+    old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
+    log_entropy: bool = True
+    nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
+        if self.mini_batch_unit not in MINI_BATCH_UNITS:
+            raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, "
+                             f"got {self.mini_batch_unit!r}")
+        if self.mini_batch_size < 1:
+            raise ValueError(f"ppo.mini_batch_size must be >= 1, got {self.mini_batch_size}")
+        if self.prompts_per_step is not None and self.samples_per_prompt is not None:
+            check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
+                             self.mini_batch_unit)
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        if self.old_log_probs not in ("recompute", "engine"):
+            raise ValueError(f"ppo.old_log_probs must be 'recompute' or 'engine', got {self.old_log_probs!r}")
+        if self.old_log_probs == "engine" and float(self.logprob_temperature) != 1.0:
+            raise ValueError(
+                f"ppo.old_log_probs=engine takes the engine's log-probs, which are at temperature 1 (raw logits), "
+                f"but ppo.logprob_temperature is {self.logprob_temperature} (it follows rollout.sampling.temperature): "
+                f"set ppo.old_log_probs=recompute")
+
+    @property
+    def updates_per_step(self) -> Optional[int]:
+        """Optimizer updates per RL step (``epochs`` x mini-batches), None without the batch mirrors."""
+        if self.prompts_per_step is None or self.samples_per_prompt is None:
+            return None
+        return self.epochs * check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt),
+                                              self.mini_batch_size, self.mini_batch_unit)
+
+    def minibatch_plan(self, batch_size: int, generator: torch.Generator, group_ids=None) -> list:
+        """The step's mini-batches (row indices of the global batch of ``batch_size`` rows, group ids
+        ``group_ids`` [B]) in training order: `fspo.update.microbatches.minibatch_plan`."""
+        return minibatch_plan(batch_size, self.mini_batch_size, self.epochs, generator, self.mini_batch_unit,
+                              group_ids)

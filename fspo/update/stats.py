@@ -1,0 +1,108 @@
+"""Per-step training statistics that are not length diagnostics: loss, KL, entropy, grad norm.
+
+Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch, `k3_sum`
+(the KL estimate below, also the divergence guard's) and `peak_memory_mib`. Token
+statistics are token-weighted over every micro-batch of every update in the step:
+
+    train/kl       = mean_t k3_t,  k3_t = r_t - 1 - log r_t,  r_t = exp(logp_new - logp_old)
+                     (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
+    train/entropy  = mean_t H(pi_theta(. | h_t))
+    train/loss     = sum over updates of each mini-batch loss / number of updates
+    guard/trips    = updates that exceeded a divergence limit (fspo/update/guard.py; skipped ones also count
+                     in train/skipped_updates)
+    perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
+                     (old log-probs and training; fspo/update/packing.py); perf/train_tokens and
+                     perf/old_log_probs_tokens count the real (prompt + response) tokens of each pass
+    rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| over sampled response tokens: the
+                     train-inference mismatch (logged only when the engine reports log-probs)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from fspo.update.packing import TokenUsage
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    ent_sum: float = 0.0
+    ent_tokens: float = 0.0
+    grad_norms: List[float] = field(default_factory=list)
+    skipped: int = 0
+    guard_trips: int = 0  # updates past a divergence limit (fspo/update/guard.py), skipped or not
+    nonfinite: bool = False
+    metrics_time: float = 0.0
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
+    loss_time: float = 0.0  # seconds in the clip rule + aggregation (forward)
+    usage: TokenUsage = field(default_factory=TokenUsage)      # token slots of the training passes
+    usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
+
+    @torch.no_grad()
+    def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
+        m = mask.float()
+        self.loss_sum += float(loss)
+        n = float(m.sum())
+        self.tokens += n
+        self.kl_sum += k3_sum(logp, old, mask)
+        if entropy is not None:
+            self.ent_sum += float((entropy * m).sum())
+            self.ent_tokens += n
+
+    @torch.no_grad()
+    def add_gap(self, engine: Tensor, trainer: Tensor, mask: Tensor) -> None:
+        """Accumulate |engine - trainer| log-prob differences on the response tokens of ``mask``."""
+        m = mask.bool()
+        self.gap_sum += float((engine.float() - trainer.float()).abs()[m].sum())
+        self.gap_tokens += float(m.sum())
+
+    def compute(self) -> Dict[str, float]:
+        updates = len(self.grad_norms)
+        out = {
+            "train/loss": self.loss_sum / max(updates, 1),
+            "train/kl": self.kl_sum / max(self.tokens, 1.0),
+            "train/updates": float(updates),
+            "train/skipped_updates": float(self.skipped),
+            "guard/trips": float(self.guard_trips),
+        }
+        if updates:
+            out["train/grad_norm"] = sum(self.grad_norms) / updates
+        both = TokenUsage(self.usage.slots + self.usage_old.slots, self.usage.tokens + self.usage_old.tokens)
+        if both.tokens:
+            out["perf/padding_waste"] = both.waste
+            out["perf/train_tokens"] = self.usage.tokens
+            out["perf/old_log_probs_tokens"] = self.usage_old.tokens
+        out["perf/loss_time_s"] = self.loss_time
+        if self.gap_tokens:
+            out["rollout/logprob_gap"] = self.gap_sum / self.gap_tokens
+        if self.ent_tokens:
+            out["train/entropy"] = self.ent_sum / self.ent_tokens
+        return out
+
+
+@torch.no_grad()
+def k3_sum(logp: Tensor, old: Tensor, mask: Tensor) -> float:
+    """sum over the tokens of ``mask`` of k3 = r - 1 - log r, r = exp(logp - old) (log-ratio clamped to +-20)."""
+    m = mask.float()
+    d = ((logp - old) * m).clamp(-20, 20)
+    return float(((torch.exp(d) - 1 - d) * m).sum())
+
+
+def peak_memory_mib(device) -> float:
+    """Peak memory since the last call: CUDA max allocated (then reset) on a GPU, else the process's
+    peak resident set size so far (Linux ``ru_maxrss``, which never decreases)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
