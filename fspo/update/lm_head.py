@@ -1,0 +1,144 @@
+"""Chunked LM-head log-probabilities: the [K, V] float32 logits are never held at once.
+
+Contract: for K positions with final hidden states ``hidden`` [K, H], the LM-head ``weight`` [V, H]
+(optionally ``bias`` [V]; the weight may be tied to the input embedding) and the sampled tokens
+``targets`` [K],
+
+    z      = hidden @ weight.T (+ bias)                       [K, V], computed in float32
+    logp_k = z_{k, y_k} / T - logsumexp_v(z_{k, v} / T)       (T = temperature)
+    H_k    = logsumexp(z_k / T) - sum_v softmax(z_k / T)_v * z_{k, v} / T      (entropy, no gradient)
+
+which is what `fspo.logprobs.response_log_probs` computes from dense logits (``logits.float() /
+temperature``, logsumexp, gather). Gradients follow from
+
+    d logp_k / d z_{k, v} = (onehot(y_k)_v - softmax(z_k / T)_v) / T
+
+so with g = the incoming gradient [K] and D = g[:, None] * (onehot(y) - softmax(z / T)) / T [K, V]:
+
+    d hidden = D @ weight          d weight = D.T @ hidden          d bias = D.sum(0)
+
+Owns: `chunked_token_logprobs`, a `torch.autograd.Function` whose forward loops over row chunks of
+``hidden`` (``chunk_size`` rows each) and keeps only logsumexp and the target logit per row (and the
+entropy), saving ``hidden``, ``weight``, ``bias``, ``targets`` and ``logz`` [K]; its backward
+recomputes each chunk's logits and softmax and accumulates the weight (and bias) gradient in float32.
+bf16 / fp16 inputs are multiplied in their dtype (as the model's LM head would) and the logits cast
+to float32 before the softmax; d hidden is multiplied in the weight's dtype (as autograd through
+``.float()`` would), d weight accumulated in float32; the gradients come back in the inputs' dtypes.
+float64 inputs are computed, and returned, in float64 (for ``torch.autograd.gradcheck``).
+
+Leaves out: running the model's body (the caller passes the final hidden states at the K response
+positions), the [B, T] layout and response mask (the caller scatters the [K] result), packing, and
+any tensor / vocabulary parallelism (``weight`` is the full [V, H] matrix on this device).
+
+Memory: the peak extra memory is about ``chunk_size * V * 4 bytes * 2`` (one chunk's float32
+logits plus its softmax / gradient) plus the [V, H] weight gradient (a float32 accumulator for a
+bf16 weight), instead of ``K * V * 4 * (2-3)`` for the dense path (logits, float32 copy / scaled
+logits, softmax saved for backward). For V = 151,936, K = 8192 and chunk_size = 1024 that is ~1.2 GiB instead of ~10-15 GiB.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    """float32 for float32 / bf16 / fp16 inputs, float64 for float64 ones (so gradcheck can run)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float) -> Tensor:
+    """float32 (float64 for float64 inputs) [n, V]: (h @ weight.T (+ bias)) / temperature."""
+    z = h @ weight.t()
+    if bias is not None:
+        z += bias
+    z = z.to(_acc_dtype(z))
+    if temperature != 1.0:
+        z /= temperature  # z is a fresh buffer: in place saves a chunk
+    return z
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                temperature: float, chunk_size: int, with_entropy: bool):
+        k, acc = hidden.shape[0], _acc_dtype(weight)
+        logp = torch.empty(k, dtype=acc, device=hidden.device)
+        logz = torch.empty(k, dtype=acc, device=hidden.device)
+        ent = torch.empty(k, dtype=acc, device=hidden.device) if with_entropy else None
+        for s in range(0, k, chunk_size):
+            e = min(s + chunk_size, k)
+            z = _chunk_logits(hidden[s:e], weight, bias, temperature)
+            lz = torch.logsumexp(z, dim=-1)
+            logz[s:e] = lz
+            logp[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lz
+            if with_entropy:
+                # H = logz - sum p * z, with p = exp(z - logz) computed in place over the chunk
+                zp = z.sub(lz.unsqueeze(-1)).exp_().mul_(z)
+                ent[s:e] = lz - zp.sum(-1)
+                del zp
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, logz)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.has_bias = bias is not None
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp: Tensor, grad_ent: Optional[Tensor]):
+        hidden, weight, bias, targets, logz = ctx.saved_tensors
+        t, cs = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        k, acc = hidden.shape[0], logz.dtype
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
+            if (need_b and bias is not None) else None
+        if grad_logp is None:
+            grad_logp = torch.zeros(k, dtype=acc, device=hidden.device)
+        grad_logp = grad_logp.to(acc)
+        for s in range(0, k, cs):
+            e = min(s + cs, k)
+            h = hidden[s:e]
+            z = _chunk_logits(h, weight, bias, t)
+            # D = g * (onehot - softmax) / T, built in place in z's buffer
+            d = z.sub_(logz[s:e].unsqueeze(-1)).exp_().neg_()
+            d.scatter_add_(-1, targets[s:e].unsqueeze(-1), torch.ones(e - s, 1, dtype=d.dtype, device=d.device))
+            d.mul_((grad_logp[s:e] / t).unsqueeze(-1))
+            if grad_h is not None:  # in the weight's dtype, as autograd through `.float()` would
+                grad_h[s:e] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(d.t(), h.to(acc))
+            if grad_b is not None:
+                grad_b += d.sum(0)
+            del d, z
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                           chunk_size: int = 4096, bias: Optional[Tensor] = None,
+                           with_entropy: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """(logp [K] float32 (float64 for float64 inputs), entropy [K] or None) of ``targets`` under softmax((hidden @ weight.T
+    (+ bias)) / temperature), computed ``chunk_size`` rows at a time (see the module docstring).
+    Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``; the entropy carries no gradient."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [K, H] and weight [V, H] expected, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets [K={hidden.shape[0]}] expected, got {tuple(targets.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logp, ent = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature),
+                                            int(chunk_size), bool(with_entropy))
+    return logp, ent
