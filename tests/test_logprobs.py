@@ -110,3 +110,44 @@ def test_entropy_of_uniform_logits_is_log_vocab():
     v = m.config.vocab_size
     torch.testing.assert_close(lp, torch.full((1, 3), -torch.log(torch.tensor(float(v)))), atol=1e-6, rtol=0)
     torch.testing.assert_close(ent, torch.full((1, 3), torch.log(torch.tensor(float(v)))), atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ chunked LM head (ppo.lm_head_chunk_rows)
+@pytest.mark.parametrize("pack_width", [None, 0, 16])
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_chunked_head_equals_dense_values_entropy_and_gradients(pack_width, chunk):
+    """Issue 21: ``head_chunk_rows`` > 0 runs the model's body, then the LM head in chunks
+    (fspo/update/lm_head.py); log-probs, entropies and every parameter's gradient equal the dense
+    path's, in the padded (None), one-row segment (0 on an sdpa model with segment attention) and
+    packed-rows (16, no segment attention) layouts."""
+    from fspo.models.segment_attention import enable_segment_attention
+
+    rows = [(SHORT_PROMPT, SHORT_RESP), (LONG_PROMPT, LONG_RESP)]
+    results = []
+    for head_chunk in (0, chunk):
+        m = build_tiny_model(seed=0, initializer_range=0.1).train()
+        if pack_width == 0:
+            enable_segment_attention(m)
+        lp, ent = response_log_probs(m, batch_of(rows), temperature=0.7, with_entropy=True,
+                                     pack_width=pack_width, head_chunk_rows=head_chunk)
+        (lp * torch.tensor([[1.0], [0.5]])).sum().backward()
+        results.append((lp.detach(), ent, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent1, ent0, atol=1e-5, rtol=0)
+    assert g1.keys() == g0.keys() and any("lm_head" in n or "embed_tokens" in n for n in g0)  # the head's weight
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
+    ref_lp, _ = manual(build_tiny_model(seed=0, initializer_range=0.1).eval(), SHORT_PROMPT, SHORT_RESP, 0.7)
+    torch.testing.assert_close(lp1[0, :3].double(), ref_lp, atol=1e-5, rtol=0)
+
+
+def test_chunked_head_is_refused_under_fsdp():
+    from omegaconf import OmegaConf
+
+    from fspo.runtime.config_check import ConfigError, _cross_checks
+
+    cfg = OmegaConf.create({"ppo": {"lm_head_chunk_rows": 512},
+                            "trainer": {"strategy": {"_target_": "fspo.runtime.distributed.FSDP2Strategy"}}})
+    with pytest.raises(ConfigError, match=r"ppo.lm_head_chunk_rows=512: .*set ppo.lm_head_chunk_rows=0 with trainer=fsdp"):
+        _cross_checks(cfg, [])

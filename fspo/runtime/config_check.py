@@ -109,6 +109,7 @@ RULES: Tuple[Rule, ...] = (
          "ppo.mini_batch_size counts", example="sequences"),
     _int("ppo.epochs", 1, "passes over each step's batch", 1),
     _int("ppo.micro_batch_max_tokens", 1, "the token budget of one forward/backward", 8192),
+    _int("ppo.lm_head_chunk_rows", 0, "positions per chunk of the chunked LM-head log-prob; 0: dense", 1024),
     Rule("ppo.pack_row_factor", "number", lo=1, meaning="packed row width relative to the longest "
          "sequence", example=2.0),
     _pos("ppo.lr", "AdamW's learning rate", 2e-5),
@@ -191,6 +192,25 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if lo_new is not _ABSENT and hi_new is not _ABSENT and lo_new > hi_new:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
+    strategy = str(_get(cfg, "trainer.strategy._target_"))
+    if _get(cfg, "rollout.overlap.enable") is True:
+        old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
+        ds = _get(cfg, "rollout.dynamic_sampling.enable")
+        for bad, problem, fix in (
+                (old not in (_ABSENT, "engine"), f"ppo.old_log_probs={old} would take the ratio against the trainer's "
+                 f"current weights, which did not sample the pipelined batch", "set ppo.old_log_probs=engine"),
+                (not engine.endswith("HFEngine"), f"the engine process runs fspo.rollout.hf.HFEngine only, not {engine}",
+                 "use rollout=hf"),
+                (ds is True, "dynamic sampling draws extra prompts mid-step, which the pipeline cannot request ahead",
+                 "set rollout.dynamic_sampling.enable=false"),
+                ("FSDP" in strategy, "pipelined rollouts run on one process for now (one engine per rank is not built)",
+                 "use trainer=cpu")):
+            if bad:
+                raise _fail("rollout.overlap.enable", True, problem, fix)
+    chunk = _get(cfg, "ppo.lm_head_chunk_rows")
+    if chunk not in (_ABSENT, None) and int(chunk) > 0 and "FSDP" in strategy:
+        raise _fail("ppo.lm_head_chunk_rows", chunk, "the chunked LM head runs the model's body and head separately, "
+                    "which FSDP's sharded root module does not support yet", "set ppo.lm_head_chunk_rows=0 with trainer=fsdp")
     lr, betas = _get(cfg, "ppo.lr"), _get(cfg, "ppo.betas")
     if lr is not _ABSENT:
         beta1 = float(betas[0]) if betas not in (_ABSENT, None) and len(betas) else 0.9

@@ -52,7 +52,8 @@ def log_probs(module, batch: RolloutBatch, with_entropy: bool = False, pack_widt
     (most clip rules would clip it to a finite loss yet it would poison the EMA sigma and the
     diagnostics; NaN makes the update's non-finite guard skip the update)."""
     logp, ent = response_log_probs(module.policy, batch, module.ppo.logprob_temperature, with_entropy,
-                                   pack_width=pack_width, usage=usage)
+                                   pack_width=pack_width, usage=usage,
+                                   head_chunk_rows=int(getattr(module.ppo, "lm_head_chunk_rows", 0)))
     return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
 
 

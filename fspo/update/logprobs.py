@@ -27,24 +27,33 @@ import torch
 from torch import Tensor
 
 from fspo.models.segment_attention import uses_segment_attention
+from fspo.update.lm_head import chunked_token_logprobs
 from fspo.update.packing import TokenUsage, pack_batch, pack_segments
 from fspo.types import RolloutBatch
 
 
-def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage]) -> Tensor:
-    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass."""
+def _run(model, head: bool, **kw) -> Tensor:
+    """The model's logits (``head``), else the final hidden states of its body (no LM head)."""
+    if head:
+        return model(use_cache=False, **kw).logits
+    kw.pop("logits_to_keep", None)
+    return model.get_decoder()(use_cache=False, **kw).last_hidden_state
+
+
+def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head: bool = True) -> Tensor:
+    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass
+    (``head=False``: [K, H], the final hidden states at those positions)."""
     input_ids = batch.input_ids()
     attn = batch.attention_mask()
     if usage is not None:
         usage.add(input_ids.numel(), int(attn.sum()))
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                   use_cache=False).logits
+    logits = _run(model, head, input_ids=input_ids, attention_mask=attn, position_ids=position_ids)
     return logits[:, p - 1:p + t - 1][batch.response_mask.bool()]
 
 
-def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage]) -> Tensor:
+def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage], head: bool = True) -> Tensor:
     """[K, V] as `_padded_logits`, from a packed pass; the one-row layout computes the LM head only
     at those K positions (``logits_to_keep``)."""
     mask = batch.response_mask.bool()
@@ -58,18 +67,31 @@ def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[Token
         kw = dict(attention_mask=None)
     if usage is not None:
         usage.add(lay.slots, lay.real_tokens)
-    logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, use_cache=False, **kw).logits
-    return logits[0] if keep is not None else logits.flatten(0, 1)[lay.logit_index[mask]]
+    logits = _run(model, head, input_ids=lay.input_ids, position_ids=lay.position_ids, **kw)
+    if keep is not None:
+        return logits[0] if head else logits[0, keep]
+    return logits.flatten(0, 1)[lay.logit_index[mask]]
 
 
 def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False,
                        pack_width: Optional[int] = None,
-                       usage: Optional[TokenUsage] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                       usage: Optional[TokenUsage] = None,
+                       head_chunk_rows: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
     """(logp [B, T] float32, entropy [B, T] float32 or None) for ``batch``'s responses.
 
     ``pack_width``: None for the padded pass, else the packed row width (at least the longest
-    sequence; see the module docstring)."""
+    sequence; see the module docstring). ``head_chunk_rows`` > 0: the LM head runs in chunks of that
+    many positions (fspo/update/lm_head.py), so the [K, V] float32 logits are never held at once."""
     mask = batch.response_mask.bool()
+    if head_chunk_rows > 0:
+        hidden = (_padded_logits(model, batch, usage, head=False) if pack_width is None
+                  else _packed_logits(model, batch, pack_width, usage, head=False))
+        out = model.get_output_embeddings()
+        flat, flat_ent = chunked_token_logprobs(hidden, out.weight, batch.response_ids[mask], temperature,
+                                                head_chunk_rows, bias=out.bias, with_entropy=with_entropy)
+        logp = flat.float().new_zeros(batch.response_ids.shape).masked_scatter(mask, flat.float())
+        ent = None if flat_ent is None else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float())
+        return logp, ent
     if pack_width is None:
         logits = _padded_logits(model, batch, usage)
     else:

@@ -41,6 +41,7 @@ class PPOConfig:
     betas: tuple = (0.9, 0.999)
     warmup_steps: int = 0
     logprob_temperature: float = 1.0
+    lm_head_chunk_rows: int = 0  # > 0: LM-head log-probs in chunks of this many positions (fspo/update/lm_head.py)
     old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
     log_entropy: bool = True
     nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
@@ -56,6 +57,8 @@ class PPOConfig:
         if self.prompts_per_step is not None and self.samples_per_prompt is not None:
             check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
                              self.mini_batch_unit)
+        if int(self.lm_head_chunk_rows) < 0:
+            raise ValueError(f"ppo.lm_head_chunk_rows must be >= 0 (0: dense LM head), got {self.lm_head_chunk_rows}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         if self.old_log_probs not in ("recompute", "engine"):
