@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.rollout.callback import RolloutCallback
+from fspo.rollout.pipeline import build_pipeline
 from fspo.runtime.config_check import check_config
 from fspo.runtime.checkpointing import StepCheckpoint, slurm_plugins
 from fspo.runtime.checkpoint_files import checkpoint_dir
@@ -98,7 +99,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed),
                               group_filter=instantiate(ds) if (ds := OmegaConf.select(cfg, "rollout.dynamic_sampling"))
-                              is not None else None)  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
+                              is not None else None,  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
+                              pipeline=build_pipeline(cfg))  # rollout.overlap (fspo/rollout/pipeline.py)
 
     # logging and checkpoints
     log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))

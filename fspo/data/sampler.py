@@ -51,6 +51,15 @@ class PromptStepSampler:
             self.position += 1
             yield batch
 
+    def step_prompts(self, step: int) -> List[int]:
+        """The prompt indices RL step ``step`` is given (what iterating yields for it), without moving;
+        pipelined rollouts (fspo/rollout/pipeline.py) ask for steps ahead of the trainer. Not defined
+        once `draw` has taken extra prompts (dynamic sampling shifts the stream)."""
+        if self.extra:
+            raise RuntimeError("step_prompts is not defined after draw (dynamic sampling with pipelined rollouts)")
+        start = int(step) * self.prompts_per_step
+        return [self._prompt_at(k) for k in range(start, start + self.prompts_per_step)]
+
     def draw(self, count: int) -> List[int]:
         """The next ``count`` prompt indices of the stream, within the current step (counted in ``extra``)."""
         start = self.position * self.prompts_per_step + self.extra

@@ -6,7 +6,9 @@ Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
 
 and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
-``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
+``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
+``pipeline`` (``rollout.overlap``, fspo/rollout/pipeline.py) training rollouts come from an engine
+process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
 overlong rate) from completions sampled with the validation settings.
 With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
 whose rewards are all equal are dropped and further prompts drawn from the sampler, within
@@ -39,6 +41,7 @@ from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.group_filter import GroupFilter
+from fspo.rollout.pipeline import RolloutPipeline
 from fspo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,8 @@ class RolloutCallback(L.Callback):
 
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
-                 seed: int = 0, group_filter: Optional[GroupFilter] = None):
+                 seed: int = 0, group_filter: Optional[GroupFilter] = None,
+                 pipeline: Optional[RolloutPipeline] = None):
         self.engine = engine
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
@@ -90,6 +94,7 @@ class RolloutCallback(L.Callback):
         self.val_sampling = val_sampling
         self.max_prompt_len = max_prompt_len
         self.seed = seed
+        self.pipeline = pipeline  # rollout.overlap: training rollouts from an engine process, k steps ahead
         self._ready = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -143,7 +148,10 @@ class RolloutCallback(L.Callback):
             prompts, answers = prompts[part], answers[part]
         params = replace(self.sampling, seed=self.seed * 1_000_003 + step + 7919 * rank)
         timings: Dict[str, float] = {}
-        rollout = self._generate(pl_module, prompts, params, timings)
+        if self.pipeline is not None:
+            rollout = self._take_pipelined(trainer, pl_module, step, prompts, timings)
+        else:
+            rollout = self._generate(pl_module, prompts, params, timings)
         t0 = time.perf_counter()
         out = self._score(rollout, answers, params)
         rewards = torch.tensor(out.scores, dtype=torch.float32, device=rollout.response_ids.device)
@@ -173,6 +181,30 @@ class RolloutCallback(L.Callback):
         batch["rollout"] = rollout
         batch["rollout_metrics"] = metrics
         batch["rollout_timings"] = timings
+
+    def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
+        """Step ``step``'s rollout from the pipeline (fspo/rollout/pipeline.py), which asks for the
+        prompts of steps ahead from the datamodule's sampler; they must be the ones Lightning gives."""
+        dm = getattr(trainer, "datamodule", None)
+        sampler = getattr(dm, "sampler", None)
+        if sampler is None or not hasattr(sampler, "step_prompts"):
+            raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
+                               "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
+        if self.pipeline.engine.proc is None:
+            self.pipeline.engine.start(pl_module.policy, self.tokenizer)
+
+        def request(s: int):
+            items = [dm.train_source[i] for i in sampler.step_prompts(s)]
+            return self._tokenize([x.prompt for x in items]), replace(self.sampling, seed=self.seed * 1_000_003 + s)
+
+        ahead = [dm.train_source[i].prompt for i in sampler.step_prompts(step)]
+        if list(ahead) != list(prompts):
+            raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
+        return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+
+    def teardown(self, trainer, pl_module, stage):
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def _filter_groups(self, trainer, pl_module, rollout: RolloutBatch, out: RewardOutput, params: SamplingConfig,
                        target: int, timings: Dict[str, float]):

@@ -1,0 +1,126 @@
+"""A rollout engine in its own process, so that generation overlaps the trainer's update.
+
+Owns: `AsyncEngine` (the trainer-side handle: `start`, `push`, `submit`, `result`, `close`) and
+`_engine_main` (the child process). The child holds its own copy of the policy (rebuilt from the
+policy's config, plain sdpa attention) and an engine built from the same ``rollout.engine`` config
+(`fspo.rollout.hf.HFEngine`), with ``threads`` torch threads of its own. Leaves out: which step is
+requested when (fspo/rollout/pipeline.py) and scoring (fspo/rollout/callback.py).
+
+Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight).
+`push` copies the trainer's current parameters into a slot (a memcpy, no pickling); a request names
+its slot, and the child loads that slot into its model when it starts the request. A slot is written
+only when no request still in flight reads it (the pipeline collects request i before it reuses
+request i's slot), so every rollout is generated with exactly the weights pushed for it — the
+behaviour policy the engine's log-probs (``engine_log_probs``) belong to.
+
+The child answers requests in order; `result` returns the `RolloutBatch` of the oldest request
+(its tensors come back through torch.multiprocessing's shared memory). An exception in the child is
+sent back and raised by `result` with the child's traceback text; a dead child is reported instead
+of waiting forever.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import traceback
+from typing import Dict, List, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from fspo.rollout.base import SamplingConfig
+from fspo.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+POLL_S = 1.0
+
+
+def _engine_main(config, tokenizer, engine, slots: List[Dict[str, torch.Tensor]], threads: int, requests, results):
+    """The child: build the model, then answer ``(slot, prompt ids, params)`` requests until None."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(max(1, int(threads)))
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        engine.setup(model, tokenizer, "")
+    except Exception:  # noqa: BLE001 - reported to the trainer
+        results.put(("error", traceback.format_exc()))
+        return
+    results.put(("ready", None))
+    while True:
+        req = requests.get()
+        if req is None:
+            return
+        slot, prompt_ids, params = req
+        try:
+            model.load_state_dict(slots[slot], strict=True)
+            results.put(("ok", engine.generate(prompt_ids, params)))
+        except Exception:  # noqa: BLE001
+            results.put(("error", traceback.format_exc()))
+
+
+class AsyncEngine:
+    """Trainer-side handle of the engine process (see the module docstring)."""
+
+    def __init__(self, engine, slots: int = 1, threads: int = 1):
+        if slots < 1:
+            raise ValueError(f"rollout.overlap.staleness must be >= 1, got {slots}")
+        self.engine, self.n_slots, self.threads = engine, int(slots), int(threads)
+        self.proc = None
+        self.slots: List[Dict[str, torch.Tensor]] = []
+
+    def start(self, policy, tokenizer) -> None:
+        """Allocate the shared weight slots from ``policy`` and start the child (waits until its model is built)."""
+        state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+        self.slots = [{k: v.clone().share_memory_() for k, v in state.items()} for _ in range(self.n_slots)]
+        ctx = mp.get_context("spawn")
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_engine_main, daemon=True, name="fspo-engine",
+                                args=(policy.config, tokenizer, self.engine, self.slots, self.threads,
+                                      self.requests, self.results))
+        self.proc.start()
+        kind, payload = self._get()
+        if kind != "ready":
+            raise RuntimeError(f"the rollout engine process failed to start:\n{payload}")
+
+    def push(self, policy, slot: int) -> None:
+        """Copy ``policy``'s current parameters into weight slot ``slot`` (no request may be reading it)."""
+        with torch.no_grad():
+            for k, v in policy.state_dict().items():
+                self.slots[slot][k].copy_(v.detach())
+
+    def submit(self, slot: int, prompt_ids: Sequence[List[int]], params: SamplingConfig) -> None:
+        """Queue a generation with the weights in ``slot``; returns at once."""
+        self.requests.put((slot, [list(map(int, p)) for p in prompt_ids], params))
+
+    def result(self) -> RolloutBatch:
+        """The rollout of the oldest request not collected yet (blocks until it is done)."""
+        kind, payload = self._get()
+        if kind != "ok":
+            raise RuntimeError(f"the rollout engine process failed: {payload.strip().splitlines()[-1]}\n{payload}")
+        return payload
+
+    def _get(self):
+        while True:
+            try:
+                return self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.proc is None or not self.proc.is_alive():
+                    code = None if self.proc is None else self.proc.exitcode
+                    raise RuntimeError(f"the rollout engine process died (exit code {code}); see the log above") from None
+
+    def close(self) -> None:
+        """Stop the child (requests still queued are dropped)."""
+        if self.proc is not None and self.proc.is_alive():
+            self.requests.put(None)
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.proc = None
+
+    def __del__(self):  # a trainer that dies must not leave the child behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
