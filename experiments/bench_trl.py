@@ -5,6 +5,12 @@ Run with the benchmark environment (TRL is not a dependency of fspo; it lives on
     bash experiments/setup_trl_env.sh                                   # once: builds .venv-trl
     OMP_NUM_THREADS=1 .venv-trl/bin/python experiments/bench_trl.py     # 8 prompts x G 8, 64 tokens, 5 steps
     OMP_NUM_THREADS=1 .venv-trl/bin/python experiments/bench_trl.py --prompts 16 --G 8 --max-new-tokens 128 --steps 5
+    .venv-trl/bin/python experiments/bench_trl.py --threads 2          # both sides get 2 cores; ours overlaps
+                                                                        # generation with training (rollout.overlap)
+
+``--threads N``: TRL runs with N torch threads; ours splits them, N//2 for the engine process and the
+rest for the trainer, with ``rollout.overlap`` on (pipelined rollouts, one step stale; ``--overlap off``
+gives ours all N threads in one process instead).
 
 Both sides do the same work per RL step: ``--prompts`` prompts of our arithmetic task (the prompts
 our data module gives its first steps, same text, same order), ``--G`` completions each, every
@@ -164,7 +170,7 @@ def _step_prompts(cfg):
 
 
 # ---------------------------------------------------------------------------------------- TRL side
-def run_trl(cfg, out_dir: Path) -> dict:
+def run_trl(cfg, out_dir: Path, threads: int = 0) -> dict:
     import torch
     from datasets import Dataset
     from hydra.utils import instantiate
@@ -174,8 +180,8 @@ def run_trl(cfg, out_dir: Path) -> dict:
 
     from fspo.models.loading import load_policy
 
-    if cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
+    if threads or cfg.get("cpu_threads"):
+        torch.set_num_threads(int(threads or cfg.cpu_threads))
     kw = trl_args(cfg)
     per_rl = kw["steps_per_generation"] * kw["num_iterations"]
     rows = [{"prompt": p, "answer": a} for step in _step_prompts(cfg) for p, a in step]
@@ -304,6 +310,11 @@ def main(argv=None):
                     help="completions stop at EOS (a length mix; the sides' lengths then differ by sampling, "
                          "so compare response tokens/s, from each side's own mean length)")
     ap.add_argument("--order", default="trl,fspo", help="which side runs first")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per side (TRL: all of them; ours: split between trainer and engine process "
+                         "when --overlap); 0: cpu_threads of the config")
+    ap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                    help="our rollout.overlap (pipelined rollouts, one step stale); auto: on when --threads >= 2")
     ap.add_argument("--out", default=".bench/bench_trl.json")
     ap.add_argument("--tracking-uri", default=None, help="MLflow URI (default: a temporary SQLite store)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for our side (and the mapping), after --")
@@ -316,8 +327,16 @@ def main(argv=None):
 
     tmp = Path(tempfile.mkdtemp(prefix="fspo_bench_trl_"))
     uri = a.tracking_uri or f"sqlite:///{tmp}/mlflow.db"
+    overlap = a.overlap == "on" or (a.overlap == "auto" and a.threads >= 2)
+    threads = []
+    if overlap:  # the engine process gets half the threads, the trainer the rest
+        engine = max(1, a.threads // 2)
+        threads = ["rollout.overlap.enable=true", f"rollout.overlap.engine_threads={engine}",
+                   f"cpu_threads={max(1, a.threads - engine)}"]
+    elif a.threads:
+        threads = [f"cpu_threads={a.threads}"]
     cfg = compose_cfg(fspo_overrides(a.prompts, a.G, a.max_new_tokens, a.steps + 1, a.mini_batch, a.lr,
-                                     a.model_source, a.method, a.natural_lengths)
+                                     a.model_source, a.method, a.natural_lengths) + threads
                       + [f"output_dir={tmp}/fspo", f"logger.tracking_uri={uri}",
                          f"logger.experiment_name={EXPERIMENT}", "run_name=fspo", *a.overrides])
     trl_args(cfg)  # fail fast on a setting TRL cannot express
@@ -325,7 +344,7 @@ def main(argv=None):
     res = {}
     for side in order:
         print(f"=== {side} ===", flush=True)
-        res[side] = run_trl(cfg, tmp / "trl") if side == "trl" else run_fspo(cfg, uri)
+        res[side] = run_trl(cfg, tmp / "trl", a.threads) if side == "trl" else run_fspo(cfg, uri)
 
     import torch
     import transformers
@@ -347,7 +366,8 @@ def main(argv=None):
                      "timed_steps": a.steps, "warmup_steps": 1, "mini_batch": a.mini_batch,
                      "updates_per_rl_step": B // a.mini_batch, "lr": a.lr, "model_source": a.model_source,
                      "method": a.method, "order": order, "overrides": a.overrides,
-                     "cpu_threads": cfg.get("cpu_threads"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                     "cpu_threads": cfg.get("cpu_threads"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                     "threads": a.threads, "overlap": overlap},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "loadavg": os.getloadavg(),
         "response_tokens_per_step": tokens,
