@@ -459,3 +459,17 @@ def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
         assert hasattr(importlib.import_module(mod), name), new_path
     untouched = OmegaConf.create({"clip": {"_target_": "fspo.clipping.fspo.FSPOClip"}})
     assert upgrade_legacy_targets(untouched) == 0 and untouched.clip._target_ == "fspo.clipping.fspo.FSPOClip"
+
+
+def test_resume_of_another_method_does_not_take_the_default_methods_keys(tmp_path):
+    """A run started with +method=sapo, resumed with only resume=auto: the command line composes the
+    default method (FSPO's clip, with ``alpha``); the saved SAPO clip is restored and FSPO's extra keys
+    are not added to it as if they were new settings (they made SAPOClip fail on ``alpha``)."""
+    saved = {"seed": 1, "steps": 30, "output_dir": str(tmp_path), "resume": None, "method": "sapo",
+             "clip": {"_target_": "fspo.clipping.sapo.SAPOClip", "tau_pos": 1.0}}
+    (tmp_path / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    new = OmegaConf.create({**saved, "resume": "auto", "method": "fspo", "new_key": 3,
+                            "clip": {"_target_": "fspo.clipping.fspo.FSPOClip", "alpha": 0.1}})
+    cfg = resume_config(new, ResumePlan(ckpt_path=None, step=3, run_id="r"), tmp_path, overrides=["resume=auto"])
+    assert OmegaConf.to_container(cfg.clip) == {"_target_": "fspo.clipping.sapo.SAPOClip", "tau_pos": 1.0}
+    assert cfg.method == "sapo" and cfg.new_key == 3  # a key the run's config lacks elsewhere: its default

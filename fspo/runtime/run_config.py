@@ -160,6 +160,9 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
     explicit = None if overrides is None else _override_paths(overrides)
     result = saved
     refused, allowed, restored = [], {}, []
+    # nodes whose class differs (the run's saved ``clip`` is SAPO's, this command line's default FSPO's):
+    # the new class's extra keys are not "keys added by a newer version" and must not reach the saved one
+    swapped = [k[:-1] for k in old if k[-1] == "_target_" and k in new and old[k] != new[k]]
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
         if a == b:
@@ -167,6 +170,9 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
         change = f"{'(unset)' if a is _ABSENT else a} -> {'(unset)' if b is _ABSENT else b}"
         if any(_covers(k, c) for c in map(lambda s: tuple(s.split(".")), ALWAYS_CURRENT)):
             _set(result, k, b)
+        elif a is _ABSENT and any(_covers(s, k) for s in swapped) and (
+                explicit is None or not any(_covers(k, e) for e in explicit)):
+            restored.append(f"{_dotted(k)} ({b} -> (unset): the run's {_dotted(k[:-1]) or 'node'} is another class)")
         elif a is _ABSENT and (explicit is None or not any(_covers(k, e) for e in explicit)):
             _set(result, k, b)  # a key newer than the run's config: its default
         elif explicit is not None and not any(_covers(k, e) for e in explicit):
