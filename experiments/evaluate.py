@@ -1,6 +1,7 @@
-"""Entry point: evaluate a policy on the math benchmarks (Avg@k), any checkpoint, any engine.
+"""Entry point: evaluate a policy on benchmarks (Avg@k), any checkpoint, any engine.
 
     python experiments/evaluate.py checkpoints=outputs/2026-11-22/10-00-00          # every *.ckpt of a run
+    python experiments/evaluate.py checkpoints=<default run's output_dir> include_base=true  # built-in task's set
     python experiments/evaluate.py checkpoints='runs/*/checkpoints/*.ckpt' include_base=true
     python experiments/evaluate.py train_run_id=<mlflow run id> mlflow.attach=true  # log into the training run
     python experiments/evaluate.py +model=qwen3_8b model.path=/data/Qwen3-8B-Base rollout=vllm
@@ -9,8 +10,9 @@
 Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
 Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own
 ``model`` node when one is found) and the benchmarks (a run on the built-in task gets its held-out
-evaluation set, fspo/evaluation/eval_sets.py), check that every benchmark's longest prompt fits the
-model's context (else one error line, before any MLflow run), build the policy, engine and verifier once, then for the base
+evaluation set, fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's
+longest prompt fits the model's context (else one error line, before any MLflow run), build the
+verifiers once, then for the base
 model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
 to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
 (fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py).

@@ -170,7 +170,7 @@ def test_too_long_benchmark_is_refused_before_any_run(default_run):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (resolve_data_dir(None) / "math500_test.jsonl").exists(), reason="MATH500 data file not present")
+@pytest.mark.skipif(not (resolve_data_dir(None) / "math500_test.jsonl").exists(), reason="no MATH500 data file")
 def test_math_benchmarks_on_the_tiny_model_are_refused_up_front(tmp_path):
     """The evaluator's default benchmarks (MATH500, AIME) on the tiny model (context 512): MATH500's
     longest prompt already exceeds it, so the first benchmark is named and nothing is scored or logged."""
