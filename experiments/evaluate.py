@@ -1,6 +1,7 @@
-"""Entry point: evaluate a policy on the math benchmarks (Avg@k), any checkpoint, any engine.
+"""Entry point: evaluate a policy on benchmarks (Avg@k), any checkpoint, any engine.
 
     python experiments/evaluate.py checkpoints=outputs/2026-11-22/10-00-00          # every *.ckpt of a run
+    python experiments/evaluate.py checkpoints=<default run's output_dir> include_base=true  # built-in task's set
     python experiments/evaluate.py checkpoints='runs/*/checkpoints/*.ckpt' include_base=true
     python experiments/evaluate.py train_run_id=<mlflow run id> mlflow.attach=true  # log into the training run
     python experiments/evaluate.py +model=qwen3_8b model.path=/data/Qwen3-8B-Base rollout=vllm
@@ -8,7 +9,10 @@
 
 Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
 Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own
-``model`` node when one is found), build the policy, engine and verifier once, then for the base
+``model`` node when one is found) and the benchmarks (a run on the built-in task gets its held-out
+evaluation set, fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's
+longest prompt fits the model's context (else one error line, before any MLflow run), build the
+verifiers once, then for the base
 model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
 to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
 (fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py).
@@ -94,25 +98,15 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 
-def _benchmarks(cfg: DictConfig) -> Dict[str, tuple]:
-    """name -> (prompt source, k), with the global ``limit`` / ``k`` overrides applied."""
-    if not cfg.get("eval_data"):
-        raise ValueError("no benchmarks selected: set eval_data=[math500,aime24,aime25] (conf/eval_data/)")
-    out = {}
-    for name, bench in cfg.eval_data.items():
-        node = OmegaConf.to_container(bench.source, resolve=True)
-        if cfg.limit is not None:
-            node["limit"] = int(cfg.limit)
-        out[str(name)] = (instantiate(node), int(cfg.k if cfg.k is not None else bench.samples_per_prompt))
-    return out
-
-
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Run the evaluation described by ``cfg`` (conf/evaluate.yaml); returns ``{"run_id", "entries",
     "summary"}`` where each entry is ``{"checkpoint", "step", "base", "metrics": {benchmark: {...}}}``."""
     import torch
 
-    from fspo.evaluation.benchmark import context_length, evaluate_benchmark
+    from dataclasses import replace
+
+    from fspo.evaluation.benchmark import check_fits_context, context_length, evaluate_benchmark
+    from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
     from fspo.runtime.checkpoint_files import load_checkpoint, load_into
     from fspo.evaluation.summary import MlflowRecorder, summarize
     from fspo.tracking.artifacts import flatten_params
@@ -126,13 +120,22 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     m = cfg.mlflow
     if m.attach and not train_run_id:
         raise ValueError("mlflow.attach=true needs the training run: set train_run_id=<MLflow run id>")
-    benchmarks = _benchmarks(cfg)  # data problems surface before any model is loaded
+    select_eval_data(cfg, run_cfg)  # a run on the built-in task: its held-out evaluation set
+    benchmarks = build_benchmarks(cfg)  # data problems surface before any model is loaded
     if run_cfg is None and ckpts and cfg.use_run_model:
         log.warning("no training run config found for %s: building the model from model.* here", ckpts[0])
     from_run = run_cfg is not None and bool(cfg.use_run_model)
     model_kw = OmegaConf.to_container(run_cfg.model if from_run else cfg.model, resolve=True)
     policy, tokenizer = load_policy(**model_kw, seed=int(run_cfg.get("seed", cfg.seed) if from_run else cfg.seed))
     engine = instantiate(cfg.rollout.engine)
+    s = cfg.sampling
+    sampling = SamplingConfig(n=1, temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
+                              max_new_tokens=int(s.max_new_tokens))
+    context_len = context_length(policy, engine)
+    for name, b in benchmarks.items():  # a benchmark that cannot fit the context fails here, before any MLflow run
+        check_fits_context(name, b.source, tokenizer, b.max_new_tokens or sampling.max_new_tokens, context_len,
+                           max_prompt_len=cfg.max_prompt_len, on_long_prompt=str(cfg.on_long_prompt),
+                           fit_context=bool(cfg.fit_context))
     device = str(cfg.device)
     if device == "auto":  # vLLM keeps its own copy on the GPU: the policy is only a weight source there
         device = "cuda" if torch.cuda.is_available() and isinstance(engine, HFEngine) else "cpu"
@@ -140,9 +143,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     (out_dir / "engine").mkdir(exist_ok=True)
     engine.setup(policy, tokenizer, str(out_dir / "engine"))
     reward_fn = instantiate(cfg.reward)
-    s = cfg.sampling
-    sampling = SamplingConfig(n=1, temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
-                              max_new_tokens=int(s.max_new_tokens))
+    rewards = {name: instantiate(b.reward) if b.reward else reward_fn for name, b in benchmarks.items()}
     tags = {"fspo.kind": "eval", "eval/model": model_kw.get("name"), "eval/train_run_id": train_run_id,
             **dict(m.tags or {})}
     recorder = MlflowRecorder(str(m.tracking_uri), out_dir, experiment_name=str(m.experiment_name),
@@ -165,9 +166,11 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
             seen.add(step)
             engine.sync_weights(policy)
             metrics = {}
-            for name, (source, k) in benchmarks.items():
+            for name, b in benchmarks.items():
+                k = b.k
                 res = evaluate_benchmark(
-                    name, source, k, engine, tokenizer, reward_fn, sampling,
+                    name, b.source, k, engine, tokenizer, rewards[name],
+                    replace(sampling, max_new_tokens=b.max_new_tokens or sampling.max_new_tokens),
                     context_len=context_length(policy, engine), max_prompt_len=cfg.max_prompt_len,
                     on_long_prompt=str(cfg.on_long_prompt), fit_context=bool(cfg.fit_context),
                     prompts_per_call=cfg.prompts_per_call or (max(1, engine.batch_size // k) if isinstance(
@@ -187,8 +190,9 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
         ok = True
     finally:
         recorder.close(ok)
-        if hasattr(reward_fn, "close"):
-            reward_fn.close()
+        for fn in {id(f): f for f in [reward_fn, *rewards.values()]}.values():
+            if hasattr(fn, "close"):
+                fn.close()
     return {"run_id": recorder.run_id, "entries": entries, "summary": summary}
 
 
@@ -216,9 +220,11 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
-    if cfg.output_dir is None:
-        with open_dict(cfg):
+    with open_dict(cfg):
+        if cfg.output_dir is None:
             cfg.output_dir = HydraConfig.get().runtime.output_dir
+        if any(o.lstrip("+~").startswith("eval_data") for o in HydraConfig.get().overrides.task):
+            cfg.eval_data_auto = False  # benchmarks asked for on the command line are kept
     try:
         result = evaluate(cfg)
     except Exception as e:  # noqa: BLE001 - user errors become one clear line

@@ -11,8 +11,9 @@ A problem with k operands (``min_ops <= k <= max_ops``) looks like::
 
 The solution has k-1 step lines, so response lengths grow linearly with k: with the defaults
 (2..9 single-digit operands) responses run from 16 to 88 tokens, 5.5x, which is what exercises length
-(un)fairness. Train and validation problems come from disjoint seeds; validation prompts that also
-occur in the train split are removed.
+(un)fairness. Train, validation and test problems come from three different seeds; validation prompts
+that also occur in the train split are removed, and test prompts (the evaluation set,
+conf/eval_data/arithmetic.yaml) that occur in the train or the validation split are removed.
 """
 from __future__ import annotations
 
@@ -46,31 +47,40 @@ def worked_solution(nums: List[int], ops: List[str]) -> Tuple[str, int]:
 
 
 class ArithmeticTask:
-    """Deterministic train / validation prompt sets for the built-in task.
+    """Deterministic train / validation / test prompt sets for the built-in task.
 
-    ``split`` is "train" or "val"; ``size`` problems are generated from ``seed`` (val uses
-    ``seed + 1_000_003``) and exclude every prompt among the first ``exclude_size`` train problems
-    of the same seed (set it to the train split's size; default ``10 * size``). Each `Sample` keeps ``meta["nums"]``/``meta["ops"]`` so the warm start
-    can render the worked solution.
+    ``split`` is "train", "val" or "test"; ``size`` problems are generated from ``seed`` (val uses
+    ``seed + 1_000_003``, test ``seed + 2_000_003``). Val and test exclude every prompt among the first
+    ``exclude_size`` train problems of the same seed (set it to the train split's size; default
+    ``10 * size``); test also excludes every prompt of the val split of size ``val_size`` (the run's
+    ``val.size``; default ``size``) built with the same settings. Each `Sample` keeps
+    ``meta["nums"]``/``meta["ops"]`` so the warm start can render the worked solution.
     """
 
+    SEED_OFFSET = {"train": 0, "val": 1_000_003, "test": 2_000_003}
+
     def __init__(self, split: str = "train", size: int = 2000, seed: int = 0, min_ops: int = 2,
-                 max_ops: int = 9, max_operand: int = 9, exclude_size: int | None = None):
-        if split not in ("train", "val"):
-            raise ValueError(f"data.split must be 'train' or 'val', got {split!r}")
+                 max_ops: int = 9, max_operand: int = 9, exclude_size: int | None = None,
+                 val_size: int | None = None):
+        if split not in self.SEED_OFFSET:
+            raise ValueError(f"data.split must be 'train', 'val' or 'test', got {split!r}")
         if not 2 <= min_ops <= max_ops:
             raise ValueError(f"need 2 <= data.min_ops <= data.max_ops, got {min_ops}, {max_ops}")
         if size < 1:
             raise ValueError(f"data size must be >= 1, got {size}: the prompt set would be empty")
         self.split, self.size = split, size
-        train_prompts = set()
-        if split == "val":  # exclude train prompts from validation
+        excluded = set()
+        if split != "train":  # exclude train prompts from validation and test
             n_ex = size * 10 if exclude_size is None else exclude_size
-            train_prompts = {s.prompt for s in _generate(n_ex, seed, min_ops, max_ops, max_operand)}
-        rng_seed = seed if split == "train" else seed + 1_000_003
+            excluded = {s.prompt for s in _generate(n_ex, seed, min_ops, max_ops, max_operand)}
+        if split == "test":  # ... and validation prompts from test
+            val = ArithmeticTask("val", size if val_size is None else val_size, seed, min_ops, max_ops, max_operand,
+                                 exclude_size=exclude_size)
+            excluded |= {val[i].prompt for i in range(len(val))}
+        rng_seed = seed + self.SEED_OFFSET[split]
         out: List[Sample] = []
         for s in _generate(size * 3, rng_seed, min_ops, max_ops, max_operand):
-            if s.prompt not in train_prompts:
+            if s.prompt not in excluded:
                 out.append(s)
             if len(out) == size:
                 break

@@ -1,8 +1,9 @@
 """Benchmark evaluation: sample k completions per problem, verify them, and reduce to Avg@k.
 
 Owns: `avg_at_k`, `ProblemResult` / `BenchmarkResult` (per-problem rows and benchmark metrics),
-`evaluate_benchmark` (one benchmark with any `RolloutEngine` and any `RewardFn`). Leaves out: finding
-and loading a run's checkpoints and config (fspo/runtime/checkpoint_files.py), best/last summaries and MLflow logging (fspo/evaluation/summary.py),
+`evaluate_benchmark` (one benchmark with any `RolloutEngine` and any `RewardFn`), `check_fits_context`
+(the same prompt-length and context rules, checked for every benchmark before anything runs).
+Leaves out: finding and loading a run's checkpoints and config (fspo/runtime/checkpoint_files.py), best/last summaries and MLflow logging (fspo/evaluation/summary.py),
 and the command line (experiments/evaluate.py).
 
 Metrics of one benchmark with problems p = 1..P, k_p samples each, c_p of them correct::
@@ -103,20 +104,9 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
     ``context_len``, ``fit_context`` lowers max_new_tokens to fit (with a warning), else it raises.
     Engine call j samples with seed ``seed + j``, so two policies see the same random streams.
     """
-    if on_long_prompt not in ("raise", "skip"):
-        raise ValueError(f"on_long_prompt must be 'raise' or 'skip', got {on_long_prompt!r}")
     if k < 1:
         raise ValueError(f"samples per prompt (k) must be >= 1 for {name}, got {k}")
-    samples = [source[i] for i in range(len(source))]
-    ids = tokenizer([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
-    keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
-    if len(keep) < len(ids) and on_long_prompt == "raise":
-        worst = max(len(x) for x in ids)
-        raise ValueError(f"{name}: {len(ids) - len(keep)} prompts exceed max_prompt_len={max_prompt_len} tokens "
-                         f"(longest {worst}): raise max_prompt_len or set on_long_prompt=skip")
-    if not keep:
-        raise ValueError(f"{name}: every prompt is longer than max_prompt_len={max_prompt_len} tokens")
-    samples, ids = [samples[i] for i in keep], [ids[i] for i in keep]
+    samples, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
     new_tokens = _fit_new_tokens(name, max(len(x) for x in ids), sampling.max_new_tokens, context_len, fit_context)
     params = replace(sampling, n=k, max_new_tokens=new_tokens)
     step = prompts_per_call or len(ids)
@@ -150,18 +140,47 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
                            seconds=time.perf_counter() - t0, completions=completions)
 
 
-def _fit_new_tokens(name: str, longest: int, wanted: int, context_len: Optional[int], fit: bool) -> int:
+def check_fits_context(name: str, source, tokenizer, max_new_tokens: int, context_len: Optional[int], *,
+                       max_prompt_len: Optional[int] = None, on_long_prompt: str = "raise",
+                       fit_context: bool = True) -> int:
+    """Raise ValueError, before anything is sampled, if benchmark ``name`` cannot run: a prompt over
+    ``max_prompt_len`` (with ``on_long_prompt='raise'``), a longest kept prompt that leaves no room for
+    one new token in ``context_len``, or (``fit_context=False``) prompt + ``max_new_tokens`` over it.
+    Returns the new-token budget `evaluate_benchmark` will use."""
+    _, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
+    return _fit_new_tokens(name, max(len(x) for x in ids), max_new_tokens, context_len, fit_context, warn=False)
+
+
+def _kept_prompts(name: str, source, tokenizer, max_prompt_len: Optional[int], on_long_prompt: str):
+    """(samples, prompt token ids) of ``source`` after the max_prompt_len rule."""
+    if on_long_prompt not in ("raise", "skip"):
+        raise ValueError(f"on_long_prompt must be 'raise' or 'skip', got {on_long_prompt!r}")
+    samples = [source[i] for i in range(len(source))]
+    ids = tokenizer([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
+    keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
+    if len(keep) < len(ids) and on_long_prompt == "raise":
+        worst = max(len(x) for x in ids)
+        raise ValueError(f"{name}: {len(ids) - len(keep)} prompts exceed max_prompt_len={max_prompt_len} tokens "
+                         f"(longest {worst}): raise max_prompt_len or set on_long_prompt=skip")
+    if not keep:
+        raise ValueError(f"{name}: every prompt is longer than max_prompt_len={max_prompt_len} tokens")
+    return [samples[i] for i in keep], [ids[i] for i in keep]
+
+
+def _fit_new_tokens(name: str, longest: int, wanted: int, context_len: Optional[int], fit: bool,
+                    warn: bool = True) -> int:
     if context_len is None or longest + wanted <= context_len:
         return wanted
     room = context_len - longest
     if room < 1:
-        raise ValueError(f"{name}: the longest prompt ({longest} tokens) leaves no room in the model's context "
-                         f"({context_len}): set max_prompt_len=<N> with on_long_prompt=skip")
+        raise ValueError(f"benchmark {name} does not fit the model: its longest prompt is {longest} tokens and the "
+                         f"model's context is {context_len} (prompt + at least 1 new token must fit): choose other "
+                         f"benchmarks (eval_data=[...], e.g. eval_data=[arithmetic] for the built-in task), a model "
+                         f"with a longer context, or max_prompt_len={context_len - 1} on_long_prompt=skip")
     if not fit:
         raise ValueError(f"{name}: longest prompt ({longest} tokens) + max_new_tokens ({wanted}) exceeds the "
                          f"model's context ({context_len}): lower sampling.max_new_tokens or set fit_context=true")
-    log.warning("%s: max_new_tokens lowered from %d to %d to fit the model's context of %d tokens",
-                name, wanted, room, context_len)
+    if warn:
+        log.warning("%s: max_new_tokens lowered from %d to %d to fit the model's context of %d tokens",
+                    name, wanted, room, context_len)
     return room
-
-
