@@ -216,6 +216,9 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
+    from fspo.runtime.console import quiet_third_party
+
+    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
     if cfg.output_dir is None:
         with open_dict(cfg):
             cfg.output_dir = HydraConfig.get().runtime.output_dir
