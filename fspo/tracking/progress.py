@@ -19,7 +19,7 @@ import time
 from typing import Any, Dict, Mapping, Optional
 
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,17 @@ class StepBar(TQDMProgressBar):
         return Tqdm(desc="RL step", position=2 * self.process_position, disable=self.is_disabled, leave=True,
                     dynamic_ncols=True, file=sys.stdout, smoothing=0, unit="step", bar_format=self.BAR_FORMAT)
 
-    def on_train_epoch_start(self, trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        self.train_progress_bar.set_description("RL step")
+    def on_train_epoch_start(self, trainer, *args: Any) -> None:  # Lightning's, without "Epoch 0"
+        if self._leave:
+            self.train_progress_bar = self.init_train_tqdm()
+        self.train_progress_bar.reset(total=convert_inf(self.total_train_batches))
+        self.train_progress_bar.initial = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        total = self.train_progress_bar.total
+        if total is not None and batch_idx + 1 >= total:  # done: log lines after it start on their own line
+            self.train_progress_bar.close()
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._latest.update(trainer)
