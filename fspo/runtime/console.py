@@ -1,7 +1,8 @@
 """Console hygiene: each line once, third-party noise filtered at its source, warnings that matter kept.
 
-Owns: `quiet_third_party()` (called first by experiments/run.py and experiments/evaluate.py, in every
-job of a sweep) and `quiet_artifact_downloads()` (experiments/report.py). Every filter names one
+Owns: `quiet_third_party()` (called first by fspo/train.py and experiments/evaluate.py, so in every
+job of a sweep), `quiet_mlflow()` (a sweep's parent run, fspo/tracking/sweep_parent.py) and
+`quiet_artifact_downloads()` (experiments/report.py). Every filter names one
 logger or one warning by its message; nothing is a blanket ``warnings.simplefilter("ignore")``:
 - Lightning's umbrella package (``lightning/__init__.py``) always adds an ``INFO: ...`` stderr handler
   to the ``lightning`` logger while its records also propagate to the root logger, so under Hydra
@@ -50,6 +51,13 @@ def quiet_artifact_downloads() -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
+def quiet_mlflow() -> None:
+    """MLflow's schema-creation INFO lines and download bars; also called before a sweep's parent run opens."""
+    _add_once(logging.getLogger(_MLFLOW_SCHEMA_LOGGER),
+              _DropMessages("Creating initial MLflow database tables", "Updating database tables"))
+    quiet_artifact_downloads()
+
+
 def quiet_third_party() -> None:
     """Apply every filter of the module docstring; idempotent (a sweep calls it once per job)."""
     import lightning  # noqa: F401 - importing it is what adds the handler removed below
@@ -62,10 +70,8 @@ def quiet_third_party() -> None:
     _add_once(logging.getLogger(_RANK_ZERO_LOGGER), _DropMessages(LITLOGGER_TIP))
     warnings.filterwarnings("ignore", message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
-    _add_once(logging.getLogger(_MLFLOW_SCHEMA_LOGGER),
-              _DropMessages("Creating initial MLflow database tables", "Updating database tables"))
+    quiet_mlflow()
     if not sys.stderr.isatty():
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    quiet_artifact_downloads()
