@@ -220,6 +220,9 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
+    from fspo.runtime.console import quiet_third_party
+
+    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
     with open_dict(cfg):
         if cfg.output_dir is None:
             cfg.output_dir = HydraConfig.get().runtime.output_dir

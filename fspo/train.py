@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from fspo.rollout.callback import RolloutCallback
 from fspo.rollout.pipeline import build_pipeline
 from fspo.runtime.config_check import check_config
+from fspo.runtime.console import quiet_third_party
 from fspo.runtime.checkpointing import StepCheckpoint, slurm_plugins
 from fspo.runtime.checkpoint_files import checkpoint_dir
 from fspo.data.datamodule import PromptDataModule
@@ -34,6 +35,7 @@ from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
+from fspo.tracking.progress import make_progress
 from fspo.runtime.run_config import resume_config
 from fspo.runtime.run_lock import hold_output_dir
 from fspo.runtime.store_check import check_writable
@@ -52,6 +54,7 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
     lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
     the run's saved config (``overrides``: this launch's command line, see fspo/runtime/run_config.py)."""
+    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
     check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/config_check.py)
     out_dir = Path(cfg.output_dir)
     with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
@@ -77,6 +80,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
 
     # policy and tokenizer
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
+    policy.train()  # from_pretrained returns eval mode (a no-op here: no dropout; the engine switches to eval itself)
 
     # prompts
     train_source = instantiate(cfg.data.train)
@@ -109,8 +113,12 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
-    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout, ckpt],
-                          plugins=slurm_plugins(), val_check_interval=val_every if val_source is not None else None,
+    progress = make_progress(str(OmegaConf.select(cfg, "progress.mode", default="auto")),
+                             int(OmegaConf.select(cfg, "progress.every_n_steps", default=5)), int(cfg.steps)) \
+        if OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) else None  # fspo/tracking/progress.py
+    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger,
+                          callbacks=[rollout, ckpt] + ([progress] if progress is not None else []),
+                          enable_progress_bar=progress is not None, plugins=slurm_plugins(), val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)
     if val_source is not None and plan.ckpt_path is None:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0

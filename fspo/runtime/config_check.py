@@ -134,6 +134,10 @@ RULES: Tuple[Rule, ...] = (
     Rule("diagnostics.lre_min_len", "number", lo=0, meaning="shortest length counted in the LRE",
          example=0),
     _int("diagnostics.reservoir_size", 1, "log-ratio samples kept for the Gaussianity checks", 4096),
+    # console progress (fspo/tracking/progress.py)
+    Rule("progress.mode", "choice", choices=("auto", "bar", "lines", "off"), meaning="the console progress: "
+         "auto is a bar on a terminal, else log lines", example="lines"),
+    _int("progress.every_n_steps", 1, "RL steps between progress lines", 5),
     # checkpoints
     _int("checkpoint.every_n_steps", 0, "RL steps between checkpoints (0: only the last)", 10),
     _int("checkpoint.keep_last", 1, "checkpoints kept", 2),

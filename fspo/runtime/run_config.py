@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
 # keys (and their subtrees) a continued run may change: they do not change what is trained
 RESUMABLE = ("steps", "run_name", "tags", "logger", "logger_fallback", "cpu_threads", "checkpoint",
-             "val.every_n_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar")
+             "val.every_n_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar", "progress")
 ALWAYS_CURRENT = ("output_dir", "resume")  # where and how this launch runs
 _ABSENT = object()
 Path_ = Tuple[str, ...]

@@ -108,6 +108,9 @@ class MLflowSweepParent(Callback):
     def _start(self, config: DictConfig, dir_key: str) -> None:
         from mlflow.tracking import MlflowClient
 
+        from fspo.runtime.console import quiet_mlflow
+
+        quiet_mlflow()  # no schema-creation lines when the parent run creates the store (fspo/runtime/console.py)
         uri = _select(config, "logger.tracking_uri")
         exp_name = _select(config, "logger.experiment_name")
         if not uri or not exp_name:

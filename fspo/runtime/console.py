@@ -1,0 +1,77 @@
+"""Console hygiene: each line once, third-party noise filtered at its source, warnings that matter kept.
+
+Owns: `quiet_third_party()` (called first by fspo/train.py and experiments/evaluate.py, so in every
+job of a sweep), `quiet_mlflow()` (a sweep's parent run, fspo/tracking/sweep_parent.py) and
+`quiet_artifact_downloads()` (experiments/report.py). Every filter names one
+logger or one warning by its message; nothing is a blanket ``warnings.simplefilter("ignore")``:
+- Lightning's umbrella package (``lightning/__init__.py``) always adds an ``INFO: ...`` stderr handler
+  to the ``lightning`` logger while its records also propagate to the root logger, so under Hydra
+  (root handler on stdout + run.log) every Lightning INFO line printed twice. When the root logger
+  has handlers, that extra handler is removed: the root's copy (also in run.log) stays.
+- the "💡 Tip: ... litlogger" line Lightning prints whenever no LitLogger is used (no switch exists).
+- torch 2.13's FutureWarning on Lightning 2.6's internal ``LeafSpec()`` call (not ours to fix).
+- MLflow's "Creating initial MLflow database tables" / "Updating database tables" INFO lines.
+- transformers' "Loading weights" tqdm bar and MLflow's artifact-download bars when stderr is not a
+  terminal (``\\r`` fragments in a log file).
+Leaves out: our own progress output (fspo/tracking/progress.py) and the training policy's mode
+(fspo/train.py puts it in train mode, which is what removes Lightning's "modules in eval mode" warning).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+
+LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info records are created
+_MLFLOW_SCHEMA_LOGGER = "mlflow.store.db.utils"
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def _add_once(logger: logging.Logger, flt: _DropMessages) -> None:
+    if not any(isinstance(f, _DropMessages) and f.prefixes == flt.prefixes for f in logger.filters):
+        logger.addFilter(flt)
+
+
+def quiet_artifact_downloads() -> None:
+    """No MLflow artifact-download progress bars unless stderr is a terminal (an explicit env setting wins)."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+def quiet_mlflow() -> None:
+    """MLflow's schema-creation INFO lines and download bars; also called before a sweep's parent run opens."""
+    _add_once(logging.getLogger(_MLFLOW_SCHEMA_LOGGER),
+              _DropMessages("Creating initial MLflow database tables", "Updating database tables"))
+    quiet_artifact_downloads()
+
+
+def quiet_third_party() -> None:
+    """Apply every filter of the module docstring; idempotent (a sweep calls it once per job)."""
+    import lightning  # noqa: F401 - importing it is what adds the handler removed below
+
+    lightning_logger = logging.getLogger("lightning")
+    if logging.getLogger().handlers:  # Hydra (or the caller) configured the root: it prints Lightning's records
+        for handler in list(lightning_logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                lightning_logger.removeHandler(handler)
+    _add_once(logging.getLogger(_RANK_ZERO_LOGGER), _DropMessages(LITLOGGER_TIP))
+    warnings.filterwarnings("ignore", message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    quiet_mlflow()
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
