@@ -9,8 +9,11 @@ Owns: `load_policy`. Sources, by ``model.source``:
 A hub id is looked up without retries: with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) only
 the local cache is read; otherwise the hub is probed once (a TCP connection to ``HF_ENDPOINT``,
 3 s) and, when it does not answer, only the cache is read too. With no local copy the load fails
-within seconds with a message saying how to point at local weights. Leaves out: sharding (the
-module's configure_model).
+within seconds with a message saying how to point at local weights. ``meta=True`` (trainer=fsdp,
+fspo/train.py): a model read from a local folder (``warmstart``, or ``pretrained`` with ``model.path``)
+is built with its parameters on the meta device and NO weights in memory; the sharding step fills
+each rank's shard from the folder's safetensors (fspo/models/meta_init.py). ``random`` models and
+hub ids are built in full as before. Leaves out: sharding (the module's configure_model).
 """
 from __future__ import annotations
 
@@ -40,10 +43,14 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _from_dir(path: Path, dtype: torch.dtype):
+def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
+    if meta:
+        from fspo.models.meta_init import build_on_meta
+
+        return build_on_meta(path, dtype), tok
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model, tok
 
@@ -81,8 +88,10 @@ def _hub_offline(offline: bool):
 
 
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
-                dtype: str = "float32", seed: int = 0, arch: dict | None = None, **_ignored):
-    """(model, tokenizer) for the given model config fields (see the module docstring)."""
+                dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
+                **_ignored):
+    """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
+    parameters of a local folder's model on the meta device, for sharded loading."""
     torch_dtype = _dtype(dtype)
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer
@@ -94,7 +103,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
             raise FileNotFoundError(
                 f"warm-start checkpoint not found at {p}: run `python experiments/warmstart.py --out {p}` "
                 f"or set model.source=random")
-        return _from_dir(p, torch_dtype)
+        return _from_dir(p, torch_dtype, meta)
     if source != "pretrained":
         raise ValueError(f"model.source must be 'warmstart', 'random' or 'pretrained', got {source!r}")
     if path:
@@ -102,7 +111,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model.path={p} has no config.json: point model.path at a folder made "
                                     f"by save_pretrained or `huggingface-cli download ... --local-dir`")
-        return _from_dir(p, torch_dtype)
+        return _from_dir(p, torch_dtype, meta)
     if not hub_id:
         raise ValueError("model.source=pretrained needs model.path (a local folder) or model.hub_id")
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
