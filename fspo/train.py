@@ -34,6 +34,7 @@ from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
 from fspo.runtime.run_config import resume_config
+from fspo.runtime.memory_plan import check_memory_plan
 from fspo.runtime.run_lock import hold_output_dir
 from fspo.runtime.store_check import check_writable
 
@@ -74,8 +75,11 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
 
-    # policy and tokenizer
-    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
+    # memory plan: logged, and a layout that cannot fit refused before the model loads (fspo/runtime/memory_plan.py)
+    check_memory_plan(cfg)
+    # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
+    sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
+    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed), meta=sharded)
 
     # prompts
     train_source = instantiate(cfg.data.train)
