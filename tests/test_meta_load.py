@@ -1,7 +1,9 @@
 """Meta-device building and per-rank shard loading (fspo/models/meta_init.py), used by trainer=fsdp.
 
 Single process: the warm start built on meta holds no parameter memory, and `load_local_shards`
-fills it to exactly the model `from_pretrained` loads (parameters, rotary buffers, logits).
+fills it to exactly the model `from_pretrained` loads (parameters, rotary buffers, logits); a hub id
+in the local cache takes the same path (the cache is a folder laid out as huggingface_hub writes it;
+``constants.HF_HUB_CACHE`` pointed at it), a folder without safetensors the old full load.
 Two processes (gloo, CPU; ``torchrun`` through experiments/bench_fsdp_load_memory.py): each rank's
 FSDP2 shards equal its rows of the saved file, and each rank holds half of the model.
 """
@@ -71,3 +73,33 @@ def test_two_ranks_each_read_their_shard(tmp_path):
     for r in rows:
         assert r["max_abs_diff_vs_file"] == 0.0  # every shard equals its rows of the file
         assert r["local_shard_mib"] == pytest.approx(res["model_fp32_mib"] / 2, abs=0.1)  # rounded to 0.1 MiB
+
+
+def test_hub_id_in_the_local_cache_is_built_on_meta(tmp_path, monkeypatch):
+    """A hub id whose snapshot is in the cache (a cache folder laid out as huggingface_hub writes it)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(WARMSTART_DIR, snap)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, _ = load_policy(source="pretrained", hub_id="org/tiny", meta=True)
+    assert is_on_meta(model) and model._fspo_weights_dir == str(snap)
+    load_local_shards(model, "cpu")
+    ref, _ = load_policy(source="warmstart")
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_folder_without_safetensors_loads_in_full(tmp_path):
+    ref, tok = load_policy(source="warmstart")
+    ref.save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()  # pytorch_model.bin only
+    torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
+    model, _ = load_policy(source="pretrained", path=str(tmp_path), meta=True)
+    assert not is_on_meta(model)  # the old path: nothing to read shard by shard
+    assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)

@@ -9,11 +9,14 @@ Owns: `load_policy`. Sources, by ``model.source``:
 A hub id is looked up without retries: with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) only
 the local cache is read; otherwise the hub is probed once (a TCP connection to ``HF_ENDPOINT``,
 3 s) and, when it does not answer, only the cache is read too. With no local copy the load fails
-within seconds with a message saying how to point at local weights. ``meta=True`` (trainer=fsdp,
-fspo/train.py): a model read from a local folder (``warmstart``, or ``pretrained`` with ``model.path``)
-is built with its parameters on the meta device and NO weights in memory; the sharding step fills
-each rank's shard from the folder's safetensors (fspo/models/meta_init.py). ``random`` models and
-hub ids are built in full as before. Leaves out: sharding (the module's configure_model).
+within seconds with a message saying how to point at local weights.
+
+``meta=True`` (trainer=fsdp, fspo/train.py): a model read from a folder with safetensors weights
+(``warmstart``, ``pretrained`` with ``model.path``, or a hub id already in the local cache) is built
+with its parameters on the meta device and NO weights in memory; the sharding step fills each rank's
+shard from the safetensors (fspo/models/meta_init.py). ``random`` models, hub ids not in the cache
+and folders without safetensors are built in full as before. Leaves out: sharding (the module's
+configure_model).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    if meta:
+    if meta and _has_safetensors(path):
         from fspo.models.meta_init import build_on_meta
 
         return build_on_meta(path, dtype), tok
@@ -87,6 +90,21 @@ def _hub_offline(offline: bool):
         constants.HF_HUB_OFFLINE = before
 
 
+def _has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+
+
+def _cached_snapshot(hub_id: str) -> Optional[Path]:
+    """The local cache's folder of ``hub_id`` when it holds the config and safetensors weights, else None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        p = Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or no hub library): the full load below decides
+        return None
+    return p if (p / "config.json").exists() and _has_safetensors(p) else None
+
+
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
                 dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
                 **_ignored):
@@ -118,6 +136,8 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if meta and (cached := _cached_snapshot(hub_id)) is not None:
+        return _from_dir(cached, torch_dtype, meta)
     offline = _offline_reason()  # probe once: no hub retries when it cannot answer
     try:
         with _hub_offline(offline is not None):
