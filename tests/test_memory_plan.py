@@ -78,3 +78,16 @@ def test_check_refuses_a_layout_that_cannot_fit():
     bad = compose_config(["memory_plan.headroom=1.5"])
     with pytest.raises(ValueError, match=r"memory_plan.headroom=1.5 must be in \(0, 1\]"):
         check_memory_plan(bad, available=2 ** 40)
+
+
+def test_qwen3_8b_parameter_count_matches_the_model_card():
+    """Qwen3-8B's config (V 151936, H 4096, 36 layers, 32 heads / 8 kv of 128, I 12288, untied): the
+    card says 8.2B parameters, 6.95B without embeddings."""
+    s = ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
+                   tied=False)
+    # layer: 4096*4096 + 2*4096*1024 + 4096*4096 + 3*4096*12288 + 2*4096 + 2*128 = 192,946,432
+    assert s.layer_params == 192_946_432
+    assert s.params == 2 * 151936 * 4096 + 4096 + 36 * 192_946_432 == 8_190_735_360
+    # 8 ranks, fp32 masters, bf16 compute: AdamW state 2 x 4 B x N / 8 = 7.63 GiB per rank
+    p = plan_memory(s, 4, 2, 8, micro_tokens=1, kv_rows=0, kv_len=0)
+    assert p.optimizer == 2 * 4 * 8_190_735_360 // 8 == 8_190_735_360
