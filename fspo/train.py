@@ -1,6 +1,8 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
-Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), build the policy, data,
+Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
+plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py), build the policy (under
+trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
 reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
 conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
 figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
@@ -67,6 +69,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
+    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/memory_plan.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
@@ -75,8 +78,6 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
 
-    # memory plan: logged, and a layout that cannot fit refused before the model loads (fspo/runtime/memory_plan.py)
-    check_memory_plan(cfg)
     # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
     sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed), meta=sharded)

@@ -91,3 +91,13 @@ def test_qwen3_8b_parameter_count_matches_the_model_card():
     # 8 ranks, fp32 masters, bf16 compute: AdamW state 2 x 4 B x N / 8 = 7.63 GiB per rank
     p = plan_memory(s, 4, 2, 8, micro_tokens=1, kv_rows=0, kv_len=0)
     assert p.optimizer == 2 * 4 * 8_190_735_360 // 8 == 8_190_735_360
+
+
+def test_train_refuses_before_the_model_loads_or_mlflow_opens(tmp_path):
+    from fspo.train import train
+
+    cfg = compose_config(["memory_plan.headroom=1e-9"], output_dir=tmp_path / "out",
+                         tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=tmp_path / "art")
+    with pytest.raises(MemoryPlanError, match=r"exceeds 0.00 x .* GiB available per rank \(host RAM\)"):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists()  # refused before the tracking store was opened

@@ -19,7 +19,8 @@ Per rank, with W data-parallel ranks (trainer=fsdp: ``devices x num_nodes``; els
   activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens:
              T b_c (4 H + 2 q + 2 kv + 4 I) x layers    (norm inputs, q/k/v, attention output, MLP)
              with activation checkpointing: T b_c H x layers + one layer's full set
-           + T V 4                                      (one float32 logits row per token)
+           + T V 4                                      (one float32 logits row per token: a lower bound,
+                                                         the dense head also keeps log-softmax copies)
   KV cache = 2 x layers x kv x b_c x rows x (max_prompt_len + max_new_tokens), rows = the most sequences one
              rank decodes at once: min(rollout.engine.batch_size, max(prompts_per_step/W x n,
              val.batch_size/W x val.n)) (HF engine); vLLM on CUDA reserves gpu_memory_utilization x
@@ -38,8 +39,9 @@ GIB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class MemoryPlanError(RuntimeError):
-    """The configured layout needs more memory per rank than is available."""
+class MemoryPlanError(ValueError):
+    """The configured layout needs more memory per rank than is available (a config error: the CLI
+    shows it as one line, fspo/runtime/errors.py)."""
 
 
 @dataclass(frozen=True)
