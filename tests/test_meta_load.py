@@ -64,7 +64,8 @@ def test_two_ranks_each_read_their_shard(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, str(REPO / "experiments" / "bench_fsdp_load_memory.py"), "--mode", "meta",
-           "--hidden", "128", "--layers", "2", "--vocab", "1000", "--weights", str(tmp_path / "w"), "--out", str(out)]
+           "--hidden", "128", "--layers", "2", "--vocab", "1001",  # odd: uneven shards (501 / 500 rows)
+           "--weights", str(tmp_path / "w"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
