@@ -10,7 +10,8 @@ for each mode. Each rank (gloo, CPU) reads ru_maxrss before and after: build the
 (`load_policy(..., meta=...)`), shard it with FSDP2 (`shard_model`), fill the shards
 (`load_local_shards` on the meta path), after a warm-up that builds and shards the tiny model (the
 one-time import cost, ~230 MiB, is in the baseline, not the load); it then checks the parameters
-all-gathered from the shards against the file. Prints a table and writes JSON (``--out``): peak RSS per rank (MiB), the part of it added by loading, the model's size.
+all-gathered from the shards against the file. Prints a table and writes JSON (``--out``): peak RSS
+per rank (MiB), the part of it added by loading, the model's size.
 """
 from __future__ import annotations
 
