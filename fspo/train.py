@@ -1,6 +1,8 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
-Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), build the policy, data,
+Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
+plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py), build the policy (under
+trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
 reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
 conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
 figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
@@ -37,6 +39,7 @@ from fspo.runtime.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
 from fspo.tracking.progress import make_progress
 from fspo.runtime.run_config import resume_config
+from fspo.runtime.memory_plan import check_memory_plan
 from fspo.runtime.run_lock import hold_output_dir
 from fspo.runtime.store_check import check_writable
 
@@ -70,6 +73,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
+    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/memory_plan.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
@@ -78,8 +82,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
 
-    # policy and tokenizer
-    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
+    # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
+    sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
+    policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed), meta=sharded)
     policy.train()  # from_pretrained returns eval mode (a no-op here: no dropout; the engine switches to eval itself)
 
     # prompts

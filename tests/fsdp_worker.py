@@ -240,7 +240,8 @@ def run_e2e(out: Path) -> None:
     """`fspo.train.train` with trainer=fsdp (generation, validation, MLflow); saves final metrics."""
     from fspo.train import train
 
-    cfg = compose_config(["model.source=random", "trainer=fsdp", "steps=2", "prompts_per_step=4",
+    # the warm start (a local folder): under trainer=fsdp built on meta, each rank reading its shard
+    cfg = compose_config(["model.source=warmstart", "trainer=fsdp", "steps=2", "prompts_per_step=4",
                           "rollout.sampling.n=4", "ppo.mini_batch_size=8", "rollout.sampling.max_new_tokens=16",
                           "val.size=6", "val.batch_size=6", "val.every_n_steps=2"],
                          output_dir=out / "e2e", tracking_uri=f"sqlite:///{out / 'mlflow.db'}",

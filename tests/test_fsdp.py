@@ -12,7 +12,8 @@ The distributed tests launch ``torchrun --standalone --nproc_per_node=2 tests/fs
   RL step 2 and resumed into a fresh module continues to parameters identical to the uninterrupted run
   (optimizer state, LR schedule, EMA buffers, sampler position and sampling seeds all restored);
 - `fspo.train.train` with ``trainer=fsdp``: HF generation in lockstep, validation, MLflow (one run,
-  written by rank 0), a sharded checkpoint;
+  written by rank 0), a sharded checkpoint; the warm start built on meta and loaded shard by shard
+  (its checkpoint holds the warm start's weights);
 - the compact decoder in lockstep (``decode_compact(synced=True)``) on the sharded warm-start model,
   one rank running out of rows before the other: each rank's tokens and engine log-probs equal
   one process decoding that rank's prompts alone.
@@ -133,6 +134,18 @@ def test_train_with_trainer_fsdp_end_to_end(two_ranks):
     client = mlflow.MlflowClient(f"sqlite:///{two_ranks / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # rank 1 opened no run
+    # the warm start was built on meta and each rank read its shard (fspo/models/meta_init.py): the
+    # checkpoint after 2 steps at lr 2e-5 (Adam: <= 4e-5 per parameter) is the warm start's weights
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fspo.models.loading import load_policy
+
+    ckpt = sorted((two_ranks / "e2e").rglob("step_*.ckpt"))[-1]
+    dcp_to_torch_save(ckpt, two_ranks / "e2e_full.pt")
+    saved = torch.load(two_ranks / "e2e_full.pt", weights_only=False)["state_dict"]
+    ref, _ = load_policy(source="warmstart")
+    for k, v in ref.state_dict().items():
+        assert (saved[f"policy.{k}"] - v).abs().max() < 1e-3, k
 
 
 @pytest.mark.distributed

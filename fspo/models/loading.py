@@ -9,8 +9,14 @@ Owns: `load_policy`. Sources, by ``model.source``:
 A hub id is looked up without retries: with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) only
 the local cache is read; otherwise the hub is probed once (a TCP connection to ``HF_ENDPOINT``,
 3 s) and, when it does not answer, only the cache is read too. With no local copy the load fails
-within seconds with a message saying how to point at local weights. Leaves out: sharding (the
-module's configure_model).
+within seconds with a message saying how to point at local weights.
+
+``meta=True`` (trainer=fsdp, fspo/train.py): a model read from a folder with safetensors weights
+(``warmstart``, ``pretrained`` with ``model.path``, or a hub id already in the local cache) is built
+with its parameters on the meta device and NO weights in memory; the sharding step fills each rank's
+shard from the safetensors (fspo/models/meta_init.py). ``random`` models, hub ids not in the cache
+and folders without safetensors are built in full as before. Leaves out: sharding (the module's
+configure_model).
 """
 from __future__ import annotations
 
@@ -40,10 +46,14 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _from_dir(path: Path, dtype: torch.dtype):
+def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
+    if meta and _has_safetensors(path):
+        from fspo.models.meta_init import build_on_meta
+
+        return build_on_meta(path, dtype), tok
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model, tok
 
@@ -80,9 +90,26 @@ def _hub_offline(offline: bool):
         constants.HF_HUB_OFFLINE = before
 
 
+def _has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+
+
+def _cached_snapshot(hub_id: str) -> Optional[Path]:
+    """The local cache's folder of ``hub_id`` when it holds the config and safetensors weights, else None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        p = Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or no hub library): the full load below decides
+        return None
+    return p if (p / "config.json").exists() and _has_safetensors(p) else None
+
+
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
-                dtype: str = "float32", seed: int = 0, arch: dict | None = None, **_ignored):
-    """(model, tokenizer) for the given model config fields (see the module docstring)."""
+                dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
+                **_ignored):
+    """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
+    parameters of a local folder's model on the meta device, for sharded loading."""
     torch_dtype = _dtype(dtype)
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer
@@ -94,7 +121,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
             raise FileNotFoundError(
                 f"warm-start checkpoint not found at {p}: run `python experiments/warmstart.py --out {p}` "
                 f"or set model.source=random")
-        return _from_dir(p, torch_dtype)
+        return _from_dir(p, torch_dtype, meta)
     if source != "pretrained":
         raise ValueError(f"model.source must be 'warmstart', 'random' or 'pretrained', got {source!r}")
     if path:
@@ -102,13 +129,15 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model.path={p} has no config.json: point model.path at a folder made "
                                     f"by save_pretrained or `huggingface-cli download ... --local-dir`")
-        return _from_dir(p, torch_dtype)
+        return _from_dir(p, torch_dtype, meta)
     if not hub_id:
         raise ValueError("model.source=pretrained needs model.path (a local folder) or model.hub_id")
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if meta and (cached := _cached_snapshot(hub_id)) is not None:
+        return _from_dir(cached, torch_dtype, meta)
     offline = _offline_reason()  # probe once: no hub retries when it cannot answer
     try:
         with _hub_offline(offline is not None):

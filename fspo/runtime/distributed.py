@@ -2,7 +2,8 @@
 
 Owns: `FSDP2Strategy` (Lightning's `ModelParallelStrategy`, every rank data-parallel, carrying the
 `ShardingConfig`), `shard_model` / `configure_sharding` (torch ``fully_shard`` per decoder layer,
-then the root, from `RLModule.configure_model`), and the helpers the step uses so that W ranks
+then the root, from `RLModule.configure_model`; a policy built on the meta device is sharded first,
+then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W ranks
 each holding 1/W of the data compute exactly what one process computes on all of it:
 
 - `dp_rank_size`: the data-parallel rank and size ((0, 1) without torch.distributed);
@@ -124,14 +125,21 @@ def shard_model(model: nn.Module, mesh, cfg: ShardingConfig) -> nn.Module:
 def configure_sharding(module) -> None:
     """`RLModule.configure_model` body: shard ``module.policy`` under a `ModelParallelStrategy`
     (its data-parallel mesh; `ShardingConfig` from an `FSDP2Strategy`), do nothing otherwise."""
+    from fspo.models.meta_init import is_on_meta, load_local_shards
+
     trainer = getattr(module, "_trainer", None)
     if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+        if is_on_meta(module.policy):  # built for sharded loading, run unsharded: load it whole
+            load_local_shards(module.policy, module.device)
         return
     mesh = module.device_mesh
     if mesh["tensor_parallel"].size() != 1:
         raise NotImplementedError("tensor parallelism of the policy is not implemented: use trainer=fsdp")
     cfg = getattr(trainer.strategy, "sharding", None) or ShardingConfig()
+    meta = is_on_meta(module.policy)
     shard_model(module.policy, mesh["data_parallel"], cfg)
+    if meta:  # each rank materialises its shards and reads its rows of the checkpoint
+        load_local_shards(module.policy, trainer.strategy.root_device)
 
 
 def is_sharded(model: nn.Module) -> bool:
