@@ -21,8 +21,9 @@ from fspo.tracking.run_figures import lre_by_step_figure
 
 NAME_RE = re.compile(r"^fspo-tiny-s42-\d{4}-\d{6}$")
 # one section per top-level family of the default run: band clip fairness guard logratio perf reward
-# rollout run time train val (12); +1 for rollout correction's `correction/` when it is configured
-MAX_SECTIONS = 13
+# rollout run time train val (12; before this layout 36, each per-bin family and each run/ family its
+# own); optional features add their family (rollout_corr/, dynamic_sampling/), one section each
+MAX_SECTIONS = 12
 CONSTANT_SETTINGS = ("clip/c_upper", "clip/c_lower", "clip/c_dual", "train/lr")  # fixed band, no warmup
 
 
