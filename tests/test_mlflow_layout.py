@@ -44,6 +44,15 @@ def test_display_key_keeps_one_section_per_family_and_round_trips():
     assert canonical_key("eval/math.500/avg_at_4") == "eval/math.500/avg_at_4"
 
 
+def test_fixed_band_scales_are_params_not_metrics():
+    """The fixed band's c_* are its settings (params clip/c_*); the EMA band's move with sigma_hat."""
+    from fspo.clipping.fspo import FSPOClip
+
+    assert set(FSPOClip(band="fixed").extra_metrics()) == {"clip/sigma_hat", "clip/kl_bar"}
+    ema = FSPOClip(band="ema", z=2.0).extra_metrics()
+    assert ema["clip/c_upper"] == pytest.approx(2.0 * ema["clip/sigma_hat"])
+
+
 def test_default_run_name_from_method_model_seed_and_time():
     t = 1795947125.0  # 2026-11-23 06:12:05 UTC
     name = default_run_name("fspo", "tiny", 1, now=t)
