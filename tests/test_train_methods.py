@@ -20,7 +20,7 @@ CLIP_TARGETS = {
     "gspo": "fspo.clipping.gspo.GSPOClip",
 }
 PER_STEP = ["clip/seq_frac", "fairness/lre", "reward/mean", "time/generate", "train/loss"]
-BIN_KEY = re.compile(r"^clip/seq_frac/len_\d{5}_(\d{5}|inf)$")
+BIN_KEY = re.compile(r"^clip/seq_frac\.len_\d{5}_(\d{5}|inf)$")
 SEED = 7
 
 

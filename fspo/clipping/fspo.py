@@ -213,11 +213,14 @@ class FSPOClip(ClipRule):
         return c_fspo(lengths, sigma, float(c_up), float(c_lo))
 
     def extra_metrics(self) -> Dict[str, float]:
-        """Scalars to log: clip/sigma_hat, clip/kl_bar and the scales in effect (clip/c_*)."""
+        """Scalars to log: clip/sigma_hat, clip/kl_bar and, for the EMA band, the scales in effect
+        (clip/c_*). The fixed band's scales are the settings: params (``clip/c_upper`` ...), not metrics."""
         c_up, c_lo, c_du = self.scales()
         out = {"clip/sigma_hat": float(self.sigma_hat), "clip/kl_bar": float(self.kl_bar)}
         if self.calibrator is not None:
             out.update(self.calibrator.metrics())
+            return out
+        if self.band == "fixed":
             return out
         out.update({"clip/c_upper": float(c_up), "clip/c_lower": float(c_lo)})
         if c_du is not None:

@@ -15,6 +15,8 @@ from typing import Any, Dict
 import numpy as np
 from omegaconf import OmegaConf
 
+from fspo.diagnostics.metric_keys import display_key
+
 log = logging.getLogger(__name__)
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
@@ -41,7 +43,7 @@ def log_final_artifacts(logger, module, trainer, cfg) -> None:
     metrics = diag.compute()
     step = int(module.rl_step)
     for k, v in metrics.items():
-        client.log_metric(run_id, f"run/{k}", float(v), step=step)
+        client.log_metric(run_id, display_key(f"run/{k}"), float(v), step=step)  # one section, `run`
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
     theory = None
     if sigma > 0:
@@ -50,7 +52,9 @@ def log_final_artifacts(logger, module, trainer, cfg) -> None:
             theory = {f"theory ({cfg.method}, sigma={sigma:.3g})": (lambda L: curve(np.asarray(L), sigma))}
     import matplotlib.pyplot as plt
 
-    for name, fig in diag.figures(theory=theory).items():
+    from fspo.tracking.run_figures import run_figures  # LRE and clip fractions by step, from the history
+
+    for name, fig in {**diag.figures(theory=theory), **run_figures(client, run_id)}.items():
         client.log_figure(run_id, fig, f"plots/{name}.png")
         plt.close(fig)
     with tempfile.TemporaryDirectory() as tmp:

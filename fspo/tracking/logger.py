@@ -2,7 +2,8 @@
 
 Owns: `build_logger` (the configured logger after checking that the tracking server answers and that
 the store can be written, fspo/runtime/store_check.py; continuing the resume plan's MLflow run;
-optional fallback to a local SQLite store), `record_run_id`, `log_params_once`, `mark_preempted`,
+optional fallback to a local SQLite store; a new run named by `default_run_name` unless ``run_name`` is set,
+its experiment described once, fspo/tracking/naming.py), `record_run_id`, `log_params_once`, `mark_preempted`,
 `check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch
 continues (fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py).
 
@@ -29,6 +30,7 @@ from fspo.runtime.checkpoint_files import RUN_ID_FILE
 from fspo.runtime.rank_zero import is_rank_zero
 from fspo.runtime.resume import ResumePlan
 from fspo.runtime.store_check import NotAnMLflowServer, prepare_store
+from fspo.tracking.naming import default_run_name, describe_experiment
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,14 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
         log.warning("%s -- logger_fallback=local: logging to %s instead", e, local)
         kwargs = {"tracking_uri": local, "artifact_location": str((out / "mlartifacts").resolve())}
         prepare_store(local, name, kwargs["artifact_location"])
+    if plan.run_id is None and not lcfg.get("run_name"):  # MLflow's random name repeats under a fixed seed
+        kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"), tags.get("seed", 0))
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
+    if plan.run_id is None and is_rank_zero():
+        try:  # the experiment's description, once (fspo/tracking/naming.py)
+            describe_experiment(logger._tracking_uri, logger._experiment_name)  # before the run exists
+        except Exception as e:  # noqa: BLE001 - a description never fails a run
+            log.warning("could not set the MLflow experiment description: %s", e)
     if plan.run_id is not None and is_rank_zero():  # other ranks hold a dummy experiment
         try:
             client = logger.experiment  # get_run: fails for an unknown id

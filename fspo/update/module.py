@@ -248,7 +248,8 @@ class RLModule(L.LightningModule):
         metrics.update(stats.compute())
         metrics.update(extra)
         metrics["train/skipped_updates_total"] = float(self.skipped_updates)
-        metrics["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
+        if int(self.ppo.warmup_steps) > 0:  # else constant: the param ppo/lr, not a metric
+            metrics["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         self.timings["time/metrics"] = stats.metrics_time + time.perf_counter() - t_m
         metrics.update(self.timings)
         tokens = reduce_sum([rollout.lengths.sum()], self.device)[0]

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from fspo.diagnostics.metric_keys import canonical_key
 from fspo.evaluation.best_last import best_last
 
 ROLE_TAG = "fspo.role"  # set on sweep parents and report runs (fspo/tracking/sweep_parent.py); jobs have none
@@ -125,12 +126,13 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
     for r in runs:
         if r.data.tags.get(ROLE_TAG) or r.info.status not in statuses:
             continue
+        stored = {canonical_key(k): k for k in r.data.metrics}  # our names -> MLflow keys (metric_keys.py)
         rec = RunRecord(r.info.run_id, r.info.run_name or r.info.run_id, r.info.experiment_id, r.info.status,
-                        dict(r.data.tags), dict(r.data.params), dict(r.data.metrics))
+                        dict(r.data.tags), dict(r.data.params), {k: r.data.metrics[s] for k, s in stored.items()})
         keys = set(rec.benchmarks()) | {k for k in CURVES if k in rec.metrics}
         for run_prefix, step_prefix in BY_LENGTH:
             if not any(k.startswith(run_prefix) for k in rec.metrics):
                 keys |= {k for k in rec.metrics if k.startswith(step_prefix)}
-        rec.history = {k: _history(client, rec.run_id, k) for k in sorted(keys)}
+        rec.history = {k: _history(client, rec.run_id, stored.get(k, k)) for k in sorted(keys)}
         out.append(rec)
     return out

@@ -1,0 +1,57 @@
+"""What a training run and its MLflow experiment are called and say about themselves.
+
+Owns: `default_run_name` (``<method>-<model>-s<seed>-<MMDD>-<HHMMSS>`` when ``run_name`` is null),
+`EXPERIMENT_NOTE` and `describe_experiment` (the experiment's description, MLflow tag
+``mlflow.note.content``, set when the experiment has none). Leaves out: building the logger
+(fspo/tracking/logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
+
+Why our own name: MLflow's random names (``capable-auk-759``) come from Python's global ``random``,
+which ``seed_everything(cfg.seed)`` has seeded before the run is created, so every launch with the
+same seed got the same name. The default name says what ran and when, and the time makes two
+launches of the same command distinct (to the second).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+log = logging.getLogger(__name__)
+NOTE_TAG = "mlflow.note.content"
+
+EXPERIMENT_NOTE = """\
+FSPO training runs (length-fair sequence-level RL for LLMs): one run per `python experiments/run.py`
+launch; the run name is `<method>-<model>-s<seed>-<MMDD>-<HHMMSS>` unless `run_name=` is set.
+
+- **Params**: the resolved config, flattened (`clip/c_upper`, `ppo/lr`, `prompts_per_step`, ...);
+  settings that do not change during a run are params, not metrics.
+- **Metrics**, one chart section per family: `val/` held-out accuracy, `train/` loss, KL and grad norm,
+  `reward/`, `rollout/` lengths, `clip/` binding clip fractions (per length bin:
+  `clip/seq_frac.len_<lo>_<hi>`), `band/` the paper's out-of-band fraction c(L), `fairness/` the LRE,
+  `logratio/` statistics of the sequence log-ratio, `perf/` and `time/` costs, `run/` whole-run aggregates
+  logged once at the end.
+- **Artifacts**: `config.yaml` and `plots/` (clip fraction by length, LRE by step, Q-Q, std vs sqrt(L)).
+
+Compare runs with `python experiments/report.py` (tables and figures across methods and seeds).
+"""
+
+
+def default_run_name(method: str, model: str, seed, now: Optional[float] = None) -> str:
+    """``fspo-tiny-s42-1123-141205`` for method fspo, model tiny, seed 42 at 14:12:05 on 23 Nov (local time)."""
+    return f"{method}-{model}-s{seed}-{time.strftime('%m%d-%H%M%S', time.localtime(now))}"
+
+
+def describe_experiment(tracking_uri: Optional[str], experiment_name: Optional[str],
+                        note: str = EXPERIMENT_NOTE) -> bool:
+    """Set the description of the experiment ``experiment_name`` unless it has one (a user's is never
+    overwritten) or does not exist yet; True if set."""
+    from mlflow.tracking import MlflowClient
+
+    if not experiment_name:
+        return False
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None or exp.tags.get(NOTE_TAG):
+        return False
+    client.set_experiment_tag(exp.experiment_id, NOTE_TAG, note)
+    return True

@@ -1,0 +1,133 @@
+"""The MLflow layout of a training run (issue 20 item 5): few chart sections, settings as params,
+distinct descriptive run names, the experiment's description, the LRE-by-step figure, and the report
+reading the new key layout back.
+
+The slow test launches experiments/run.py twice (conftest's SMALL settings, 2 RL steps) into one
+SQLite store, as a user would; the others check the pieces by hand-computed examples. No mocks.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SMALL
+from fspo.diagnostics.metric_keys import canonical_key, display_key
+from fspo.tracking.naming import EXPERIMENT_NOTE, NOTE_TAG, default_run_name, describe_experiment
+from fspo.tracking.run_figures import lre_by_step_figure
+
+NAME_RE = re.compile(r"^fspo-tiny-s42-\d{4}-\d{6}$")
+# one section per top-level family of the default run: band clip fairness guard logratio perf reward
+# rollout run time train val (12; before this layout 36, each per-bin family and each run/ family its
+# own); optional features add their family (rollout_corr/, dynamic_sampling/), one section each
+MAX_SECTIONS = 12
+CONSTANT_SETTINGS = ("clip/c_upper", "clip/c_lower", "clip/c_dual", "train/lr")  # fixed band, no warmup
+
+
+def section(key: str) -> str:
+    """The chart section MLflow 3.x's UI puts ``key`` in: everything before the last '/'."""
+    return key.rsplit("/", 1)[0] if "/" in key else ""
+
+
+def test_display_key_keeps_one_section_per_family_and_round_trips():
+    assert display_key("clip/seq_frac/len_00016_00032") == "clip/seq_frac.len_00016_00032"
+    assert display_key("run/band/out_frac/len_00000_00016") == "run/band.out_frac.len_00000_00016"
+    assert display_key("val/accuracy") == "val/accuracy" and display_key("steps") == "steps"
+    assert section(display_key("run/logratio/std/len_00000_00016")) == "run"
+    for k in ("clip/seq_frac/len_00016_00032", "run/band/out_frac/len_0_16", "val/accuracy", "x"):
+        assert canonical_key(display_key(k)) == k
+    # keys of runs logged before this layout (several '/') and benchmark names with dots are left alone
+    assert canonical_key("clip/seq_frac/len_00016_00032") == "clip/seq_frac/len_00016_00032"
+    assert canonical_key("eval/math.500/avg_at_4") == "eval/math.500/avg_at_4"
+
+
+def test_fixed_band_scales_are_params_not_metrics():
+    """The fixed band's c_* are its settings (params clip/c_*); the EMA band's move with sigma_hat."""
+    from fspo.clipping.fspo import FSPOClip
+
+    assert set(FSPOClip(band="fixed").extra_metrics()) == {"clip/sigma_hat", "clip/kl_bar"}
+    ema = FSPOClip(band="ema", z=2.0).extra_metrics()
+    assert ema["clip/c_upper"] == pytest.approx(2.0 * ema["clip/sigma_hat"])
+
+
+def test_default_run_name_from_method_model_seed_and_time():
+    t = 1795947125.0  # 2026-11-23 06:12:05 UTC
+    name = default_run_name("fspo", "tiny", 1, now=t)
+    local = __import__("time").localtime(t)
+    assert name == f"fspo-tiny-s1-{local.tm_mon:02d}{local.tm_mday:02d}-{local.tm_hour:02d}{local.tm_min:02d}05"
+    assert default_run_name("fspo", "tiny", 1, now=t + 1) != name
+
+
+def test_experiment_description_set_once_never_overwritten(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    assert describe_experiment(uri, "absent") is False  # not created yet: nothing to describe
+    a = client.create_experiment("a", artifact_location=str(tmp_path / "art"))
+    assert describe_experiment(uri, "a") is True
+    assert client.get_experiment(a).tags[NOTE_TAG] == EXPERIMENT_NOTE
+    client.set_experiment_tag(a, NOTE_TAG, "my own words")
+    assert describe_experiment(uri, "a") is False
+    assert client.get_experiment(a).tags[NOTE_TAG] == "my own words"
+
+
+def test_lre_by_step_figure_draws_what_was_logged():
+    fig = lre_by_step_figure({"fairness/lre": ([1, 2, 3], [0.1, 0.05, 0.02]), "clip/seq_frac": ([1, 2], [0.2, 0.1])})
+    top, bottom = fig.axes
+    assert [tuple(l.get_xdata()) for l in top.lines] == [(1, 2, 3)]
+    assert [tuple(l.get_ydata()) for l in bottom.lines] == [(0.2, 0.1)]
+    empty = lre_by_step_figure({})
+    assert all(not ax.lines and ax.texts[0].get_text() == "not logged in this run" for ax in empty.axes)
+
+
+def _launch(tmp_path, name: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / name
+    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *SMALL, f"hydra.run.dir={out}",
+           "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={tmp_path / 'artifacts'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return (out / "mlflow_run_id").read_text().strip()
+
+
+@pytest.mark.slow
+def test_two_tiny_runs_layout(tmp_path):
+    """Two launches of the same command: distinct names, <= MAX_SECTIONS sections, settings as params,
+    the experiment described once (a user's description survives), figures logged, report reads it."""
+    from mlflow.tracking import MlflowClient
+
+    from fspo.evaluation.report.collect import load_runs
+
+    first = _launch(tmp_path, "run1")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
+    exp = client.get_experiment_by_name("fspo")
+    assert exp.tags[NOTE_TAG] == EXPERIMENT_NOTE
+    client.set_experiment_tag(exp.experiment_id, NOTE_TAG, "user text")
+    second = _launch(tmp_path, "run2")
+    assert client.get_experiment_by_name("fspo").tags[NOTE_TAG] == "user text"
+
+    runs = [client.get_run(r) for r in (first, second)]
+    names = [r.info.run_name for r in runs]
+    assert all(NAME_RE.match(n) for n in names) and names[0] != names[1], names
+    run = runs[0]
+    metrics, params = run.data.metrics, run.data.params
+    assert not set(CONSTANT_SETTINGS) & set(metrics)
+    assert {"clip/c_upper", "clip/c_lower", "clip/c_dual", "ppo/lr", "clip/band", "method"} <= set(params)
+    assert params["clip/c_upper"] == "0.03" and params["clip/band"] == "fixed"
+    sections = {section(k) for k in metrics}
+    assert {"val", "train", "clip", "band", "run"} <= sections and len(sections) <= MAX_SECTIONS, sorted(sections)
+    assert any(k.startswith("clip/seq_frac.len_") for k in metrics)  # per-bin series inside `clip`
+    assert any(k.startswith("run/clip.seq_frac.len_") for k in metrics)
+    plots = {a.path for a in client.list_artifacts(first, "plots")}
+    assert {"plots/lre_by_step.png", "plots/clip_fraction_by_length.png"} <= plots
+
+    recs = {r.run_id: r for r in load_runs(client, ["fspo"])}
+    rec = recs[first]
+    assert rec.clip_by_length() and all(k.startswith("len_") for k in rec.clip_by_length())
+    assert rec.clip_by_length() == {k[len("run/clip.seq_frac."):]: v for k, v in metrics.items()
+                                    if k.startswith("run/clip.seq_frac.len_")}
