@@ -1,9 +1,9 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
 Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), build the policy, data,
-reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
-conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
-figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
+reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
+Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
+diagnostics and their figures to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock
 throughout (fspo/runtime/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
 ``output_dir`` and its MLflow run (fspo/runtime/resume.py) with the run's saved config (fspo/runtime/run_config.py);
 checkpoints and signal stops are fspo/runtime/checkpointing.py's. Leaves out: Hydra's command line
@@ -32,7 +32,7 @@ from fspo.models.loading import load_policy
 from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
-from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
+from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.runtime.run_config import resume_config
 from fspo.runtime.run_lock import hold_output_dir
 from fspo.runtime.store_check import check_writable
@@ -70,9 +70,10 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
-    logger = RankZeroStub() if launch_rank() != 0 else \
+    loggers = [RankZeroStub()] if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
+    logger = mlflow_logger(loggers)  # the MLflow one, or None
 
     # policy and tokenizer
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed))
@@ -101,13 +102,13 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                               is not None else None)  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
 
     # logging and checkpoints
-    log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
-    record_run_id(logger, out_dir)
+    log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
-    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger, callbacks=[rollout, ckpt],
+    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=loggers, callbacks=[rollout, ckpt],
                           plugins=slurm_plugins(), val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)
     if val_source is not None and plan.ckpt_path is None:
@@ -117,14 +118,14 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     try:
         trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
     except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
-        mark_preempted(logger, int(module.rl_step))
+        mark_preempted(loggers, int(module.rl_step))
         raise
     if val_source is not None and cfg.steps % val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-    log_final_artifacts(logger, module, trainer, cfg)
-    log.info("run %s finished: %s", logger.run_id, {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
+    log_final_artifacts(loggers, module, trainer, cfg)
+    log.info("run %s finished: %s", getattr(logger, "run_id", None), {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
     return final

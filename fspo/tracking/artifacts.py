@@ -1,9 +1,10 @@
-"""MLflow helpers for the training run: flattened params and end-of-run artifacts.
+"""What a training run logs besides its step metrics: flattened params and end-of-run artifacts.
 
 Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
-clip rule's theory curve as PNG artifacts under ``plots/``, and the resolved config as
-``config.yaml``). Leaves out: the per-step metrics (logged by the module through Lightning).
+clip rule's theory curve as ``plots/<name>.png``, and the resolved config as ``config.yaml``, to every
+logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
+each kind of logger stores a figure or a file (fspo/tracking/sinks.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Any, Dict
 
 import numpy as np
 from omegaconf import OmegaConf
+
+from fspo.tracking import sinks
+from fspo.tracking.logger import as_list
 
 log = logging.getLogger(__name__)
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -32,16 +36,15 @@ def flatten_params(tree: Any, prefix: str = "") -> Dict[str, str]:
     return out
 
 
-def log_final_artifacts(logger, module, trainer, cfg) -> None:
-    """Log run-level diagnostics, figures and the resolved config to the logger's MLflow run."""
-    diag = module.run_diagnostics
-    if diag is None or logger is None:
+def log_final_artifacts(loggers, module, trainer, cfg) -> None:
+    """Log run-level diagnostics, figures and the resolved config to each of ``loggers`` (one or a list)."""
+    diag, loggers = module.run_diagnostics, as_list(loggers)
+    if diag is None or not loggers:
         return
-    client, run_id = logger.experiment, logger.run_id
     metrics = diag.compute()
     step = int(module.rl_step)
-    for k, v in metrics.items():
-        client.log_metric(run_id, f"run/{k}", float(v), step=step)
+    for lg in loggers:
+        lg.log_metrics({f"run/{k}": float(v) for k, v in metrics.items()}, step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
     theory = None
     if sigma > 0:
@@ -51,9 +54,13 @@ def log_final_artifacts(logger, module, trainer, cfg) -> None:
     import matplotlib.pyplot as plt
 
     for name, fig in diag.figures(theory=theory).items():
-        client.log_figure(run_id, fig, f"plots/{name}.png")
+        for lg in loggers:
+            sinks.log_figure(lg, f"plots/{name}.png", fig, step)
         plt.close(fig)
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "config.yaml"
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        client.log_artifact(run_id, str(p))
+        for lg in loggers:
+            sinks.log_file(lg, p, step)
+    for lg in loggers:
+        sinks.finish(lg)
