@@ -125,7 +125,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     log_final_artifacts(loggers, module, trainer, cfg)
-    log.info("run %s finished: %s", getattr(logger, "run_id", None), {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
+    log.info("run %s finished: %s", getattr(logger, "run_id", None),
+             {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
     return final

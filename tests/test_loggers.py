@@ -74,6 +74,35 @@ def test_bad_logger_settings_fail_with_the_fix(tmp_path):
         build_logger(cfg, TAGS, tmp_path, ResumePlan())
 
 
+def test_sinks_write_where_each_logger_keeps_files(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from lightning.pytorch.loggers import CSVLogger
+
+    from fspo.runtime.rank_zero import RankZeroStub
+    from fspo.tracking import sinks
+
+    fig = plt.figure()
+    plt.plot([0, 1], [1, 0])
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text("steps: 2\n")
+    lg = CSVLogger(str(tmp_path / "save"), name="csv")
+    sinks.log_figure(lg, "plots/a.png", fig, 3)
+    sinks.log_file(lg, cfg_file, 3)
+    sinks.finish(lg)
+    d = tmp_path / "save" / "csv" / "version_0"
+    assert (d / "plots" / "a.png").read_bytes()[:4] == b"\x89PNG" and (d / "config.yaml").read_text() == "steps: 2\n"
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    stub = RankZeroStub()  # ranks other than 0: nothing is written
+    sinks.log_figure(stub, "plots/b.png", fig, 3)
+    sinks.log_file(stub, cfg_file, 3)
+    sinks.finish(stub)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    plt.close(fig)
+
+
 # -- real tiny runs --------------------------------------------------------------------------------
 def _train(overrides, out, tracking_uri=None):
     from fspo.train import train

@@ -1,4 +1,5 @@
-"""The experiment loggers of a training run: built from ``logger:`` and ``extra_loggers:``, continuing a resumed MLflow run.
+"""The experiment loggers of a training run: built from ``logger:`` and ``extra_loggers:``; continuing a
+resumed MLflow run.
 
 Owns: `build_logger` (the list of configured loggers: ``logger`` (conf/logger/: mlflow, csv, tensorboard,
 wandb) then each of ``extra_loggers`` (conf/extra_loggers/, ``+extra_loggers=[csv,tensorboard]``); each

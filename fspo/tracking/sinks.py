@@ -2,9 +2,10 @@
 
 Owns: `log_figure(logger, name, fig, step)` and `log_file(logger, path, step)`, each dispatched on the
 logger's class (MLflow: the run's artifacts; TensorBoard: ``add_figure`` / ``add_text``; W&B:
-``wandb.Image`` / a run file under ``fspo/``; CSV and any other logger: a PNG / a copy of the file under the logger's
-``log_dir``), and `finish(logger)` (write out what a file-based logger buffers). Leaves out: what is
-logged at the end of a run (fspo/tracking/artifacts.py) and building the loggers (fspo/tracking/logger.py).
+``wandb.Image`` / a run file under ``fspo/``; CSV and any other logger: a PNG / a copy of the file
+under the logger's ``log_dir``; ranks other than 0: nothing), and `finish(logger)` (write out what a
+file-based logger buffers). Leaves out: what is logged at the end of a run
+(fspo/tracking/artifacts.py) and building the loggers (fspo/tracking/logger.py).
 
 Dispatch is by class name along the logger's MRO, so neither wandb nor tensorboard is imported
 unless such a logger is in use.
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def _kind(logger) -> str:
     names = {c.__name__ for c in type(logger).__mro__}
-    for kind in ("MLFlowLogger", "TensorBoardLogger", "WandbLogger"):
+    for kind in ("RankZeroStub", "MLFlowLogger", "TensorBoardLogger", "WandbLogger"):
         if kind in names:
             return kind
     return "other"
@@ -62,7 +63,12 @@ def _figure_file(logger, name: str, fig, step: int) -> None:
     fig.savefig(p)
 
 
-_FIGURE: Dict[str, Callable] = {"MLFlowLogger": _figure_mlflow, "TensorBoardLogger": _figure_tensorboard,
+def _nothing(*args) -> None:
+    """Ranks other than 0 hold fspo/runtime/rank_zero.py's `RankZeroStub`: nothing to write."""
+
+
+_FIGURE: Dict[str, Callable] = {"RankZeroStub": _nothing, "MLFlowLogger": _figure_mlflow,
+                                "TensorBoardLogger": _figure_tensorboard,
                                 "WandbLogger": _figure_wandb, "other": _figure_file}
 
 
@@ -98,7 +104,8 @@ def _file_copy(logger, path: Path, step: int) -> None:
     shutil.copyfile(path, d / path.name)
 
 
-_FILE: Dict[str, Callable] = {"MLFlowLogger": _file_mlflow, "TensorBoardLogger": _file_tensorboard,
+_FILE: Dict[str, Callable] = {"RankZeroStub": _nothing, "MLFlowLogger": _file_mlflow,
+                              "TensorBoardLogger": _file_tensorboard,
                               "WandbLogger": _file_wandb, "other": _file_copy}
 
 
@@ -110,6 +117,6 @@ def log_file(logger, path, step: int) -> None:
 def finish(logger: Any) -> None:
     """Write out what the logger buffers (after Lightning's own ``finalize`` at the end of fit, the end-of-run
     artifacts come later). MLflow writes each call at once; W&B finishes its run when the process exits."""
-    if _kind(logger) in ("MLFlowLogger", "WandbLogger"):
+    if _kind(logger) in ("RankZeroStub", "MLFlowLogger", "WandbLogger"):
         return
     logger.finalize("success")
