@@ -3,9 +3,9 @@
 Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
 plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py), build the policy (under
 trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
-reward, clip rule, module, rollout callback, MLflow logger and Lightning Trainer from ``cfg`` (see
-conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their
-figures as MLflow artifacts. Returns the final metrics. The run holds ``output_dir``'s lock
+reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
+Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
+diagnostics and their figures to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock
 throughout (fspo/runtime/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
 ``output_dir`` and its MLflow run (fspo/runtime/resume.py) with the run's saved config (fspo/runtime/run_config.py);
 checkpoints and signal stops are fspo/runtime/checkpointing.py's. Leaves out: Hydra's command line
@@ -36,7 +36,7 @@ from fspo.models.loading import load_policy
 from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
-from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, record_run_id
+from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.tracking.progress import make_progress
 from fspo.runtime.run_config import resume_config
 from fspo.runtime.memory_plan import check_memory_plan
@@ -78,9 +78,10 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
-    logger = RankZeroStub() if launch_rank() != 0 else \
+    loggers = [RankZeroStub()] if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
+    logger = mlflow_logger(loggers)  # the MLflow one, or None
 
     # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
     sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
@@ -112,8 +113,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                               pipeline=build_pipeline(cfg))  # rollout.overlap (fspo/rollout/pipeline.py)
 
     # logging and checkpoints
-    log_params_once(logger, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
-    record_run_id(logger, out_dir)
+    log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))
 
@@ -121,9 +122,10 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     progress = make_progress(str(OmegaConf.select(cfg, "progress.mode", default="auto")),
                              int(OmegaConf.select(cfg, "progress.every_n_steps", default=5)), int(cfg.steps)) \
         if OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) else None  # fspo/tracking/progress.py
-    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=logger,
+    trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=loggers,
                           callbacks=[rollout, ckpt] + ([progress] if progress is not None else []),
-                          enable_progress_bar=progress is not None, plugins=slurm_plugins(), val_check_interval=val_every if val_source is not None else None,
+                          enable_progress_bar=progress is not None, plugins=slurm_plugins(),
+                          val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)
     if val_source is not None and plan.ckpt_path is None:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
@@ -132,14 +134,15 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     try:
         trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
     except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
-        mark_preempted(logger, int(module.rl_step))
+        mark_preempted(loggers, int(module.rl_step))
         raise
     if val_source is not None and cfg.steps % val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-    log_final_artifacts(logger, module, trainer, cfg)
-    log.info("run %s finished: %s", logger.run_id, {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
+    log_final_artifacts(loggers, module, trainer, cfg)
+    log.info("run %s finished: %s", getattr(logger, "run_id", None),
+             {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
     return final

@@ -115,8 +115,9 @@ def check_components(cfg, tmp_path) -> None:
     assert isinstance(val_sampling, SamplingConfig) and val_sampling.n >= 1
     trainer = instantiate(cfg.trainer, logger=False, default_root_dir=str(tmp_path))
     assert isinstance(trainer, L.Trainer)
-    logger = instantiate(cfg.logger)  # constructing it touches no store
-    assert type(logger).__name__ == "MLFlowLogger"
+    for lcfg in [cfg.logger, *(cfg.get("extra_loggers") or {}).values()]:  # save_dir null: the run's output_dir
+        logger = instantiate(lcfg, **({"save_dir": str(tmp_path)} if lcfg.get("save_dir", "") is None else {}))
+        assert type(logger).__name__ == lcfg._target_.rsplit(".", 1)[1]  # constructing it touches no store
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}/{o}" for g, o in OPTIONS])

@@ -198,12 +198,12 @@ def test_continued_run_logs_each_step_once(compose_cfg):
     from fspo.tracking.logger import build_logger, log_params_once
 
     cfg = compose_cfg([])
-    first = build_logger(cfg, {}, cfg.output_dir, ResumePlan())
+    [first] = build_logger(cfg, {}, cfg.output_dir, ResumePlan())  # the list of the run's loggers: MLflow only
     log_params_once(first, {"seed": "1", "resume": "None"})
     for s in range(4):
         first.log_metrics({"train/loss": float(s)}, step=s)
     first.experiment.log_metric(first.run_id, "run/x", 1.0, step=3)
-    again = build_logger(cfg, {}, cfg.output_dir, ResumePlan(ckpt_path="x", step=2, run_id=first.run_id))
+    [again] = build_logger(cfg, {}, cfg.output_dir, ResumePlan(ckpt_path="x", step=2, run_id=first.run_id))
     log_params_once(again, {"seed": "1", "resume": "auto", "new": "y"})  # no error on the changed value
     for s in range(2, 6):
         again.log_metrics({"train/loss": 10.0 + s}, step=s)

@@ -275,7 +275,7 @@ def test_plain_web_server_falls_back_when_asked(server, tmp_path):
         build_logger(cfg, {}, tmp_path, ResumePlan())
     with open_dict(cfg):
         cfg.logger_fallback = "local"
-    logger = build_logger(cfg, {}, tmp_path, ResumePlan())
+    [logger] = build_logger(cfg, {}, tmp_path, ResumePlan())  # the list of the run's loggers: MLflow only
     assert logger._tracking_uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
 
 

@@ -37,7 +37,7 @@ from fspo.runtime.rank_zero import launch_rank
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
 # keys (and their subtrees) a continued run may change: they do not change what is trained
-RESUMABLE = ("steps", "run_name", "tags", "logger", "logger_fallback", "cpu_threads", "checkpoint",
+RESUMABLE = ("steps", "run_name", "tags", "logger", "extra_loggers", "logger_fallback", "cpu_threads", "checkpoint",
              "val.every_n_steps", "trainer.log_every_n_steps", "trainer.enable_progress_bar", "progress")
 ALWAYS_CURRENT = ("output_dir", "resume")  # where and how this launch runs
 _ABSENT = object()

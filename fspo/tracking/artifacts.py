@@ -1,9 +1,10 @@
-"""MLflow helpers for the training run: flattened params and end-of-run artifacts.
+"""What a training run logs besides its step metrics: flattened params and end-of-run artifacts.
 
 Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
-clip rule's theory curve as PNG artifacts under ``plots/``, and the resolved config as
-``config.yaml``). Leaves out: the per-step metrics (logged by the module through Lightning).
+clip rule's theory curve as ``plots/<name>.png``, and the resolved config as ``config.yaml``, to every
+logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
+each kind of logger stores a figure or a file (fspo/tracking/sinks.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from fspo.diagnostics.metric_keys import display_key
+from fspo.tracking import sinks
+from fspo.tracking.logger import as_list, mlflow_logger
 
 log = logging.getLogger(__name__)
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -34,16 +37,15 @@ def flatten_params(tree: Any, prefix: str = "") -> Dict[str, str]:
     return out
 
 
-def log_final_artifacts(logger, module, trainer, cfg) -> None:
-    """Log run-level diagnostics, figures and the resolved config to the logger's MLflow run."""
-    diag = module.run_diagnostics
-    if diag is None or logger is None:
+def log_final_artifacts(loggers, module, trainer, cfg) -> None:
+    """Log run-level diagnostics, figures and the resolved config to each of ``loggers`` (one or a list)."""
+    diag, loggers = module.run_diagnostics, as_list(loggers)
+    if diag is None or not loggers:
         return
-    client, run_id = logger.experiment, logger.run_id
     metrics = diag.compute()
     step = int(module.rl_step)
-    for k, v in metrics.items():
-        client.log_metric(run_id, display_key(f"run/{k}"), float(v), step=step)  # one section, `run`
+    for lg in loggers:  # one section, `run` (fspo/diagnostics/metric_keys.py)
+        lg.log_metrics({display_key(f"run/{k}"): float(v) for k, v in metrics.items()}, step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
     theory = None
     if sigma > 0:
@@ -52,12 +54,18 @@ def log_final_artifacts(logger, module, trainer, cfg) -> None:
             theory = {f"theory ({cfg.method}, sigma={sigma:.3g})": (lambda L: curve(np.asarray(L), sigma))}
     import matplotlib.pyplot as plt
 
-    from fspo.tracking.run_figures import run_figures  # LRE and clip fractions by step, from the history
+    from fspo.tracking.run_figures import run_figures  # LRE and clip fractions by step, from MLflow's history
 
-    for name, fig in {**diag.figures(theory=theory), **run_figures(client, run_id)}.items():
-        client.log_figure(run_id, fig, f"plots/{name}.png")
+    ml = mlflow_logger(loggers)
+    by_step = run_figures(ml.experiment, ml.run_id) if ml is not None and ml.run_id is not None else {}
+    for name, fig in {**diag.figures(theory=theory), **by_step}.items():
+        for lg in loggers:
+            sinks.log_figure(lg, f"plots/{name}.png", fig, step)
         plt.close(fig)
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "config.yaml"
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        client.log_artifact(run_id, str(p))
+        for lg in loggers:
+            sinks.log_file(lg, p, step)
+    for lg in loggers:
+        sinks.finish(lg)

@@ -1,11 +1,16 @@
-"""The experiment logger of a training run: built from ``logger:``, continuing a resumed MLflow run.
+"""The experiment loggers of a training run: built from ``logger:`` and ``extra_loggers:``; continuing a
+resumed MLflow run.
 
-Owns: `build_logger` (the configured logger after checking that the tracking server answers and that
-the store can be written, fspo/runtime/store_check.py; continuing the resume plan's MLflow run;
-optional fallback to a local SQLite store; a new run named by `default_run_name` unless ``run_name`` is set,
-its experiment described once, fspo/tracking/naming.py), `record_run_id`, `log_params_once`, `mark_preempted`,
-`check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch
-continues (fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py).
+Owns: `build_logger` (the list of configured loggers: ``logger`` (conf/logger/: mlflow, csv, tensorboard,
+wandb) then each of ``extra_loggers`` (conf/extra_loggers/, ``+extra_loggers=[csv,tensorboard]``); each
+gets only the arguments it accepts, ``save_dir: null`` becomes the run's output_dir. For the MLflow logger
+only: checking that the tracking server answers and that the store can be written,
+fspo/runtime/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
+store; a new run named by `default_run_name` unless ``run_name`` is set, its experiment described once,
+fspo/tracking/naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
+`check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
+(fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
+fspo/tracking/sinks.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
 run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
@@ -20,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
 from hydra.utils import instantiate
@@ -65,13 +70,42 @@ def _is_mlflow(lcfg) -> bool:
     return "MLFlowLogger" in str(lcfg.get("_target_", ""))
 
 
-def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: ResumePlan):
-    """Instantiate ``cfg.logger``; for MLflow: probe the tracking URI (fallback per ``logger_fallback``),
-    continue ``plan.run_id`` (status back to RUNNING, already logged steps skipped). A new run is created
-    lazily, at the first logging call, as before."""
-    lcfg = cfg.logger
-    if not _is_mlflow(lcfg):
-        return instantiate(lcfg, tags=tags)
+def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: ResumePlan) -> List[Any]:
+    """The run's loggers, ``cfg.logger`` first then ``cfg.extra_loggers`` (a dict name -> logger config), for
+    Lightning's ``Trainer(logger=[...])``. At most one MLflow logger; for it: probe the tracking URI (fallback
+    per ``logger_fallback``), continue ``plan.run_id`` (status back to RUNNING, already logged steps skipped).
+    A new MLflow run is created lazily, at the first logging call, as before."""
+    extra = OmegaConf.select(cfg, "extra_loggers", default=None)
+    extra = OmegaConf.create({}) if extra is None else extra
+    if not OmegaConf.is_dict(extra):
+        raise ValueError(f"extra_loggers must name configs of conf/extra_loggers/ (got {extra!r}): select them "
+                         f"as +extra_loggers=[csv,tensorboard]")
+    lcfgs = [cfg.logger, *extra.values()]
+    if sum(_is_mlflow(lc) for lc in lcfgs) > 1:
+        raise ValueError("more than one MLflow logger (logger=mlflow and extra_loggers with mlflow): keep one, "
+                         "e.g. drop mlflow from +extra_loggers")
+    return [_build_mlflow(cfg, lc, tags, output_dir, plan) if _is_mlflow(lc) else _build_other(lc, tags, output_dir)
+            for lc in lcfgs]
+
+
+def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
+    """A non-MLflow logger: ``save_dir: null`` -> the run's output_dir; W&B gets the tags as ``key=value``
+    strings (CSV and TensorBoard take none)."""
+    kwargs: Dict[str, Any] = {}
+    if "save_dir" in lcfg and lcfg.get("save_dir") is None:
+        kwargs["save_dir"] = str(Path(output_dir))
+    target = str(lcfg.get("_target_", ""))
+    if target.endswith("WandbLogger"):
+        kwargs["tags"] = [f"{k}={v}"[:64] for k, v in tags.items()]  # W&B: a list, 64 characters each
+    try:
+        return instantiate(lcfg, **kwargs)
+    except (ImportError, ModuleNotFoundError) as e:
+        raise ValueError(f"logger {target} cannot start: {str(e).splitlines()[0][:200]} (pip install tensorboard / "
+                         f"wandb, or choose another logger)") from None
+
+
+def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan: ResumePlan):
+    """The MLflow logger: store checks, optional local fallback, continuing ``plan.run_id``."""
     kwargs: Dict[str, Any] = {}
     name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
     try:
@@ -108,9 +142,20 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
     return logger
 
 
-def record_run_id(logger, output_dir) -> None:
+def as_list(loggers) -> List[Any]:
+    """``loggers`` as a list (one logger, a list of them, or None)."""
+    return [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+
+
+def mlflow_logger(loggers) -> Optional[Any]:
+    """The MLflow logger among ``loggers`` (a logger or a list), or None."""
+    return next((lg for lg in as_list(loggers) if _is_mlflow_logger(lg)), None)
+
+
+def record_run_id(loggers, output_dir) -> None:
     """Write the MLflow run id to ``<output_dir>/mlflow_run_id`` (atomically; creates the run if needed)."""
-    if not (_is_mlflow_logger(logger) and is_rank_zero()):
+    logger = mlflow_logger(loggers)
+    if logger is None or not is_rank_zero():
         return
     out = Path(output_dir)
     tmp = out / (RUN_ID_FILE + ".tmp")
@@ -147,9 +192,14 @@ def _skip_logged(logger, from_step: int) -> None:
     client.log_batch, client.log_metric = filtered_batch, filtered_metric
 
 
-def log_params_once(logger, params: Dict[str, str]) -> None:
-    """Log ``params``; on a continued run only the keys it does not hold yet (MLflow params are
-    immutable: a changed value, such as ``resume``, keeps its first value and is reported)."""
+def log_params_once(loggers, params: Dict[str, str]) -> None:
+    """Log ``params`` to each logger; to MLflow on a continued run only the keys it does not hold yet (MLflow
+    params are immutable: a changed value, such as ``resume``, keeps its first value and is reported)."""
+    for logger in as_list(loggers):
+        _log_params(logger, params)
+
+
+def _log_params(logger, params: Dict[str, str]) -> None:
     if not (_is_mlflow_logger(logger) and is_rank_zero()):
         logger.log_hyperparams(params)  # rank-zero-only itself
         return
@@ -168,9 +218,10 @@ def _is_mlflow_logger(logger) -> bool:
     return isinstance(logger, MLFlowLogger)
 
 
-def mark_preempted(logger, step: int) -> None:
+def mark_preempted(loggers, step: int) -> None:
     """After a signal stop: MLflow run status KILLED (Lightning marked it FAILED) and a tag with the step."""
-    if not (_is_mlflow_logger(logger) and is_rank_zero()):
+    logger = mlflow_logger(loggers)
+    if logger is None or not is_rank_zero():
         return
     try:
         logger.experiment.set_tag(logger.run_id, "fspo.stopped_at_step", str(step))

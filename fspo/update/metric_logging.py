@@ -1,10 +1,10 @@
-"""Where a step's metrics go: the experiment logger (MLflow) and Lightning's callback metrics.
+"""Where a step's metrics go: the experiment loggers (MLflow, and any of conf/logger/) and Lightning's callback metrics.
 
 Owns: `emit_metrics`. Leaves out: computing the metrics (fspo/update/module.py, fspo/update/stats.py,
 fspo/diagnostics) and the logger itself (conf/logger).
 
-Every metric is written once to the experiment logger at step ``step`` (its key laid out by
-fspo/diagnostics/metric_keys.py: one MLflow chart section per family) (our RL step, not
+Every metric is written once to each experiment logger (``module.loggers``) at step ``step`` (its key laid
+out by fspo/diagnostics/metric_keys.py: one MLflow chart section per family) (our RL step, not
 Lightning's counter) and made visible to callbacks in ``trainer.callback_metrics`` (what
 ModelCheckpoint / EarlyStopping ``monitor`` read). Only the progress-bar metrics (and epoch-level
 ones, e.g. validation) go through ``LightningModule.log``: each ``log`` call costs ~0.6 ms on CPU
@@ -24,9 +24,10 @@ from fspo.diagnostics.metric_keys import display_key
 
 def emit_metrics(module, metrics: Dict[str, float], step: int, prog_bar: Iterable[str] = (),
                  on_step: bool = True) -> None:
-    """Log ``metrics`` to ``module.logger`` at ``step`` and mirror them into Lightning (see module docstring)."""
-    if module.logger is not None:
-        module.logger.log_metrics({display_key(k): v for k, v in metrics.items()}, step=int(step))
+    """Log ``metrics`` to each of ``module.loggers`` at ``step`` and mirror them into Lightning (see module docstring)."""
+    shown = {display_key(k): v for k, v in metrics.items()}
+    for logger in module.loggers:
+        logger.log_metrics(shown, step=int(step))
     prog_bar = set(prog_bar)
     trainer = getattr(module, "_trainer", None)
     direct = {}
