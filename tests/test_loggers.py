@@ -43,7 +43,7 @@ def test_logger_choices_compose_and_build(tmp_path, mlflow_uri):
     assert list(cfg.extra_loggers) == ["csv", "tensorboard"] and cfg.logger.experiment_name == "fspo"
     loggers = build_logger(cfg, TAGS, tmp_path, ResumePlan())
     assert [type(lg) for lg in loggers] == [MLFlowLogger, CSVLogger, TensorBoardLogger]
-    assert mlflow_logger(loggers) is loggers[0] and loggers[0]._run_name is None
+    assert mlflow_logger(loggers) is loggers[0] and loggers[0]._run_name.startswith("fspo-")  # tracking/naming.py
 
 
 def test_normalized_command_line_form():
@@ -115,11 +115,11 @@ def _train(overrides, out, tracking_uri=None):
 def _check_csv(log_dir, steps=2):
     rows = _rows(log_dir / "metrics.csv")
     cols = set(rows[0])
-    assert {"train/loss", "val/accuracy", "run/logratio/sigma_hat", "step"} <= cols
+    assert {"train/loss", "val/accuracy", "run/logratio.sigma_hat", "step"} <= cols
     train_steps = sorted(int(r["step"]) for r in rows if r["train/loss"] != "")
     val_steps = sorted(int(r["step"]) for r in rows if r["val/accuracy"] != "")
     assert train_steps == list(range(steps)) and val_steps == [0, steps]  # val before training and at the end
-    assert [int(r["step"]) for r in rows if r["run/logratio/sigma_hat"] != ""] == [steps]
+    assert [int(r["step"]) for r in rows if r["run/logratio.sigma_hat"] != ""] == [steps]
     for name in FIGURES:
         png = log_dir / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -145,7 +145,7 @@ def test_tensorboard_run(tmp_path):
     ea = EventAccumulator(str(out / "tensorboard" / "version_0"), size_guidance={"images": 0, "scalars": 0})
     ea.Reload()
     tags = ea.Tags()
-    assert {"train/loss", "val/accuracy", "run/logratio/sigma_hat"} <= set(tags["scalars"])
+    assert {"train/loss", "val/accuracy", "run/logratio.sigma_hat"} <= set(tags["scalars"])
     assert [e.step for e in ea.Scalars("train/loss")] == [0, 1]
     assert [e.step for e in ea.Scalars("val/accuracy")] == [0, 2]
     assert {f"plots/{n}" for n in FIGURES} <= set(tags["images"])
@@ -167,7 +167,7 @@ def test_mlflow_and_csv_at_once(tmp_path):
     assert [m.step for m in hist] == [0, 1]
     csv_loss = [float(r["train/loss"]) for r in rows if r["train/loss"] != ""]
     assert [m.value for m in hist] == pytest.approx(csv_loss)  # the same values in both
-    assert "run/logratio/sigma_hat" in client.get_run(run_id).data.metrics
+    assert "run/logratio.sigma_hat" in client.get_run(run_id).data.metrics
     arts = {a.path for a in client.list_artifacts(run_id, "plots")} | {a.path for a in client.list_artifacts(run_id)}
     assert {f"plots/{n}.png" for n in FIGURES} | {"config.yaml"} <= arts
 
@@ -188,7 +188,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     hist = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             for r in _wandb_records(next(run_dir.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "history"]
     at = lambda key: [h["trainer/global_step"] for h in hist if key in h]  # noqa: E731
-    assert at("train/loss") == [0, 1] and at("val/accuracy") == [0, 2] and at("run/logratio/sigma_hat") == [2]
+    assert at("train/loss") == [0, 1] and at("val/accuracy") == [0, 2] and at("run/logratio.sigma_hat") == [2]
     for name in FIGURES:
         assert at(f"plots/{name}/_type") == [2]
         [png] = (run_dir / "files" / "media" / "images" / "plots").glob(f"{name}_*.png")

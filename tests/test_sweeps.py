@@ -193,7 +193,7 @@ def test_multirun_logs_child_runs_to_server(mlflow_server, tmp_path):
         assert p["method"] == m and p["seed"] == "1" and p["steps"] == "2" and p["sweep/name"] == "methods"
         assert p["clip/target"].endswith({"fspo": "FSPOClip", "grpo": "GRPOClip"}[m])
         for k in ("reward/mean", "val/accuracy", "rollout/response_len_mean", "clip/seq_frac",
-                  "run/fairness/lre", "run/logratio/sigma_hat"):
+                  "run/fairness.lre", "run/logratio.sigma_hat"):
             assert k in c["metrics"], (m, k)
         hist = _api(mlflow_server, f"/api/2.0/mlflow/metrics/get-history?run_id={c['info']['run_id']}&metric_key=reward/mean")
         assert sorted(int(x["step"]) for x in hist["metrics"]) == [0, 1]
