@@ -42,6 +42,7 @@ class PPOConfig:
     warmup_steps: int = 0
     logprob_temperature: float = 1.0
     lm_head_chunk_rows: int = 0  # > 0: LM-head log-probs in chunks of this many positions (fspo/update/lm_head.py)
+    autocast: Optional[str] = None  # "bf16": forward passes under torch.autocast(bfloat16), fp32 master weights
     old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
     log_entropy: bool = True
     nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
@@ -57,6 +58,14 @@ class PPOConfig:
         if self.prompts_per_step is not None and self.samples_per_prompt is not None:
             check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
                              self.mini_batch_unit)
+        if self.autocast not in (None, "bf16"):
+            raise ValueError(f"ppo.autocast must be null or 'bf16', got {self.autocast!r}")
+        if self.autocast == "bf16" and self.old_log_probs == "engine":
+            raise ValueError("ppo.autocast=bf16 with ppo.old_log_probs=engine: the engine's float32 log-probs would "
+                             "differ from the trainer's bf16 ones by rounding, not by the policy: set "
+                             "ppo.old_log_probs=recompute")
+        if self.autocast == "bf16" and int(self.lm_head_chunk_rows) > 0:
+            raise ValueError("ppo.autocast=bf16 with ppo.lm_head_chunk_rows > 0 is not supported yet: set one of them off")
         if int(self.lm_head_chunk_rows) < 0:
             raise ValueError(f"ppo.lm_head_chunk_rows must be >= 0 (0: dense LM head), got {self.lm_head_chunk_rows}")
         if self.nonfinite not in ("skip", "raise"):
