@@ -190,8 +190,7 @@ class RolloutCallback(L.Callback):
         if sampler is None or not hasattr(sampler, "step_prompts"):
             raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
                                "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
-        if self.pipeline.engine.proc is None:
-            self.pipeline.engine.start(pl_module.policy, self.tokenizer)
+        self.pipeline.start(pl_module.policy, self.tokenizer)
 
         def request(s: int):
             items = [dm.train_source[i] for i in sampler.step_prompts(s)]

@@ -25,6 +25,7 @@ k-step policy lag too. Requests past ``last_step`` are not submitted.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -82,8 +83,6 @@ class RolloutPipeline:
              timings: Optional[Dict[str, float]] = None) -> RolloutBatch:
         """Step ``step``'s rollout; submits the requests ahead (up to ``last_step``) with ``policy``'s
         current weights. ``request(s)`` gives step s's prompt token ids and sampling settings."""
-        import time
-
         if not self.in_flight or self.in_flight[0] != step:  # first step, or a resume: start over
             self.reset()
             for s in range(step, min(step + self.k, last_step + 1)):
@@ -98,6 +97,11 @@ class RolloutPipeline:
             timings["time/generate"] = t1 - t0  # waiting for the engine (what overlap did not hide)
             timings["time/weight_sync"] = time.perf_counter() - t1
         return rollout
+
+    def start(self, policy, tokenizer) -> None:
+        """Start the engine process on ``policy``'s weights, once (later calls do nothing)."""
+        if self.engine.proc is None:
+            self.engine.start(policy, tokenizer)
 
     def reset(self) -> None:
         """Drop every request still in flight (their results are read and discarded)."""

@@ -52,11 +52,11 @@ def log_probs(module, batch: RolloutBatch, with_entropy: bool = False, pack_widt
     ``ppo.autocast=bf16`` (the log-softmax itself stays float32: fspo/update/logprobs.py); a +-inf log-prob becomes NaN
     (most clip rules would clip it to a finite loss yet it would poison the EMA sigma and the
     diagnostics; NaN makes the update's non-finite guard skip the update)."""
-    bf16 = getattr(module.ppo, "autocast", None) == "bf16"  # parameters stay fp32; backward runs outside autocast
+    bf16 = module.ppo.autocast == "bf16"  # parameters stay fp32; backward runs outside autocast
     with torch.autocast(device_type=batch.response_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         logp, ent = response_log_probs(module.policy, batch, module.ppo.logprob_temperature, with_entropy,
                                        pack_width=pack_width, usage=usage,
-                                       head_chunk_rows=int(getattr(module.ppo, "lm_head_chunk_rows", 0)))
+                                       head_chunk_rows=int(module.ppo.lm_head_chunk_rows))
     return torch.where(torch.isinf(logp), torch.full_like(logp, float("nan")), logp), ent
 
 
