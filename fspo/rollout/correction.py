@@ -15,14 +15,22 @@ Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
 so exp(S_i) is the sequence importance ratio from the engine's sampling law to the trainer's. ``mode``:
 
     none           weight 1 (the default; nothing computed)
-    token_tis      w_t = min(exp(d_t), cap)                 token truncated IS (verl rollout_is=token,
-                                                            TRL token_truncate); "corrected": exp(d_t) > cap
-    seq_is         w_i = min(exp(S_i), cap) on every token   sequence truncated IS (verl rollout_is=sequence)
-    seq_mask       w_i = 1{ |S_i| <= log cap }                sequence rejection with a fixed cap, both sides
-                                                            (verl rollout_rs=sequence, lower = 1/upper;
-                                                            TRL sequence_mask)
+    token_tis      w_t = clip(exp(d_t), lo, cap)            token truncated IS (verl rollout_is=token,
+                                                            TRL token_truncate); "corrected": truncated
+    seq_is         w_i = clip(exp(S_i), lo, cap) per token   sequence truncated IS (verl rollout_is=sequence,
+                                                            TRL sequence_truncate)
+    seq_mask       w_i = 1{ lo <= exp(S'_i) <= cap }         sequence rejection, weight 0 or 1 (verl
+                                                            rollout_rs=seq_sum_k1; lo = 1/cap by default)
+    seq_masked_is  w_i = exp(S_i) 1{ lo <= exp(S_i) <= cap }  masked sequence IS (TRL sequence_mask, verl
+                                                            rollout_is=sequence with an IcePop "lo_cap")
     seq_fair_mask  w_i = 1{ |S_i - m L_i| <= h(L_i) }         the length-fair mask
     seq_fair_tis   w_i = exp(min(S_i, m L_i + h(L_i)))       the length-fair truncated IS
+
+``lo`` is ``cap_min``: null takes the peers' defaults (1/cap for seq_mask, as verl's rollout_rs; no floor
+otherwise, as TRL's clip_min=None and verl's TIS), 0 means no floor. S'_i sums d_t clamped to +-20 per token
+(verl's rejection does); every exp() clamps its exponent to [-20, 20] (verl's; TRL's exp(S) differs only
+where S < -20, a weight below 2.1e-9). Which peer setting equals which mode, tested against verl 0.9.1's own
+functions and TRL 1.16's formulas: docs/rollout_correction_parity.md, tests/test_rollout_correction_parity.py.
 
 The fixed caps of the peers are cheap but not length-fair: when the d_t are roughly independent with mean
 m and std s per token, S_L ~ N(m L, s^2 L), so P(|S_L| > log cap) rises to 1 with L (TRL#4772: long outputs
@@ -62,7 +70,7 @@ from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
 from fspo.runtime.distributed import reduce_sum
 
-MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_fair_mask", "seq_fair_tis")
+MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_masked_is", "seq_fair_mask", "seq_fair_tis")
 BANDS = ("sqrt", "quantile")
 _MAX_LOG = 20.0  # exp() stays finite: log-weights are clamped to +-20 before exponentiating
 
@@ -133,14 +141,15 @@ class CorrectionMetrics(DiagnosticMetric):
 
 class RolloutCorrection(torch.nn.Module):
     """Mismatch weights (see the module docstring). ``cap`` > 1 is the fixed modes' cap on exp(d_t) or
-    exp(S_i) (verl's threshold 2.0, TRL's cap 3.0); ``z`` > 0 the fair band's width in std; ``band``
-    ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of `QuantileBand`, e.g. alpha, min_count).
+    exp(S_i) (verl's threshold 2.0, TRL's cap 3.0); ``cap_min`` null or in [0, 1) their floor on the ratio;
+    ``z`` > 0 the fair band's width in std; ``band`` ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of `QuantileBand`, e.g. alpha, min_count).
     ``old_log_probs`` and ``temperature`` mirror ppo's (checked: a correction needs ``recompute`` at
     temperature 1). ``bin_width``, ``max_len``, ``lre_min_len``: the diagnostics' length bins."""
 
     def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
                  quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
-                 bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0) -> None:
+                 bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0,
+                 cap_min: Optional[float] = None) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"rollout_correction.mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -150,7 +159,13 @@ class RolloutCorrection(torch.nn.Module):
             raise ValueError(f"rollout_correction.cap must be a number > 1 (verl 2.0, TRL 3.0), got {cap!r}")
         if not (isinstance(z, (int, float)) and not isinstance(z, bool) and math.isfinite(z) and z > 0):
             raise ValueError(f"rollout_correction.z must be a number > 0 (e.g. 3.0), got {z!r}")
+        if cap_min is not None and not (isinstance(cap_min, (int, float)) and not isinstance(cap_min, bool)
+                                        and 0 <= cap_min < 1):
+            raise ValueError(f"rollout_correction.cap_min must be null (the peers' default) or a number in [0, 1) "
+                             f"(the ratio floor; 0: none), got {cap_min!r}")
         self.mode, self.cap, self.z, self.band_kind = mode, float(cap), float(z), band
+        floor = cap_min if cap_min is not None else (1.0 / self.cap if mode == "seq_mask" else 0.0)
+        self.log_floor = math.log(floor) if floor > 0 else -math.inf  # log of the fixed modes' ratio floor
         if self.enabled and old_log_probs != "recompute":
             raise ValueError(
                 f"rollout_correction.mode={mode} needs ppo.old_log_probs=recompute (got {old_log_probs!r}): with the "
@@ -210,16 +225,20 @@ class RolloutCorrection(torch.nn.Module):
     def _weights(self, d: Tensor, seq: Tensor, length: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
         """(weights [B, T] float32 on the mask, corrected [B] float64 in [0, 1])."""
         m = mask.to(torch.float64)
-        log_cap = math.log(self.cap)
+        log_cap, log_lo = math.log(self.cap), max(self.log_floor, -_MAX_LOG)
         if self.mode == "token_tis":
-            w = d.clamp(max=log_cap).clamp(min=-_MAX_LOG).exp()
-            hit = ((d > log_cap) & mask.bool()).to(torch.float64).sum(-1) / length.clamp(min=1.0)
-            return (w * m).float(), hit
-        if self.mode == "seq_is":
-            w, hit = seq.clamp(min=-_MAX_LOG, max=log_cap).exp(), seq > log_cap
-        elif self.mode == "seq_mask":
-            hit = seq.abs() > log_cap
-            w = (~hit).to(torch.float64)
+            w = d.clamp(min=log_lo, max=log_cap).exp()
+            out = ((d > log_cap) | (d < self.log_floor)) & mask.bool()
+            return (w * m).float(), out.to(torch.float64).sum(-1) / length.clamp(min=1.0)
+        if self.mode in ("seq_is", "seq_mask", "seq_masked_is"):
+            s = d.clamp(-_MAX_LOG, _MAX_LOG).sum(-1) if self.mode == "seq_mask" else seq
+            hit = (s > log_cap) | (s < self.log_floor)
+            if self.mode == "seq_is":
+                w = s.clamp(min=log_lo, max=log_cap).exp()
+            elif self.mode == "seq_mask":
+                w = (~hit).to(torch.float64)
+            else:  # seq_masked_is
+                w = torch.where(hit, 0.0, s.clamp(-_MAX_LOG, _MAX_LOG).exp())
         else:
             mu, h = self.m * length, self.half_width(length)
             if self.mode == "seq_fair_mask":

@@ -1,0 +1,158 @@
+"""CTPO (arXiv 2605.07331, github horizon-llm/CTPO): cumulative-prefix token ratios with a log-space clip
+that widens with the token's position.
+
+Owns: `CTPOClip` and the registry names ``ctpo`` = ``cum-token-cumprod-la`` (the CTPO repository's main loss)
+and ``cum-token-geomean-la`` (its geometric-mean variant). Leaves out: aggregation (fspo/losses.py; CTPO
+uses verl's default token-mean, conf/method/ctpo.yaml).
+
+CTPO is the published idea closest to FSPO: each token's ratio is the product of the token ratios of its
+prefix, whose log grows like a random walk, so its clip band grows like sqrt(t). FSPO clips the whole
+sequence's S_L to +-c sqrt(L); CTPO clips every prefix C_t to [-low t^p, high t^p] (p = 1/2), and token t
+loses its gradient alone. At t = L (the last token) CTPO's event is exactly FSPO's with c = high = low.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fspo.clipping._common import (MAX_LOG_RATIO, cap_mask, check_choice, check_positive, prepare,
+                                   token_advantage, token_log_ratio)
+from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.registry import _get, _run, register_policy_loss
+
+#: CTPO caps the prefix log-ratio at 10 from above before exp (its float safety; zero gradient beyond)
+CTPO_MAX_LOG_RATIO = 10.0
+RATIO_MODES = ("cumprod", "geomean")
+ACCEPTANCES = ("prefix", "last")
+
+
+class CTPOClip(ClipRule):
+    """CTPO-LA's token objective, exactly the CTPO repository's ``cum-token-cumprod-la`` (``ratio_mode="cumprod"``)
+    or ``cum-token-geomean-la`` (``"geomean"``); tests/test_clip_ctpo.py re-derives it independently.
+
+    Per response token t of sequence i (t = 1, 2, ... counts response tokens, padding excluded), with
+    d_s = clamp(logp_new - logp_old, -20, 20):
+
+        C_t   = sum_{s <= t} d_s                 (cumprod: log of the cumulative token ratio)
+              = (1 / t) sum_{s <= t} d_s         (geomean)
+        log r_t = min(sg(C_t) + logp_t - sg(logp_t), 10)      value C_t, gradient through logp_t alone
+        lo_t = -low t^p,  hi_t = high t^p,  du_t = c t^p       (log space; p = 0: t^p = 1)
+        loss_t = max(-A_t r_t, -A_t exp(clip(log r_t, lo_t, hi_t))),  and for A_t < 0:
+        loss_t = min(loss_t, -A_t exp(du_t))                   (the dual clip, growing like the band)
+
+    so d loss_t / d logp_t = -A_t r_t where nothing binds, 0 where a clip (or the cap at 10) binds. Settings
+    (the repository's names; ctpo.sh's values): ``la_clip_low`` 0.025, ``la_clip_high`` 0.05, ``la_clip_c``
+    0.05 (> 0, log space; None: no dual clip, our extension), ``la_power`` 0.5 (ctpo.sh's
+    CLIP_RATIO_LA_POWER and the paper's sqrt(t); the repository recommends -0.5 with geomean; its
+    ActorConfig field defaults to 0). As in CTPO, ``la_clip_c`` < ``la_clip_high`` is allowed (then a
+    negative-advantage token is cut before it leaves the band).
+
+    Masks, per token (A_t != 0 for binding): ``clip_upper`` A_t > 0 and C_t > hi_t; ``clip_lower`` A_t < 0
+    and C_t < lo_t; ``clip_dual`` A_t < 0 and r_t > exp(du_t) (CTPO's strict comparisons of the loss
+    branches); ``clip_cap`` C_t > 10 with none of them binding. Acceptance for a token-prefix rule (our
+    reading; the loss does not depend on it), ``acceptance``:
+      ``prefix`` (default): ``in_band[i, t]`` = lo_t <= C_t <= hi_t, the event that decides token t's
+        gradient whatever the sign of A (as GRPO's per-token band); a sequence's in-band fraction g_i is
+        then the share of its prefixes inside their bands, so ``band/out_frac`` by length says whether
+        long responses lose more of their tokens.
+      ``last``: every token of sequence i carries the decision at its last prefix, lo_L <= C_L <= hi_L:
+        for cumprod with p = 1/2 and high = low = c, FSPO's acceptance event exactly.
+    """
+
+    level = "token"
+
+    def __init__(self, la_clip_low: float = 0.025, la_clip_high: float = 0.05, la_clip_c: Optional[float] = 0.05,
+                 la_power: float = 0.5, ratio_mode: str = "cumprod", acceptance: str = "prefix") -> None:
+        super().__init__()
+        own = type(self).__name__
+        self.la_clip_low = check_positive(own, "la_clip_low", la_clip_low)
+        self.la_clip_high = check_positive(own, "la_clip_high", la_clip_high)
+        self.la_clip_c = None if la_clip_c is None else check_positive(own, "la_clip_c", la_clip_c)
+        p = float(la_power)
+        if not np.isfinite(p):
+            raise ValueError(f"{own}: la_power must be finite (0.5 with cumprod, -0.5 with geomean), got {la_power!r}")
+        self.la_power = p
+        self.ratio_mode = check_choice(own, "ratio_mode", ratio_mode, RATIO_MODES)
+        self.acceptance = check_choice(own, "acceptance", acceptance, ACCEPTANCES)
+
+    def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                response_mask: Tensor) -> ClipResult:
+        p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
+        d = token_log_ratio(p)
+        pos = torch.cumsum(p.maskf, -1)  # t: 1, 2, ... on response tokens
+        prefix = torch.cumsum(d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), -1)
+        if self.ratio_mode == "geomean":
+            prefix = prefix / pos.clamp(min=1.0)
+        stat = torch.where(p.mask, prefix, 0.0).detach()
+        lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
+        log_r = (stat.detach() + lp - lp.detach()).clamp(max=CTPO_MAX_LOG_RATIO)
+        scale = pos.clamp(min=1.0).pow(self.la_power) if self.la_power != 0 else torch.ones_like(pos)
+        lo, hi = -self.la_clip_low * scale, self.la_clip_high * scale
+        adv = token_advantage(advantages, p)
+        l1 = -adv * torch.exp(log_r)
+        l2 = -adv * torch.exp(torch.clamp(log_r, lo, hi))
+        loss = torch.maximum(l1, l2)
+        bind = l2 > l1
+        neg = adv < 0
+        upper, lower = bind & (adv > 0), bind & neg
+        if self.la_clip_c is None:
+            dual = torch.zeros_like(bind)
+        else:
+            l3 = -adv * torch.exp(self.la_clip_c * scale)
+            dual = (loss > l3) & neg
+            loss = torch.where(neg, torch.minimum(loss, l3), loss)
+        m = p.mask
+        if self.acceptance == "prefix":
+            in_band = (stat >= lo) & (stat <= hi)
+        else:  # the last prefix's decision on every token of the sequence
+            last = m & (pos == p.lengths.unsqueeze(-1))
+            s_l, lo_l, hi_l = ((x * last).sum(-1) for x in (stat, lo, hi))
+            in_band = ((s_l >= lo_l) & (s_l <= hi_l)).unsqueeze(-1).expand_as(m)
+        cap = cap_mask(stat, adv, upper | lower | dual, None, CTPO_MAX_LOG_RATIO)
+        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
+                          clip_upper=upper & m, clip_lower=lower & m, clip_dual=dual & m,
+                          in_band=in_band & m, clip_cap=cap & m)
+
+    def extra_repr(self) -> str:
+        return (f"la_clip_low={self.la_clip_low}, la_clip_high={self.la_clip_high}, la_clip_c={self.la_clip_c}, "
+                f"la_power={self.la_power}, ratio_mode={self.ratio_mode}, acceptance={self.acceptance}")
+
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """Out-of-band probability by length when the d_t are iid N(0, sigma^2): the prefix statistic at t
+        is N(0, sigma^2 t) (cumprod) or N(0, sigma^2 / t) (geomean), so position t is out with probability
+        o(t) = Phi(-high t^p / std_t) + Phi(-low t^p / std_t). ``prefix``: c(L) = (1 / L) sum_{t <= L} o(t)
+        (L rounded to an integer); ``last``: o(L). cumprod with p = 1/2: o(t) = Phi(-high / sigma) +
+        Phi(-low / sigma) for every t, flat in L like FSPO's c_fspo. L = 0 gives 0."""
+        from scipy.special import ndtr
+
+        from fspo.clipping.theory import _as_len
+        L = np.rint(_as_len(lengths)).astype(np.int64)
+        n = max(int(L.max(initial=0)), 1)
+        t = np.arange(1, n + 1, dtype=np.float64)
+        std = sigma * (np.sqrt(t) if self.ratio_mode == "cumprod" else 1.0 / np.sqrt(t))
+        band = t ** self.la_power
+        o = ndtr(-self.la_clip_high * band / std) + ndtr(-self.la_clip_low * band / std)
+        per_len = np.cumsum(o) / t if self.acceptance == "prefix" else o
+        return np.where(L > 0, per_len[np.maximum(L, 1) - 1], 0.0)
+
+
+def _ctpo_loss(ratio_mode: str):
+    def fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+           config: Any = None):
+        kw: Dict[str, Any] = {"la_clip_low": _get(config, "la_clip_low"), "la_clip_high": _get(config, "la_clip_high"),
+                              "la_clip_c": _get(config, "la_clip_c"), "la_power": _get(config, "clip_ratio_la_power")}
+        rule = CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
+        return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    fn.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})` with "
+                  "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power`` (unset: 0.025, "
+                  "0.05, 0.05, 0.5) + `aggregate` with ``loss_agg_mode`` and verl's batch info. Metrics: "
+                  "``actor/pg_clipfrac`` (upper or lower binds), ``actor/ppo_kl`` (d clamped at +-20), "
+                  "``actor/pg_clipfrac_lower`` (dual), as CTPO's first three.")
+    return fn
+
+
+policy_loss_ctpo = register_policy_loss("ctpo")(register_policy_loss("cum-token-cumprod-la")(_ctpo_loss("cumprod")))
+policy_loss_ctpo_geomean = register_policy_loss("cum-token-geomean-la")(_ctpo_loss("geomean"))
