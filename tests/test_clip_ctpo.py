@@ -241,3 +241,23 @@ def test_registry_names():
     loss, _ = get_policy_loss_fn("ctpo")(old, lp, a, m, "token-sum", None)
     want = aggregate(CTPOClip()(lp, old, a, m).token_loss, m, "token-sum").loss
     torch.testing.assert_close(loss, want)
+
+
+@pytest.mark.slow
+def test_trains_two_steps_and_logs_its_length_diagnostics(compose_cfg, mlflow_uri):
+    """+method=ctpo through `fspo.train.train` (real Lightning Trainer, HF engine, MLflow SQLite store): the
+    run finishes, the rule is CTPOClip, and the acceptance and binding-clip diagnostics are logged per step."""
+    import mlflow
+
+    from conftest import SMALL
+    from fspo.train import train
+
+    cfg = compose_cfg(["+method=ctpo", "+model=tiny", *SMALL, "seed=7", "logger.experiment_name=test_train_ctpo"])
+    train(cfg)
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("test_train_ctpo").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["clip/target"] == "fspo.clipping.ctpo.CTPOClip"
+    for key in ("clip/tok_frac", "clip/seq_frac", "band/out_frac", "fairness/lre", "train/loss"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1], key
+    assert any(k.startswith("band/out_frac.len_") for k in run.data.metrics)
+    assert 0.0 <= run.data.metrics["band/out_frac"] <= 1.0
