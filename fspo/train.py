@@ -50,7 +50,8 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
     bins = LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
     return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
-                           acceptance_on_policy=bool(d.get("acceptance_on_policy", False)))
+                           acceptance_on_policy=bool(d.get("acceptance_on_policy", False)),
+                           figure_min_count=int(d.get("figure_min_count", 20)))
 
 
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
