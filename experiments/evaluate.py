@@ -35,7 +35,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from fspo.runtime.errors import user_error  # noqa: E402
-from fspo.cli import normalize_group_overrides  # noqa: E402  (also the help template's resolver)
+from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 
 log = logging.getLogger("evaluate")
 
@@ -242,5 +242,8 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
+    if (bad := unknown_key_error(sys.argv[1:], "evaluate")) is not None:  # a typo never runs the default
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "evaluate")  # group=x and +group=x both work
     main()

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from fspo.runtime.errors import user_error  # noqa: E402
-from fspo.cli import normalize_group_overrides  # noqa: E402  (also the help template's resolver)
+from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -41,5 +41,8 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
+    if (bad := unknown_key_error(sys.argv[1:], "config")) is not None:  # a typo never runs the default
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "config")  # group=x and +group=x both work
     main()

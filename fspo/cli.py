@@ -6,6 +6,9 @@ Owns:
   ``+group=x`` only for the others (method/, model/, experiment/, arm/ are appended, see
   conf/config.yaml), and a defaults entry cannot make both forms compose; so the entry points
   rewrite the command line to the form Hydra expects before Hydra parses it.
+- `unknown_key_error`: a top-level key the config does not have (``stpes=5``, ``+stpes=5``) is refused
+  before Hydra starts, with the closest known key (Hydra itself rejects ``stpes=5`` but suggests
+  ``+stpes=5``, which it then accepts silently and the default run starts).
 - the ``fspo_help_groups`` resolver used by each app's ``hydra.help.template``: the config groups that
   app reads, with their options (run.py does not list eval_data/, evaluate.py lists only its groups).
 - the console scripts of pyproject.toml: ``fspo-train``, ``fspo-eval`` and ``fspo-report`` run
@@ -15,6 +18,7 @@ Leaves out: what the entry points do (experiments/*.py, fspo/train.py).
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Set
@@ -140,6 +144,69 @@ def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
         key, val, plus = p
         out.append(f"{key}={val}" if key in present else f"+{key}={val}")
     return out
+
+
+# -- unknown top-level keys --------------------------------------------------------------------
+def _top_keys(path: Path) -> Set[str]:
+    try:
+        node = OmegaConf.load(path)
+    except Exception:  # noqa: BLE001 - an unreadable file: Hydra reports it itself
+        return set()
+    return {str(k) for k in node.keys() if k != "defaults"} if OmegaConf.is_dict(node) else set()
+
+
+def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
+    """Top-level keys a command line may set: those of the primary config and the configs its defaults list
+    includes by name (``- _base``), of every ``@package _global_`` option (method/, experiment/, arm/ ...),
+    the config group names, and ``hydra``."""
+    keys: Set[str] = {"hydra"}
+    seen: Set[Path] = set()
+    todo = [config_name]
+    while todo:
+        path = _yaml(todo.pop().lstrip("/"), dirs)
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        keys |= _top_keys(path)
+        todo += [e for e in _defaults(path) if isinstance(e, str) and e != "_self_"]
+    for d in dirs:
+        if not Path(d).is_dir():
+            continue
+        for g in Path(d).iterdir():
+            if g.is_dir() and not g.name.startswith((".", "_")):
+                keys.add(g.name)
+                for f in g.glob("*.yaml"):
+                    if f.read_text(errors="replace").lstrip().startswith("# @package _global_"):
+                        keys |= _top_keys(f)
+    return keys
+
+
+def unknown_key_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
+    """One line for the first ``key=value`` / ``+key=value`` whose top-level key the config does not have
+    (``stpes=5``, ``+stpes=5``), naming the closest known key; None when every key is known. Hydra would
+    reject ``stpes=5`` with advice to append ``+stpes=5``, which it then accepts silently, so the typo
+    runs the default. ``++key=`` (force-add), ``~key`` and flags pass unchecked."""
+    import difflib
+
+    name, dirs = _config_location(argv, config_name)
+    if conf_dir not in dirs:
+        dirs.append(conf_dir)
+    known = None
+    skip = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
+                                                       "--config-path", "-cp", "--experimental-rerun")}
+    for i, a in enumerate(argv):
+        if i in skip or a.startswith(("-", "~", "++")) or "=" not in a:
+            continue
+        key = a.partition("=")[0].lstrip("+").split(".")[0].split("@")[0]
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            continue
+        known = known if known is not None else known_top_keys(name, dirs)
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? ({a.lstrip('+').replace(key, close[0], 1)})" if close else \
+                "run with --help to list the keys"
+            return f"unknown config key '{key}' in '{a}': {hint}"
+    return None
 
 
 # -- help ---------------------------------------------------------------------------------------

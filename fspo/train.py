@@ -50,7 +50,8 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
     bins = LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
     return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
-                           acceptance_on_policy=bool(d.get("acceptance_on_policy", False)))
+                           acceptance_on_policy=bool(d.get("acceptance_on_policy", False)),
+                           figure_min_count=int(d.get("figure_min_count", 20)))
 
 
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -149,16 +150,25 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
 
 
 def _summary(logger, out_dir: Path, final: Dict[str, float]) -> str:
-    """The end-of-run block; MLflow names looked up best-effort (a failing lookup leaves them out)."""
+    """The end-of-run block; MLflow names, the first validation's accuracy and the run's LRE looked up
+    best-effort (a failing lookup leaves them out)."""
+    from fspo.diagnostics.metric_keys import display_key
     from fspo.tracking.run_summary import training_summary
 
     run_id = getattr(logger, "run_id", None)
     uri, exp_name = getattr(logger, "_tracking_uri", None), getattr(logger, "_experiment_name", None)
     exp_id, run_name = getattr(logger, "_experiment_id", None), getattr(logger, "_run_name", None)
+    start = steps = lre = None
     try:
         if run_id:
-            info = logger.experiment.get_run(run_id).info
-            exp_id, run_name = info.experiment_id, info.run_name
+            client = logger.experiment
+            run = client.get_run(run_id)
+            exp_id, run_name = run.info.experiment_id, run.info.run_name
+            lre = run.data.metrics.get(display_key("run/fairness/lre"))
+            hist = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "val/accuracy"))
+            if len(hist) >= 2:
+                start, steps = hist[0][1], (hist[0][0], hist[-1][0])
     except Exception as e:  # noqa: BLE001 - the summary never fails a finished run
         log.debug("run summary: MLflow lookup failed: %s", e)
-    return training_summary(out_dir, checkpoint_dir(out_dir), uri, exp_name, exp_id, run_name, run_id, final)
+    return training_summary(out_dir, checkpoint_dir(out_dir), uri, exp_name, exp_id, run_name, run_id, final,
+                            start_accuracy=start, steps=steps, run_lre=lre)

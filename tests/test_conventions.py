@@ -112,5 +112,7 @@ def test_help_lists_own_groups():
     all_groups = {p.name for p in CONF.iterdir() if p.is_dir()}
     assert tg == all_groups - {"eval_data"} and {"method", "clip", "experiment", "model"} <= tg
     assert eg == {"eval_data", "model", "reward", "rollout"}
-    assert train.stdout.startswith("run.py is powered by Hydra") and ev.stdout.startswith("evaluate.py is powered")
+    for out, app in ((train.stdout, "run.py"), (ev.stdout, "evaluate.py")):  # description, then 3 examples
+        head = out.split("== Configuration groups ==")[0]
+        assert out.startswith(f"{app}: ") and head.count(f"python experiments/{app}") == 3, head
     assert "fspo, grpo" not in ev.stdout.split("== Config ==")[0]  # no method list in evaluate's groups

@@ -57,12 +57,23 @@ def test_fairness_metrics_figures(tmp_path):
     lines = {ln.get_label(): ln for ln in figs["clip_fraction_by_length"].axes[0].get_lines()}
     assert set(lines) == {"out of band, c(L) = 1 - q(L)", "binding clip", "FSPO z=1"}
     per_bin = fm.clip.last_per_bin
-    ok = per_bin["band_count"] > 0
+    ok = per_bin["band_count"] >= fm.figure_min_count  # 20 by default: sparser bins are not drawn
+    assert 0 < ok.sum() < (per_bin["band_count"] > 0).sum()  # here: the overflow bin (L = 64) has 5
     np.testing.assert_allclose(lines["out of band, c(L) = 1 - q(L)"].get_ydata(), per_bin["out_frac"][ok])
-    np.testing.assert_allclose(lines["binding clip"].get_ydata(), per_bin["seq_frac"][per_bin["count"] > 0])
+    np.testing.assert_allclose(lines["binding clip"].get_ydata(), per_bin["seq_frac"][per_bin["count"] >= 20])
     assert not np.allclose(per_bin["out_frac"][ok], per_bin["seq_frac"][ok])
+    ax = figs["clip_fraction_by_length"].axes[0]
+    assert [t.get_text() for t in ax.texts] == [f"n={int(n)}" for n in per_bin["band_count"][ok]]
     for name, fig in figs.items():
         _saves(fig, tmp_path / f"{name}.png")
+    # bins with fewer than figure_min_count sequences are not drawn (not as 0) and the caption says so
+    sparse = FairnessMetrics(LengthBins(width=16, max_len=64), figure_min_count=int(per_bin["band_count"].max()))
+    sparse.update_clip(ClipResult(torch.zeros(1), s, up, no, no, mask & ~out_band), L, mask, torch.ones(B))
+    fig = sparse.figures()["clip_fraction_by_length"]
+    drawn = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["out of band, c(L) = 1 - q(L)"].get_ydata()
+    assert len(drawn) == (per_bin["band_count"] >= per_bin["band_count"].max()).sum() < ok.sum()
+    hidden = int((per_bin["band_count"] > 0).sum()) - len(drawn)
+    assert f"{hidden} bin(s) with fewer than {int(per_bin['band_count'].max())} sequences not drawn" in fig.texts[0].get_text()
     fm.reset()
     for name, fig in fm.figures().items():  # empty state: placeholder figures, no crash
         _saves(fig, tmp_path / f"empty_{name}.png")

@@ -9,6 +9,7 @@ checked in tests/test_sweeps.py (a real multirun against an MLflow server).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL
-from fspo.tracking.run_summary import RULE, absolute_uri, eval_summary, open_hint, sweep_summary, training_summary
+from fspo.tracking.run_summary import (RULE, absolute_uri, eval_summary, open_hint, open_rows, sweep_summary,
+                                       training_summary)
 
 
 def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
@@ -26,8 +28,14 @@ def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
     assert open_hint("sqlite:////data/m.db") == ("open with", "mlflow ui --backend-store-uri sqlite:////data/m.db")
     assert open_hint("./mlruns") == ("open with", f"mlflow ui --backend-store-uri file://{tmp_path / 'mlruns'}")
     assert open_hint("file:///data/mlruns", "0", "r") == ("open with", "mlflow ui --backend-store-uri file:///data/mlruns")
-    assert open_hint("http://host:5000/", "7", "abc") == ("run page", "http://host:5000/#/experiments/7/runs/abc")
-    assert open_hint("https://mlflow.example.org", "7") == ("experiment page", "https://mlflow.example.org/#/experiments/7")
+    assert open_hint("http://host:5000/", "7", "abc") == \
+        ("run page", "http://host:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
+    assert open_hint("https://mlflow.example.org", "7") == \
+        ("experiment page", "https://mlflow.example.org/#/experiments/7/runs?workflowType=machine_learning")
+    assert open_rows("sqlite:////d/m.db", "3", "r") == [
+        ("open with", "mlflow ui --backend-store-uri sqlite:////d/m.db"),
+        ("experiment page", "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"),
+        ("run page", "http://127.0.0.1:5000/#/experiments/3/runs/r/model-metrics?workflowType=machine_learning")]
     assert open_hint("databricks", "7", "abc") == ("tracking URI", "databricks")
     assert absolute_uri("http://host:5000") == "http://host:5000"
 
@@ -35,38 +43,44 @@ def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
 def test_training_block_sqlite(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = training_summary(tmp_path / "out", tmp_path / "out" / "checkpoints", "sqlite:///mlflow.db", "fspo", "3",
-                            "brave-fox-1", "r123", {"val/accuracy": 0.5, "train/loss": 1.0})
+                            "brave-fox-1", "r123", {"val/accuracy": 0.5, "train/loss": 1.0}, start_accuracy=0.303,
+                            steps=(0, 60), run_lre=0.02889)
     lines = text.splitlines()
     assert lines[0] == RULE and lines[-1] == RULE and lines[1] == "run brave-fox-1 finished"
     rows = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in lines[2:-1]}
     assert rows == {"output dir": str(tmp_path / "out"), "checkpoints": str(tmp_path / "out" / "checkpoints"),
                     "tracking URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "fspo (id 3)",
                     "run": "brave-fox-1 (id r123)", "results": "val/accuracy 0.5",
-                    "open with": f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}"}
+                    "held-out acc": "0.303 -> 0.500 (step 0 -> 60)", "run LRE": "0.0289",
+                    "open with": f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}",
+                    "experiment page": "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning",
+                    "run page": "http://127.0.0.1:5000/#/experiments/3/runs/r123/model-metrics?workflowType=machine_learning"}
 
 
 def test_training_block_http(tmp_path):
     text = training_summary(tmp_path, tmp_path / "checkpoints", "http://127.0.0.1:5000", "fspo", "2", "x", "r9",
                             {"val/accuracy": 0.25})
-    assert "  run page:     http://127.0.0.1:5000/#/experiments/2/runs/r9" in text.splitlines()
-    assert "mlflow ui" not in text and "tracking URI: http://127.0.0.1:5000" in text
+    assert "  run page:        http://127.0.0.1:5000/#/experiments/2/runs/r9/model-metrics?workflowType=machine_learning" \
+        in text.splitlines()
+    assert "mlflow ui" not in text and "tracking URI:    http://127.0.0.1:5000" in text
 
 
 def test_sweep_and_eval_blocks(tmp_path):
     text = sweep_summary("methods", str(tmp_path / "multirun"), "sqlite:////d/m.db", "methods", "4", "methods-2026",
                          "p1", jobs_ok=7, jobs_failed=1, status="FAILED")
     assert text.splitlines()[1] == "sweep methods failed: 7 jobs finished, 1 failed"
-    for s in ("sweep dir:    " + str(tmp_path / "multirun"), "experiment:   methods (id 4)",
-              "parent run:   methods-2026 (id p1)", "jobs:         7 finished, 1 failed",
-              "open with:    mlflow ui --backend-store-uri sqlite:////d/m.db"):
+    for s in ("sweep dir:       " + str(tmp_path / "multirun"), "experiment:      methods (id 4)",
+              "parent run:      methods-2026 (id p1)", "jobs:            7 finished, 1 failed",
+              "open with:       mlflow ui --backend-store-uri sqlite:////d/m.db",
+              "experiment page: http://127.0.0.1:5000/#/experiments/4/runs?workflowType=machine_learning"):
         assert "  " + s in text.splitlines(), s
     md = tmp_path / "eval" / "summary.md"
     md.parent.mkdir()
     md.write_text("x")
     entries = [{"metrics": {"math500": {"avg_at_k": 0.125, "pass": 1.0}}}]
     text = eval_summary(tmp_path, "http://h:1", "fspo-eval", "5", "ev", "r2", entries, md)
-    assert f"  summary:      {md}" in text and "results:      math500/avg_at_k 0.125" in text
-    assert "run page:     http://h:1/#/experiments/5/runs/r2" in text
+    assert f"  summary:         {md}" in text and "results:         math500/avg_at_k 0.125" in text
+    assert "run page:        http://h:1/#/experiments/5/runs/r2/model-metrics?workflowType=machine_learning" in text
 
 
 @pytest.mark.slow
@@ -91,4 +105,8 @@ def test_training_run_ends_on_the_block(tmp_path):
     assert rows["experiment"].startswith("fspo (id ") and rows["run"].endswith(f"(id {run_id})")
     assert "val/accuracy" in rows["results"]
     assert rows["open with"] == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'store.db'}"
+    assert re.fullmatch(r"\d\.\d{3} -> \d\.\d{3} \(step 0 -> 2\)", rows["held-out acc"]), rows
+    assert float(rows["run LRE"]) >= 0
+    assert rows["experiment page"].endswith("/runs?workflowType=machine_learning")
+    assert rows["run page"].endswith(f"/runs/{run_id}/model-metrics?workflowType=machine_learning")
     assert any((out / "checkpoints").iterdir())

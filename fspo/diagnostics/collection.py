@@ -34,6 +34,9 @@ from fspo.diagnostics.log_ratio import LogRatioStats
 from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
 
 METRIC_NAME_RE = re.compile(r"^[A-Za-z0-9_\-./: ]+$")
+FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens of tokens the per-token log-ratios are few "
+               "and correlated and that law is weak, so a rising curve here is not a failure of the method "
+               "(see docs: the length law).")
 
 
 def check_metric_names(metrics: Mapping[str, float]) -> None:
@@ -61,9 +64,11 @@ class FairnessMetrics(torch.nn.Module):
     """
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0, reservoir_size: int = 4096,
-                 seed: int = 0, acceptance_on_policy: bool = False, **metric_kwargs) -> None:
+                 seed: int = 0, acceptance_on_policy: bool = False, figure_min_count: int = 20,
+                 **metric_kwargs) -> None:
         super().__init__()
         self.bins = bins
+        self.figure_min_count = int(figure_min_count)  # bins with fewer sequences are left out of the figure
         self.acceptance_on_policy = bool(acceptance_on_policy)
         self.clip = ClipFractionByLength(bins, lre_min_len=lre_min_len, **metric_kwargs)
         self.log_ratio = LogRatioStats(bins, reservoir_size=reservoir_size, seed=seed, **metric_kwargs)
@@ -131,13 +136,19 @@ class FairnessMetrics(torch.nn.Module):
         if self._last is None or self.clip.last_per_bin is None or self.log_ratio.last_per_bin is None:
             self.compute()
         cp, lp = self.clip.last_per_bin, self.log_ratio.last_per_bin
-        ok, okb = cp["count"] > 0, cp["band_count"] > 0
-        observed = {"out of band, c(L) = 1 - q(L)": (cp["band_mean_len"][okb], cp["out_frac"][okb])}
+        n_min = self.figure_min_count
+        ok, okb = cp["count"] >= max(n_min, 1), cp["band_count"] >= max(n_min, 1)
+        name = "out of band, c(L) = 1 - q(L)"
+        observed = {name: (cp["band_mean_len"][okb], cp["out_frac"][okb])}
         binding = {"binding clip": (cp["mean_len"][ok], cp["seq_frac"][ok])}
+        hidden = int(((cp["band_count"] > 0) & ~okb).sum())
+        note = (f"n = sequences per bin; {hidden} bin(s) with fewer than {n_min} sequences not drawn. "
+                if hidden else "n = sequences per bin. ") + FIGURE_NOTE
         two = lp["count"] > 1
         z = self.log_ratio.last_z if self.log_ratio.last_z is not None else np.zeros(0)
         return {
-            "clip_fraction_by_length": plot_clip_fraction_by_length(observed, theory, binding=binding),
+            "clip_fraction_by_length": plot_clip_fraction_by_length(
+                observed, theory, binding=binding, counts={name: cp["band_count"][okb]}, note=note),
             "logratio_qq": plot_qq(z),
             "logratio_std_vs_len": plot_std_vs_sqrt_len(lp["mean_len"][two], lp["std"][two],
                                                         sigma=self._last.get("logratio/sigma_hat")),

@@ -63,7 +63,9 @@ def _series(observed) -> dict:
 
 def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapping[str, Curve]] = None,
                                  title: str = "Out-of-band fraction c(L) = 1 - q(L) by response length",
-                                 ylabel: str = "fraction of sequences", binding=None) -> Figure:
+                                 ylabel: str = "fraction of sequences", binding=None,
+                                 counts: Optional[Mapping[str, Sequence[float]]] = None,
+                                 note: Optional[str] = None) -> Figure:
     """Observed out-of-band fraction c_hat(L) per length bin beside theoretical c(L) curves, and
     optionally the binding-clip fraction as a second, dotted curve.
 
@@ -74,7 +76,9 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
     ``lambda L: theory.c_rloo(L, 0.03, 0.667, 0.4)``), ``(L, c)`` arrays, or ``{name: either}``
     (dashed). ``binding``: the binding-clip fraction (``clip/seq_frac/*``: depends on sign(A), counts
     the dual clip; not what the closed forms give), same formats as ``observed``; a series named
-    ``observed`` is labelled "binding clip". Returns a Figure.
+    ``observed`` is labelled "binding clip". ``counts``: ``{series name: sequences per point}``, aligned
+    with that series' points, written as ``n=..`` beside each point (a fraction over 3 sequences is not
+    one over 3,000); ``note``: a caption under the axes. Returns a Figure.
     """
     fig, ax = _new_figure()
     series = _series(observed)
@@ -82,6 +86,8 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
     xmax = max([float(np.max(x)) for x, _ in list(series.values()) + list(extra.values()) if len(x)] + [1.0])
     for name, (x, y) in series.items():
         ax.plot(x, y, "o-", ms=3, lw=1, label=name)
+        for xi, yi, n in zip(x, y, (counts or {}).get(name, ())):
+            ax.annotate(f"n={int(n)}", (xi, yi), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=6)
     for name, (x, y) in extra.items():
         ax.plot(x, y, "s:", ms=3, lw=1, label="binding clip" if name == "observed" else name)
     if theory_curve is not None:
@@ -92,8 +98,13 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
             ax.plot(x, y, "--", lw=1.5, label=f"{name}")
     if not any(len(x) for x, _ in list(series.values()) + list(extra.values())):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.margins(y=0.12)  # room for the n= labels
     ax.set_ylim(bottom=0)
-    return _finish(fig, ax, "response length L (tokens)", ylabel, title)
+    fig = _finish(fig, ax, "response length L (tokens)", ylabel, title)
+    if note:
+        fig.subplots_adjust(bottom=0.26)
+        fig.text(0.01, 0.01, note, fontsize=7, ha="left", va="bottom", wrap=True)
+    return fig
 
 
 def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_L") -> Figure:

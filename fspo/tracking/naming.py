@@ -2,7 +2,7 @@
 
 Owns: `default_run_name` (``<method>-<model>-s<seed>-<MMDD>-<HHMMSS>`` when ``run_name`` is null),
 `EXPERIMENT_NOTE` and `describe_experiment` (the experiment's description, MLflow tag
-``mlflow.note.content``, set when the experiment has none). Leaves out: building the logger
+``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building the logger
 (fspo/tracking/logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
 
 Why our own name: MLflow's random names (``capable-auk-759``) come from Python's global ``random``,
@@ -18,6 +18,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # MLflow 3.x: a training experiment
 
 EXPERIMENT_NOTE = """\
 FSPO training runs (length-fair sequence-level RL for LLMs): one run per `python experiments/run.py`
@@ -44,14 +45,21 @@ def default_run_name(method: str, model: str, seed, now: Optional[float] = None)
 def describe_experiment(tracking_uri: Optional[str], experiment_name: Optional[str],
                         note: str = EXPERIMENT_NOTE) -> bool:
     """Set the description of the experiment ``experiment_name`` unless it has one (a user's is never
-    overwritten) or does not exist yet; True if set."""
+    overwritten) or does not exist yet; True if set. Also tag it ``mlflow.experimentKind =
+    custom_model_development`` when it has no kind: MLflow 3.17's UI reads that tag for its default view
+    where the GenAI / Model training switch is off; where the switch is on, only the URL's
+    ``?workflowType=machine_learning`` decides (fspo/tracking/run_summary.py prints such URLs)."""
     from mlflow.tracking import MlflowClient
 
     if not experiment_name:
         return False
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment_name)
-    if exp is None or exp.tags.get(NOTE_TAG):
+    if exp is None:
+        return False
+    if not exp.tags.get(KIND_TAG):
+        client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+    if exp.tags.get(NOTE_TAG):
         return False
     client.set_experiment_tag(exp.experiment_id, NOTE_TAG, note)
     return True

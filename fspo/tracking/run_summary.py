@@ -1,8 +1,9 @@
 """Where the results went: the few lines printed at the end of a training run, a sweep and an evaluation.
 
-Owns: `open_hint` (the command or URL that opens a run in MLflow: ``mlflow ui --backend-store-uri
-<uri>`` for a file / SQLite store, with relative SQLite paths made absolute so the command works
-from any folder; the run page ``<uri>/#/experiments/<id>/runs/<run id>`` for an http(s) server),
+Owns: `open_rows` / `open_hint` (how to open a run in MLflow: ``mlflow ui --backend-store-uri <uri>``
+for a file / SQLite store, with relative SQLite paths made absolute so the command works from any
+folder, then the experiment and run URLs, on ``mlflow ui``'s default address or on the http(s) server;
+every URL carries ``?workflowType=machine_learning``, without which MLflow 3.x opens the GenAI view),
 `format_block` (the plain-text block) and `training_summary` / `sweep_summary` / `eval_summary`
 (what each end prints). Used by fspo/train.py (rank zero), fspo/tracking/sweep_parent.py (the sweep
 parent) and experiments/evaluate.py. Leaves out: logging anything (callers print the block).
@@ -10,7 +11,7 @@ parent) and experiments/evaluate.py. Leaves out: logging anything (callers print
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 RULE = "-" * 72
 
@@ -35,20 +36,44 @@ def absolute_uri(uri: Optional[str]) -> Optional[str]:
     return u
 
 
-def open_hint(uri: Optional[str], experiment_id: Optional[str] = None, run_id: Optional[str] = None) -> Tuple[str, str]:
-    """(label, text): how to open the run. http(s) store: ("run page", URL of the run, or of the experiment
-    without a run id); file / SQLite store: ("open with", ``mlflow ui --backend-store-uri <absolute uri>``)."""
+UI_URL = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default
+ML_VIEW = "workflowType=machine_learning"  # MLflow 3.x opens an experiment on its GenAI (traces) view without it
+
+
+def experiment_url(base: str, experiment_id) -> str:
+    """The experiment's runs list in MLflow's "Model training" view: ``<base>/#/experiments/<id>/runs?
+    workflowType=machine_learning`` (MLflow 3.17 shows "Traces 0" and a GenAI popup on the plain URL)."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{ML_VIEW}"
+
+
+def run_url(base: str, experiment_id, run_id: str) -> str:
+    """The run's chart tab: ``<base>/#/experiments/<id>/runs/<run id>/model-metrics?workflowType=machine_learning``."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{ML_VIEW}"
+
+
+def open_rows(uri: Optional[str], experiment_id: Optional[str] = None,
+              run_id: Optional[str] = None) -> List[Tuple[str, str]]:
+    """How to open the results, as (label, text) rows. File / SQLite store: ("open with", ``mlflow ui
+    --backend-store-uri <absolute uri>``), then the experiment and run URLs on ``mlflow ui``'s default
+    address; http(s) server: the experiment and run URLs on it. URLs only where the ids are known."""
     u = str(uri or "")
     if u.startswith(("http://", "https://")):
-        base = u.rstrip("/")
-        if experiment_id is not None and run_id:
-            return "run page", f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
-        if experiment_id is not None:
-            return "experiment page", f"{base}/#/experiments/{experiment_id}"
-        return "MLflow server", base
-    if u.startswith(("sqlite:", "file:")) or _is_path(u):
-        return "open with", f"mlflow ui --backend-store-uri {absolute_uri(u)}"
-    return "tracking URI", u or "(none)"
+        base, rows = u.rstrip("/"), []
+    elif u.startswith(("sqlite:", "file:")) or _is_path(u):
+        base, rows = UI_URL, [("open with", f"mlflow ui --backend-store-uri {absolute_uri(u)}")]
+    else:
+        return [("tracking URI", u or "(none)")]
+    if experiment_id is not None:
+        rows.append(("experiment page", experiment_url(base, experiment_id)))
+        if run_id:
+            rows.append(("run page", run_url(base, experiment_id, run_id)))
+    return rows or [("MLflow server", base)]
+
+
+def open_hint(uri: Optional[str], experiment_id: Optional[str] = None, run_id: Optional[str] = None) -> Tuple[str, str]:
+    """The first of `open_rows`: the command (local store) or the most specific page (server)."""
+    rows = open_rows(uri, experiment_id, run_id)
+    return rows[0] if not str(uri or "").startswith(("http://", "https://")) else rows[-1]
 
 
 def format_block(title: str, rows: Iterable[Tuple[str, Any]]) -> str:
@@ -65,11 +90,20 @@ def _results(metrics: Optional[Mapping[str, float]], prefix: Tuple[str, ...] = (
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(keep.items()))
 
 
+def _progress(start: Optional[float], end: Optional[float], steps: Optional[Tuple[int, int]]) -> Optional[str]:
+    if end is None:
+        return None
+    span = f" (step {steps[0]} -> {steps[1]})" if steps else ""
+    return f"{start:.3f} -> {end:.3f}{span}" if start is not None else f"{end:.3f}"
+
+
 def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], experiment_name: Optional[str],
                      experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
-                     metrics: Optional[Mapping[str, float]] = None) -> str:
-    """The block a training run ends on."""
-    label, hint = open_hint(tracking_uri, experiment_id, run_id)
+                     metrics: Optional[Mapping[str, float]] = None, start_accuracy: Optional[float] = None,
+                     steps: Optional[Tuple[int, int]] = None, run_lre: Optional[float] = None) -> str:
+    """The block a training run ends on: where everything is, held-out accuracy at the first and last
+    validation (``start -> end``), the run's LRE (paper eq. LRE over all its steps) and how to open it."""
+    end_acc = (metrics or {}).get("val/accuracy")
     exp = f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None else experiment_name
     run = f"{run_name} (id {run_id})" if run_name and run_id else run_id
     return format_block(f"run {run_name or run_id or ''} finished".replace("  ", " "), [
@@ -78,22 +112,23 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
         ("tracking URI", absolute_uri(tracking_uri)),
         ("experiment", exp),
         ("run", run),
+        ("held-out acc", _progress(start_accuracy, end_acc, steps)),
+        ("run LRE", f"{run_lre:.4f}" if run_lre is not None else None),
         ("results", _results(metrics)),
-        (label, hint)])
+        *open_rows(tracking_uri, experiment_id, run_id)])
 
 
 def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[str], experiment_name: Optional[str],
                   experiment_id: Optional[str], parent_name: Optional[str], parent_id: Optional[str],
                   jobs_ok: int, jobs_failed: int, status: str) -> str:
     """The block a sweep (Hydra multirun) ends on."""
-    label, hint = open_hint(tracking_uri, experiment_id, None)
     return format_block(f"sweep {sweep} {status.lower()}: {jobs_ok} jobs finished, {jobs_failed} failed", [
         ("sweep dir", str(Path(sweep_dir).resolve()) if sweep_dir else None),
         ("tracking URI", absolute_uri(tracking_uri)),
         ("experiment", f"{experiment_name} (id {experiment_id})" if experiment_id is not None else experiment_name),
         ("parent run", f"{parent_name} (id {parent_id})" if parent_name else parent_id),
         ("jobs", f"{jobs_ok} finished, {jobs_failed} failed"),
-        (label, hint),
+        *open_rows(tracking_uri, experiment_id, None),
         ("report", f"python experiments/report.py --experiment {experiment_name} --out reports/{experiment_name}"
          if experiment_name else None)])
 
@@ -102,7 +137,6 @@ def eval_summary(output_dir, tracking_uri: Optional[str], experiment_name: Optio
                  experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
                  entries: Optional[list] = None, summary_md: Optional[Path] = None) -> str:
     """The block an evaluation ends on: where ``summary.md`` went and the last target's Avg@k."""
-    label, hint = open_hint(tracking_uri, experiment_id, run_id)
     results: Dict[str, float] = {}
     if entries:
         results = {f"{b}/avg_at_k": float(m["avg_at_k"]) for b, m in entries[-1]["metrics"].items()}
@@ -113,4 +147,4 @@ def eval_summary(output_dir, tracking_uri: Optional[str], experiment_name: Optio
         ("experiment", f"{experiment_name} (id {experiment_id})" if experiment_id is not None else experiment_name),
         ("run", f"{run_name} (id {run_id})" if run_name and run_id else run_id),
         ("results", _results(results, ("",))),
-        (label, hint)])
+        *open_rows(tracking_uri, experiment_id, run_id)])
