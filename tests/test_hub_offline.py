@@ -8,8 +8,11 @@ Leaves out: loading from a local folder (test_bad_input.py, test_config_compose.
 """
 from __future__ import annotations
 
+import shutil
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +52,8 @@ def test_unreachable_hub_is_probed_once_and_fails_in_seconds(monkeypatch, tmp_pa
     assert len(probes) == 1
     msg = str(e.value)
     assert HUB_ID in msg and "model.path" in msg and "unreachable" in msg and "\n" not in msg, msg
+    assert f"`hf download {HUB_ID} --local-dir" in msg  # the CLI huggingface_hub >= 1.0 installs
+    assert shutil.which("hf", path=str(Path(sys.executable).parent)) is not None
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine

@@ -110,3 +110,21 @@ def test_training_run_ends_on_the_block(tmp_path):
     assert rows["experiment page"].endswith("/runs?workflowType=machine_learning")
     assert rows["run page"].endswith(f"/runs/{run_id}/model-metrics?workflowType=machine_learning")
     assert any((out / "checkpoints").iterdir())
+
+
+def test_sweep_report_command_groups_by_what_the_sweep_varies():
+    """fspo_z's report must not merge the three z values into one row (`--group-by z`, not method)."""
+    text = sweep_summary("fspo_z", None, "sqlite:////d/m.db", "fspo_z", "4", "p", "p1", jobs_ok=9, jobs_failed=0,
+                         status="FINISHED", group_by="z")
+    assert "  report:          python experiments/report.py --experiment fspo_z --group-by z --out reports/fspo_z" \
+        in text.splitlines()
+    from omegaconf import OmegaConf
+    for path in sorted((REPO / "sweeps").glob("*.yaml")):
+        if path.name.startswith("_"):
+            continue
+        cfg = OmegaConf.load(path)
+        keys = str(cfg.sweep.group_by).split(",")
+        swept = " ".join(str(v) for v in (cfg.hydra.sweeper.params or {}).keys())
+        for k in keys:  # each key is a tag the sweep's runs carry (method is tagged on every run)
+            assert k == "method" or k in (cfg.get("tags") or {}) or (k == "bands" and "arm" in swept), (path, k)
+        assert ("sweep.c" in swept) == ("c" in keys) and ("sweep.z" in swept) == ("z" in keys), path

@@ -58,6 +58,19 @@ def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
     return model, tok
 
 
+def download_command(hub_id: str, local_dir: str) -> str:
+    """The download command of the installed huggingface_hub: ``hf download`` (huggingface_hub >= 1.0,
+    which removed ``huggingface-cli``), ``huggingface-cli download`` before."""
+    try:
+        from importlib.metadata import version
+
+        major = int(version("huggingface_hub").split(".")[0])
+    except Exception:  # noqa: BLE001 - not installed or unparsable: the current CLI
+        major = 1
+    cli = "hf" if major >= 1 else "huggingface-cli"
+    return f"{cli} download {hub_id} --local-dir {local_dir}"
+
+
 def _offline_reason(timeout_s: float = 3.0) -> Optional[str]:
     """Why the hub must not be contacted (an offline variable is set, or one probe of the endpoint
     failed), or None when it answers."""
@@ -128,7 +141,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
         p = Path(path).expanduser()
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model.path={p} has no config.json: point model.path at a folder made "
-                                    f"by save_pretrained or `huggingface-cli download ... --local-dir`")
+                                    f"by save_pretrained or `{download_command('<hub id>', str(p))}`")
         return _from_dir(p, torch_dtype, meta)
     if not hub_id:
         raise ValueError("model.source=pretrained needs model.path (a local folder) or model.hub_id")
@@ -148,7 +161,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
         where = f"its local cache (offline: {offline})" if offline else "the Hugging Face hub or its local cache"
         raise ModelNotFoundError(
             f"could not load model '{hub_id}' from {where} ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]}). On a machine with internet run `huggingface-cli download {hub_id} "
-            f"--local-dir /path/to/{hub_id.split('/')[-1]}`, copy it here, and pass model.path=/path/to/... "
+            f"{str(e).splitlines()[0][:200]}). On a machine with internet run "
+            f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, and pass model.path=/path/to/... "
             f"(or set HF_HOME to a cache that holds it).") from None
     return model, tok

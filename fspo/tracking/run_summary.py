@@ -120,8 +120,9 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
 
 def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[str], experiment_name: Optional[str],
                   experiment_id: Optional[str], parent_name: Optional[str], parent_id: Optional[str],
-                  jobs_ok: int, jobs_failed: int, status: str) -> str:
-    """The block a sweep (Hydra multirun) ends on."""
+                  jobs_ok: int, jobs_failed: int, status: str, group_by: str = "method") -> str:
+    """The block a sweep (Hydra multirun) ends on; its report command groups runs by ``group_by`` (the
+    sweep's ``sweep.group_by``: ``c`` for fspo_c, so the four c values are four rows, not one)."""
     return format_block(f"sweep {sweep} {status.lower()}: {jobs_ok} jobs finished, {jobs_failed} failed", [
         ("sweep dir", str(Path(sweep_dir).resolve()) if sweep_dir else None),
         ("tracking URI", absolute_uri(tracking_uri)),
@@ -129,8 +130,8 @@ def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[s
         ("parent run", f"{parent_name} (id {parent_id})" if parent_name else parent_id),
         ("jobs", f"{jobs_ok} finished, {jobs_failed} failed"),
         *open_rows(tracking_uri, experiment_id, None),
-        ("report", f"python experiments/report.py --experiment {experiment_name} --out reports/{experiment_name}"
-         if experiment_name else None)])
+        ("report", f"python experiments/report.py --experiment {experiment_name} --group-by {group_by} "
+                   f"--out reports/{experiment_name}" if experiment_name else None)])
 
 
 def eval_summary(output_dir, tracking_uri: Optional[str], experiment_name: Optional[str],

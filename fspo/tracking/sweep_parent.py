@@ -130,7 +130,8 @@ class MLflowSweepParent(Callback):
         run = self.client.create_run(exp_id, run_name=f"{sweep}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
         self.run_id = run.info.run_id
         self._where = {"sweep": sweep, "sweep_dir": _select(config, dir_key), "tracking_uri": str(uri),
-                       "experiment_name": str(exp_name), "experiment_id": exp_id, "parent_name": run.info.run_name}
+                       "experiment_name": str(exp_name), "experiment_id": exp_id, "parent_name": run.info.run_name,
+                       "group_by": str(_select(config, "sweep.group_by", "method") or "method")}
         os.environ[self.env_var] = self.run_id
         atexit.register(self._finish, "FAILED")  # an early exit leaves no RUNNING parent behind
         log.info("sweep %s: MLflow parent run %s in experiment %s (%s)", sweep, self.run_id, exp_name, uri)
