@@ -146,9 +146,13 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     rewards = {name: instantiate(b.reward) if b.reward else reward_fn for name, b in benchmarks.items()}
     tags = {"fspo.kind": "eval", "eval/model": model_kw.get("name"), "eval/train_run_id": train_run_id,
             **dict(m.tags or {})}
+    run_name = m.run_name or _eval_run_name(str(m.tracking_uri), train_run_id, ckpts)
+    if train_run_id and not m.attach:  # linked: the training run's id, name and page in the eval run's description
+        tags.setdefault("mlflow.note.content", f"Evaluation of training run {run_name[len('eval-'):]} "
+                                               f"(id {train_run_id}).")
     recorder = MlflowRecorder(str(m.tracking_uri), out_dir, experiment_name=str(m.experiment_name),
                               run_id=train_run_id if m.attach else None,
-                              run_name=m.run_name, tags=tags, artifact_location=m.artifact_location)
+                              run_name=run_name, tags=tags, artifact_location=m.artifact_location)
     recorder.log_params(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
     recorder.log_json(OmegaConf.to_container(cfg, resolve=True), "eval/evaluate_config.json")
     targets: List[Optional[Path]] = ([None] if cfg.include_base or not ckpts else []) + list(ckpts)
@@ -215,6 +219,21 @@ def summary_block(cfg: DictConfig, result: Dict[str, Any]) -> str:
                         Path(cfg.output_dir) / "eval" / "summary.md")
 
 
+def _eval_run_name(uri: str, train_run_id: Optional[str], ckpts: List[Path]) -> Optional[str]:
+    """``eval-<training run name>`` (from MLflow), else ``eval-<run folder name>``, else None (MLflow's)."""
+    if train_run_id:
+        try:
+            from mlflow import MlflowClient
+
+            return f"eval-{MlflowClient(uri).get_run(train_run_id).info.run_name}"
+        except Exception as e:  # noqa: BLE001 - a name is never worth failing an evaluation
+            log.debug("training run name: %s", e)
+    if ckpts:
+        run = ckpts[0].parent.parent if ckpts[0].parent.name == "checkpoints" else ckpts[0].parent
+        return f"eval-{run.name}"
+    return None
+
+
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
@@ -241,9 +260,26 @@ def main(cfg: DictConfig):
     return sum(v["avg_at_k"] for v in last.values()) / max(len(last), 1)
 
 
+def beside_run(argv: List[str]) -> List[str]:
+    """``argv`` plus ``hydra.run.dir=<run folder>/eval/<date_time>`` when it evaluates one training run's
+    checkpoints (``checkpoints=`` a run folder, its checkpoints/ folder or one checkpoint) and sets no
+    output folder itself: the evaluation is written beside the run it scores, not in ./outputs."""
+    if any(a.lstrip("+").startswith(("hydra.run.dir=", "output_dir=")) for a in argv):
+        return argv
+    spec = next((a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("checkpoints=")), None)
+    if not spec or any(c in spec for c in "*?[],"):
+        return argv
+    p = Path(spec).expanduser().resolve()
+    run = p.parent if p.is_file() or (p / ".metadata").exists() else p
+    run = run.parent if run.name == "checkpoints" else run
+    if not (run / "checkpoints").is_dir() or not os.access(run, os.W_OK):
+        return argv
+    return [*argv, f"hydra.run.dir={run}/eval/${{now:%Y-%m-%d_%H-%M-%S}}"]
+
+
 if __name__ == "__main__":
     if (bad := unknown_key_error(sys.argv[1:], "evaluate")) is not None:  # a typo never runs the default
         print(f"error: {bad}", file=sys.stderr)
         sys.exit(2)
-    sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "evaluate")  # group=x and +group=x both work
+    sys.argv[1:] = beside_run(normalize_group_overrides(sys.argv[1:], "evaluate"))  # group=x and +group=x both work
     main()

@@ -137,10 +137,12 @@ def _runs(uri: str) -> list:
 @pytest.mark.slow
 def test_readme_evaluate_command_on_the_default_run(default_run):
     tmp, run_dir, uri = default_run
-    out = tmp / "eval_out"
-    p = _evaluate(tmp, uri, [f"checkpoints={run_dir}", "include_base=true", f"output_dir={out}", "limit=8", "k=2"])
+    p = _evaluate(tmp, uri, [f"checkpoints={run_dir}", "include_base=true", "limit=8", "k=2"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "evaluating on eval_data=[arithmetic]" in p.stdout + p.stderr
+    outs = list((run_dir / "eval").iterdir())  # written beside the run it scores: <run>/eval/<date_time>
+    assert len(outs) == 1, outs
+    out = outs[0]
     md = (out / "eval" / "summary.md").read_text()
     assert "| Benchmark | Base | Best | Best step | Last | Last step |" in md
     row = next(line for line in md.splitlines() if line.startswith("| arithmetic |"))
@@ -150,6 +152,10 @@ def test_readme_evaluate_command_on_the_default_run(default_run):
     table = (out / "eval" / "arithmetic" / "step_2" / "per_problem.json").read_text()
     assert '"k"' in table and "math500" not in md and "aime" not in md
     assert [s for _, s in _runs(uri)].count("FINISHED") == 2  # the training run and this evaluation
+    with sqlite3.connect(uri[len("sqlite:///"):]) as db:  # named after the run it evaluates
+        names = dict(db.execute("SELECT run_uuid, name FROM runs").fetchall())
+    train_id = (run_dir / "mlflow_run_id").read_text().strip()
+    assert f"eval-{names[train_id]}" in names.values(), names
 
 
 @pytest.mark.slow
