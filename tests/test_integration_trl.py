@@ -44,7 +44,9 @@ def run(tmp_path_factory):
 
     FSPOTrainer._compute_loss = recording
     try:
-        trainer = example.main(["--steps", "2", "--out", str(tmp_path_factory.mktemp("trl"))])
+        # docs/integrations.md's command (its defaults: 2 steps), with the output folder in the test's tmp
+        assert "python experiments/trl_fspo_example.py\n" in (REPO / "docs" / "integrations.md").read_text()
+        trainer = example.main(["--out", str(tmp_path_factory.mktemp("trl"))])
     finally:
         FSPOTrainer._compute_loss = original
     return trainer, captured
