@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 
 import pytest
 
 from conftest import REPO
 from fspo.integrations.requirements import SUPPORTED
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 PATCH = """
 import importlib.metadata as md

@@ -131,10 +131,14 @@ def _run_full(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages
     m = response_mask.bool().float()
     token_loss = res.token_loss
     if rollout_is_weights is not None:
-        token_loss = token_loss * rollout_is_weights.to(token_loss.dtype)
-        if token_loss.shape != res.token_loss.shape:
+        try:
+            shape = torch.broadcast_shapes(rollout_is_weights.shape, token_loss.shape)
+        except RuntimeError:
+            shape = None
+        if shape != token_loss.shape:
             raise ValueError(f"rollout_is_weights shape {tuple(rollout_is_weights.shape)} does not broadcast to "
-                             f"the response shape {tuple(res.token_loss.shape)}")
+                             f"the response shape {tuple(token_loss.shape)}")
+        token_loss = token_loss * rollout_is_weights.to(token_loss.dtype)
     loss = aggregate(token_loss, response_mask, mode, **totals).loss
     if dp != 1:
         loss = loss * dp
