@@ -156,3 +156,13 @@ def test_config_paper_defaults_and_refusals(tmp_path):
         with pytest.raises(ValueError, match=match) as e:
             FSPOConfig(**kw, **bad)
         assert "\n" not in str(e.value)
+
+
+def test_trainer_refuses_a_plain_grpo_config_before_loading(tmp_path):
+    from trl import GRPOConfig
+
+    from fspo.integrations.trl import FSPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="cispo")
+    with pytest.raises(ValueError, match="loss_type='cispo'"):  # not the missing model's error
+        FSPOTrainer(model=str(tmp_path / "no_such_model"), reward_funcs=example.answer_reward, args=args)

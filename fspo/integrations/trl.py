@@ -78,23 +78,30 @@ class FSPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        refuse = [
-            (self.loss_type not in LOSS_TYPES, f"loss_type={self.loss_type!r}: FSPOTrainer aggregates FSPO's loss "
-             f"as one of {list(LOSS_TYPES)}; set loss_type to one of them"),
-            (self.importance_sampling_level != "token", "importance_sampling_level: FSPO defines its own sequence "
-             "ratio; leave importance_sampling_level='token' (TRL's default)"),
-            (self.delta is not None, "delta (two-sided GRPO clip): FSPO has its own dual clip c_dual; set delta=None"),
-            (self.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 is not supported by FSPOTrainer; set it to 1.0"),
-            (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold is not supported by FSPOTrainer; "
-             "set it to None"),
-            (self.entropy_coef != 0.0 or self.use_adaptive_entropy, "the entropy bonus is not supported by "
-             "FSPOTrainer; set entropy_coef=0.0 and use_adaptive_entropy=False"),
-            (int(self.length_bin_width) < 1, f"length_bin_width must be >= 1 token, got {self.length_bin_width!r}"),
-        ]
-        for bad, msg in refuse:
-            if bad:
-                raise ValueError(f"FSPOConfig: {msg}")
-        FSPOClip(**fspo_settings(self))  # the rule's own checks (c_* > 0, c_dual >= c_upper), now
+        check_args(self)
+
+
+def check_args(args: GRPOConfig) -> None:
+    """ValueError("FSPOConfig: <setting>: <why>; <fix>") for settings FSPOTrainer cannot honour, and the
+    rule's own checks of the FSPO settings (c_* > 0, c_dual >= c_upper); a plain GRPOConfig too."""
+    refuse = [
+        (args.loss_type not in LOSS_TYPES, f"loss_type={args.loss_type!r}: FSPOTrainer aggregates FSPO's loss "
+         f"as one of {list(LOSS_TYPES)}; set loss_type to one of them"),
+        (args.importance_sampling_level != "token", "importance_sampling_level: FSPO defines its own sequence "
+         "ratio; leave importance_sampling_level='token' (TRL's default)"),
+        (args.delta is not None, "delta (two-sided GRPO clip): FSPO has its own dual clip c_dual; set delta=None"),
+        (args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 is not supported by FSPOTrainer; set it to 1.0"),
+        (args.off_policy_mask_threshold is not None, "off_policy_mask_threshold is not supported by FSPOTrainer; "
+         "set it to None"),
+        (args.entropy_coef != 0.0 or args.use_adaptive_entropy, "the entropy bonus is not supported by "
+         "FSPOTrainer; set entropy_coef=0.0 and use_adaptive_entropy=False"),
+        (int(getattr(args, "length_bin_width", 200)) < 1, "length_bin_width must be >= 1 token, got "
+         f"{getattr(args, 'length_bin_width', None)!r}"),
+    ]
+    for bad, msg in refuse:
+        if bad:
+            raise ValueError(f"FSPOConfig: {msg}")
+    FSPOClip(**fspo_settings(args))
 
 
 def aggregation(loss_type: str, rows: int, max_completion_length: int, num_items_in_batch: Any,
@@ -120,6 +127,9 @@ class FSPOTrainer(GRPOTrainer):
     with an `FSPOConfig` as ``args`` (a plain GRPOConfig gets the paper's FSPO settings)."""
 
     def __init__(self, *a, **kw):
+        args = kw.get("args", a[2] if len(a) > 2 else None)
+        if args is not None:  # before the model loads; TRL's default GRPOConfig() passes
+            check_args(args)
         super().__init__(*a, **kw)
         width = int(getattr(self.args, "length_bin_width", 200))
         self._fspo_bins = LengthBins(width=width, max_len=max(int(self.max_completion_length or width), width))
