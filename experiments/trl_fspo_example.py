@@ -54,7 +54,7 @@ def main(argv=None):
     args = FSPOConfig(
         output_dir=a.out or tempfile.mkdtemp(prefix="fspo_trl_"),
         per_device_train_batch_size=a.prompts * a.G // 2, steps_per_generation=2, num_generations=a.G,
-        max_steps=a.steps, max_completion_length=a.max_new_tokens, learning_rate=a.lr, length_bin_width=16,
+        max_steps=a.steps, max_completion_length=a.max_new_tokens, learning_rate=a.lr, length_bin_width=8,
         use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = FSPOTrainer(model=model, reward_funcs=answer_reward, args=args, train_dataset=data,
@@ -63,8 +63,9 @@ def main(argv=None):
     for row in trainer.state.log_history:
         by_length = {k.rsplit("/", 1)[1]: round(v, 3) for k, v in row.items() if k.startswith("clip_ratio/by_length/")}
         if by_length:
-            print(f"step {row['step']}: reward {row.get('reward', float('nan')):.3f}, "
-                  f"clip_ratio/region_mean {row['clip_ratio/region_mean']:.4f}, clip_ratio/by_length {by_length}")
+            reward = f"reward {row['reward']:.3f}, " if "reward" in row else ""  # logged on generation steps
+            print(f"step {row['step']}: {reward}clip_ratio/region_mean {row['clip_ratio/region_mean']:.4f}, "
+                  f"clip_ratio/by_length {by_length}")
     return trainer
 
 
