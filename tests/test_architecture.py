@@ -22,6 +22,7 @@ LAYERS: List[Set[str]] = [
     {"losses", "advantages"},
     {"clipping"},
     {"diagnostics"},
+    {"integrations"},
     {"models", "rewards", "data"},
     {"runtime"},
     {"rollout", "update"},

@@ -12,17 +12,25 @@ with verl's field names (a verl ``ActorConfig`` included): ``clip_ratio`` (fallb
 ``c_dual``; for fspo and rloo ``ratio_grad`` ("per_token" | "length_weighted", passed to the rule
 only when set). Unset fields take the paper's values for that method. Every name aggregates with
 ``loss_agg_mode`` (fspo/losses.py; gspo's default argument is seq-mean-token-mean, as in verl).
+``rollout_is_weights`` (optional, verl's keyword; [B, T] or broadcastable, e.g. TRL's [B, 1]) multiplies
+the per-token loss before aggregation, as verl's vanilla applies its rollout correction.
 ``config.global_batch_info`` (verl's dict: ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
 ``loss_scale_factor``; empty by default) sets the aggregation's ``total_tokens``, ``total_seqs`` and
 ``norm_len`` and multiplies the loss by ``dp_size``, as verl's `agg_loss` does.
 Metrics (python floats, masked token means): ``actor/pg_clipfrac`` (upper or lower clip binds),
 ``actor/ppo_kl`` (mean of logp_old - logp_new, clamped to +-20 like verl's vanilla except for gspo),
 ``actor/pg_clipfrac_lower`` (verl's name for the dual-clip fraction; 0 for gspo).
+FSPO's settings are read by `fspo_settings` (``FSPO_KEYS``, defaults ``FSPO_DEFAULTS``: the paper's),
+the one mapping fspo/integrations/verl.py and trl.py share: each key by `setting`, from
+``config.policy_loss`` (verl's sub-config), else ``config`` itself, else the paper's value; a key present with value None is passed
+on (``c_dual=None`` turns the dual clip off). verl's ``clip_ratio*`` are ratio-space GRPO settings and
+are not read for fspo. `fspo_loss` is ``fspo`` returning the `ClipResult` too (per-length diagnostics).
 Leaves out: stateful running estimates (FSPO's EMA band needs the `FSPOClip` module itself).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import inspect
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -105,13 +113,33 @@ def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
 def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
          response_mask: Tensor, mode: str, config: Any, kl_clamp: Optional[float] = MAX_LOG_RATIO,
          metrics_fn: Optional[Callable[[ClipResult, Tensor], Dict[str, float]]] = None,
-         ) -> Tuple[Tensor, Dict[str, float]]:
+         rollout_is_weights: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, float]]:
     """Apply ``rule``, aggregate with ``mode`` and verl's batch info; ``metrics_fn(result, mask)``
     (optional) overrides entries of the default metrics where a rule reports verl's differently."""
+    loss, metrics, _ = _run_full(rule, old_log_prob, log_prob, advantages, response_mask, mode, config,
+                                 kl_clamp, metrics_fn, rollout_is_weights)
+    return loss, metrics
+
+
+def _run_full(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
+              response_mask: Tensor, mode: str, config: Any, kl_clamp: Optional[float] = MAX_LOG_RATIO,
+              metrics_fn: Optional[Callable[[ClipResult, Tensor], Dict[str, float]]] = None,
+              rollout_is_weights: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, float], ClipResult]:
+    """`_run` that also returns the rule's `ClipResult` (its ``token_loss`` without the IS weights)."""
     totals, dp = _batch_info(config, mode)
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
-    loss = aggregate(res.token_loss, response_mask, mode, **totals).loss
+    token_loss = res.token_loss
+    if rollout_is_weights is not None:
+        try:
+            shape = torch.broadcast_shapes(rollout_is_weights.shape, token_loss.shape)
+        except RuntimeError:
+            shape = None
+        if shape != token_loss.shape:
+            raise ValueError(f"rollout_is_weights shape {tuple(rollout_is_weights.shape)} does not broadcast to "
+                             f"the response shape {tuple(token_loss.shape)}")
+        token_loss = token_loss * rollout_is_weights.to(token_loss.dtype)
+    loss = aggregate(token_loss, response_mask, mode, **totals).loss
     if dp != 1:
         loss = loss * dp
     d = torch.where(m.bool(), log_prob.detach().float() - old_log_prob.float(), 0.0)
@@ -122,7 +150,7 @@ def _run(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Ten
                "actor/pg_clipfrac_lower": _masked_mean(res.clip_dual, m)}
     if metrics_fn is not None:
         metrics.update(metrics_fn(res, m))
-    return loss, metrics
+    return loss, metrics, res
 
 
 @register_policy_loss("vanilla")
@@ -154,14 +182,58 @@ def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
                 kl_clamp=None)
 
 
+#: FSPO's stateless settings the registry reads, and their defaults: the paper's (Table 4) values
+FSPO_KEYS = ("c_upper", "c_lower", "c_dual", "ratio_grad")
+FSPO_DEFAULTS: Dict[str, Any] = {
+    k: p.default for k, p in inspect.signature(FSPOClip.__init__).parameters.items() if k in FSPO_KEYS}
+_MISSING = object()
+
+
+def _lookup(config: Any, key: str) -> Any:
+    """``config[key]`` / ``config.key`` as given (None included), or `_MISSING` where absent."""
+    if config is None:
+        return _MISSING
+    if isinstance(config, Mapping) or hasattr(config, "keys") and hasattr(config, "get"):
+        try:
+            return config[key] if key in config else _MISSING
+        except (AttributeError, KeyError, TypeError):
+            return _MISSING
+    return getattr(config, key, _MISSING)
+
+
+def setting(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` from ``config.policy_loss`` (verl's sub-config), else from ``config``, else ``default``;
+    a key present with value None gives None."""
+    sub = _lookup(config, "policy_loss")
+    v = _MISSING if sub is _MISSING or sub is None else _lookup(sub, key)
+    v = _lookup(config, key) if v is _MISSING else v
+    return default if v is _MISSING else v
+
+
+def fspo_settings(config: Any) -> Dict[str, Any]:
+    """FSPOClip keyword arguments from a verl-style ``config``: each of ``FSPO_KEYS`` by `setting`,
+    defaulting to ``FSPO_DEFAULTS`` (the paper's)."""
+    return {key: setting(config, key, FSPO_DEFAULTS[key]) for key in FSPO_KEYS}
+
+
+def fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+              config: Any = None, rollout_is_weights: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Dict[str, float], ClipResult]:
+    """``fspo`` (below) returning its `ClipResult` as well: the adapters' per-length diagnostics."""
+    rule = FSPOClip(**fspo_settings(config))
+    return _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                     rollout_is_weights=rollout_is_weights)
+
+
 @register_policy_loss("fspo")
 def policy_loss_fspo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None):
-    """FSPO with a fixed band: `FSPOClip(c_upper, c_lower, c_dual)` (paper 0.03 each; ``ratio_grad``)
-    + `aggregate`."""
-    kw = {k: _get(config, k) for k in ("c_upper", "c_lower", "c_dual", "ratio_grad")}
-    rule = FSPOClip(**{k: v for k, v in kw.items() if v is not None})
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+                     loss_agg_mode: str = "token-mean", config: Any = None,
+                     rollout_is_weights: Optional[Tensor] = None):
+    """FSPO with a fixed band: `FSPOClip(**fspo_settings(config))` (paper: c_upper = c_lower = c_dual
+    = 0.03; ``ratio_grad``) + `aggregate`, the token loss times ``rollout_is_weights`` when given."""
+    loss, metrics, _ = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                 rollout_is_weights)
+    return loss, metrics
 
 
 def _import_rule_modules() -> None:
