@@ -44,7 +44,10 @@ def test_progress_line_hand_set_metrics():
 
 
 def test_make_progress_modes():
-    assert isinstance(make_progress("auto", 5, 60, is_tty=True), StepBar)
+    assert isinstance(make_progress("auto", 5, 60, is_tty=True, columns=120), StepBar)
+    assert isinstance(make_progress("auto", 5, 60, is_tty=True, columns=0), StepLines)  # a 0-column terminal
+    bar = make_progress("bar", 5, 60)
+    assert bar.init_validation_tqdm().disable and bar.init_sanity_tqdm().disable  # no "Validation DataLoader 0"
     lines = make_progress("auto", 5, 60, is_tty=False)
     assert isinstance(lines, StepLines) and (lines.total, lines.every_n_steps) == (60, 5)
     assert isinstance(make_progress("lines", 5, 60, is_tty=True), StepLines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any, Dict, Mapping, Optional
@@ -96,6 +97,12 @@ class StepBar(TQDMProgressBar):
         self.train_progress_bar.reset(total=convert_inf(self.total_train_batches))
         self.train_progress_bar.initial = 0
 
+    def init_validation_tqdm(self) -> Tqdm:  # no "Validation DataLoader 0" bar under ours: val acc is on it
+        return Tqdm(disable=True)
+
+    def init_sanity_tqdm(self) -> Tqdm:
+        return Tqdm(disable=True)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         total = self.train_progress_bar.total
@@ -143,12 +150,22 @@ class StepLines(ProgressBar):
         log.info(progress_line(step, self.total, sec, metrics))
 
 
-def make_progress(mode: str, every_n_steps: int, total: int, is_tty: Optional[bool] = None) -> Optional[ProgressBar]:
-    """The progress callback for ``mode`` (``auto``: a bar when stdout is a terminal, else lines); None for ``off``."""
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def make_progress(mode: str, every_n_steps: int, total: int, is_tty: Optional[bool] = None,
+                  columns: Optional[int] = None) -> Optional[ProgressBar]:
+    """The progress callback for ``mode`` (``auto``: a bar when stdout is a terminal that reports a width,
+    else lines: a terminal of 0 columns, as some job consoles report, cannot draw a bar); None for ``off``."""
     if mode not in MODES:
         raise ValueError(f"progress.mode={mode!r}: not one of {', '.join(MODES)}; set progress.mode=auto")
     if mode == "auto":
-        mode = "bar" if (sys.stdout.isatty() if is_tty is None else is_tty) else "lines"
+        tty = sys.stdout.isatty() if is_tty is None else is_tty
+        mode = "bar" if tty and (_columns() if columns is None else columns) > 0 else "lines"
     if mode == "off":
         return None
     return StepBar(total) if mode == "bar" else StepLines(total, every_n_steps)
