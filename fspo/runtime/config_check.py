@@ -211,10 +211,6 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
                  "use trainer=cpu")):
             if bad:
                 raise _fail("rollout.overlap.enable", True, problem, fix)
-    chunk = _get(cfg, "ppo.lm_head_chunk_rows")
-    if chunk not in (_ABSENT, None) and int(chunk) > 0 and "FSDP" in strategy:
-        raise _fail("ppo.lm_head_chunk_rows", chunk, "the chunked LM head runs the model's body and head separately, "
-                    "which FSDP's sharded root module does not support yet", "set ppo.lm_head_chunk_rows=0 with trainer=fsdp")
     lr, betas = _get(cfg, "ppo.lr"), _get(cfg, "ppo.betas")
     if lr is not _ABSENT:
         beta1 = float(betas[0]) if betas not in (_ABSENT, None) and len(betas) else 0.9
