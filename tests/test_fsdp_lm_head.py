@@ -168,6 +168,9 @@ def test_in_root_forward_runs_the_root_hooks_and_restores_forward():
         in_root_forward(model, lambda: 1 / 0)
     assert "forward" not in vars(model)  # the class's forward is back after an error too
     assert model(input_ids=torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
+    wrapped = model.forward  # an instance-level forward, as some wrappers install, survives the call
+    model.forward = wrapped
+    assert in_root_forward(model, lambda: 3) == 3 and vars(model)["forward"] is wrapped
 
 
 def test_chunked_head_is_accepted_under_fsdp():

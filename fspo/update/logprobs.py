@@ -49,11 +49,15 @@ def in_root_forward(model, fn: Callable[[], T]) -> T:
     reading ``lm_head.weight`` from outside would bypass all three (verl patches the model class's
     forward for its fused log-prob kernels for the same reason). On an unsharded model this is a plain
     call of ``fn``."""
+    own = vars(model).get("forward")  # an instance-level forward (e.g. set by a wrapper) is put back after
     model.forward = lambda *args, **kwargs: fn()  # instance attribute: shadows the class's forward
     try:
         return model()
     finally:
-        del model.forward
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def _run(model, select: Callable[[Tensor], Tensor], head: Optional[Callable[[Tensor], R]] = None, **kw):
