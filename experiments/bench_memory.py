@@ -20,7 +20,11 @@ sequences (prompt 32 + response 96 tokens) and reports per rank:
     python experiments/bench_memory.py --models tiny_v152k --worlds 1 --lm-head-chunk 0,256   # dense vs chunked head
 
 ``--lm-head-chunk``: values of ``ppo.lm_head_chunk_rows`` to compare (0: the dense LM head; N > 0: the
-chunked one, fspo/update/lm_head.py, N positions per chunk; single process only, as in training).
+chunked one, fspo/update/lm_head.py, N positions per chunk; with world 2 under FSDP too).
+``--micro-batch-tokens``: values of ``ppo.micro_batch_max_tokens`` (the token budget of one forward/backward;
+the sequences here are 56..128 tokens, 8 per mini-batch and rank on one process, 4 on each of 2).
+
+    python experiments/bench_memory.py --models tiny_v152k --worlds 1 --micro-batch-tokens 256,1024,4096
 
 Each (model, world) runs in fresh processes (torchrun for world > 1) so the peaks do not mix.
 """
@@ -76,7 +80,7 @@ def _rollout(b: int = 16, p: int = 32, t: int = 96, seed: int = 0):
                         overlong=lengths == t, old_log_probs=-4.6 * mask.float()).validate()
 
 
-def worker(model_name: str, out: str, head_chunk: int = 0) -> None:
+def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -> None:
     """One RL step on this process's share of `_rollout` (run by `main`, under torchrun when world > 1)."""
     import lightning as L
     import torch
@@ -96,7 +100,7 @@ def worker(model_name: str, out: str, head_chunk: int = 0) -> None:
     load_peak = _rss_peak_mib()
     diag = FairnessMetrics(LengthBins(width=16, max_len=96))
     module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, lr=1e-5,
-                      micro_batch_max_tokens=1024, lm_head_chunk_rows=head_chunk), diag, seed=0)
+                      micro_batch_max_tokens=budget, lm_head_chunk_rows=head_chunk), diag, seed=0)
     full = _rollout()
     record = {}
 
@@ -128,7 +132,7 @@ def worker(model_name: str, out: str, head_chunk: int = 0) -> None:
     from torch.utils.data import DataLoader
 
     trainer.fit(module, train_dataloaders=DataLoader([{"prompts": ["x"]}], batch_size=None))
-    record.update(model=model_name, lm_head_chunk_rows=head_chunk, params=n_params, world=world, rank=trainer.global_rank, load_peak_mib=load_peak)
+    record.update(model=model_name, lm_head_chunk_rows=head_chunk, micro_batch_max_tokens=budget, params=n_params, world=world, rank=trainer.global_rank, load_peak_mib=load_peak)
     Path(out).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -138,32 +142,34 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="tiny,qwen3_100m")
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--lm-head-chunk", default="0", help="comma-separated ppo.lm_head_chunk_rows values (0: dense)")
+    ap.add_argument("--micro-batch-tokens", default="1024", help="comma-separated ppo.micro_batch_max_tokens values")
     ap.add_argument("--out", default=".bench/bench_memory.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-chunk", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-budget", type=int, default=1024, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.worker_out, a.worker_chunk)
+        return worker(a.worker, a.worker_out, a.worker_chunk, a.worker_budget)
     # glibc: serve every allocation >= 128 KiB by mmap, so freed tensors leave the RSS at once and the
     # high-water mark tracks live memory (else per-thread arenas keep freed chunks and inflate it)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model, world, chunk in ((m, int(w), int(c)) for m in a.models.split(",") for w in a.worlds.split(",")
-                                    for c in a.lm_head_chunk.split(",")):
-            if chunk and world > 1:
-                continue  # the chunked head is single-process (config_check refuses it with trainer=fsdp)
-            base = Path(tmp) / f"{model}_w{world}_c{chunk}"
+        for model, world, chunk, budget in ((m, int(w), int(c), int(t)) for m in a.models.split(",")
+                                            for w in a.worlds.split(",") for c in a.lm_head_chunk.split(",")
+                                            for t in a.micro_batch_tokens.split(",")):
+            base = Path(tmp) / f"{model}_w{world}_c{chunk}_t{budget}"
             launch = [sys.executable] if world == 1 else \
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-            cmd = launch + [__file__, "--worker", model, "--worker-out", str(base), "--worker-chunk", str(chunk)]
+            cmd = launch + [__file__, "--worker", model, "--worker-out", str(base), "--worker-chunk", str(chunk),
+                            "--worker-budget", str(budget)]
             subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             rows += [json.loads(base.with_suffix(f".rank{r}.json").read_text()) for r in range(world)]
-    print(f"{'model':<11} {'head chunk':>10} {'params':>10} {'world':>5} {'rank':>4} {'load peak':>10} {'step peak':>10} "
+    print(f"{'model':<11} {'head chunk':>10} {'mb tokens':>9} {'params':>10} {'world':>5} {'rank':>4} {'load peak':>10} {'step peak':>10} "
           f"{'step adds':>10} {'param+grad+Adam':>16}   (MiB)")
     for r in rows:
-        print(f"{r['model']:<11} {r['lm_head_chunk_rows']:>10} {r['params']:>10} {r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} "
+        print(f"{r['model']:<11} {r['lm_head_chunk_rows']:>10} {r['micro_batch_max_tokens']:>9} {r['params']:>10} {r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} "
               f"{r['step_peak_mib']:>10.0f} {r['step_delta_mib']:>10.0f} {r['state_mib']:>16.1f}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))

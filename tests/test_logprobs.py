@@ -140,14 +140,3 @@ def test_chunked_head_equals_dense_values_entropy_and_gradients(pack_width, chun
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
     ref_lp, _ = manual(build_tiny_model(seed=0, initializer_range=0.1).eval(), SHORT_PROMPT, SHORT_RESP, 0.7)
     torch.testing.assert_close(lp1[0, :3].double(), ref_lp, atol=1e-5, rtol=0)
-
-
-def test_chunked_head_is_refused_under_fsdp():
-    from omegaconf import OmegaConf
-
-    from fspo.runtime.config_check import ConfigError, _cross_checks
-
-    cfg = OmegaConf.create({"ppo": {"lm_head_chunk_rows": 512},
-                            "trainer": {"strategy": {"_target_": "fspo.runtime.distributed.FSDP2Strategy"}}})
-    with pytest.raises(ConfigError, match=r"ppo.lm_head_chunk_rows=512: .*set ppo.lm_head_chunk_rows=0 with trainer=fsdp"):
-        _cross_checks(cfg, [])

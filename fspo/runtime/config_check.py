@@ -211,10 +211,12 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
                  "use trainer=cpu")):
             if bad:
                 raise _fail("rollout.overlap.enable", True, problem, fix)
-    chunk = _get(cfg, "ppo.lm_head_chunk_rows")
-    if chunk not in (_ABSENT, None) and int(chunk) > 0 and "FSDP" in strategy:
-        raise _fail("ppo.lm_head_chunk_rows", chunk, "the chunked LM head runs the model's body and head separately, "
-                    "which FSDP's sharded root module does not support yet", "set ppo.lm_head_chunk_rows=0 with trainer=fsdp")
+    budget, longest = _get(cfg, "ppo.micro_batch_max_tokens"), (_get(cfg, "data.max_prompt_len"), hi_new)
+    if isinstance(budget, int) and all(isinstance(v, int) for v in longest) and budget < sum(longest):
+        warnings.append(f"ppo.micro_batch_max_tokens={budget} is below the longest possible sequence (data.max_prompt_len"
+                        f" + rollout.sampling.max_new_tokens = {sum(longest)}): a longer sequence runs as a micro-batch"
+                        f" of its own, above the budget (same loss, more memory); set it >= {sum(longest)} to bound"
+                        f" every micro-batch (docs/memory.md)")
     lr, betas = _get(cfg, "ppo.lr"), _get(cfg, "ppo.betas")
     if lr is not _ABSENT:
         beta1 = float(betas[0]) if betas not in (_ABSENT, None) and len(betas) else 0.9

@@ -1,7 +1,7 @@
 """The policy's forward passes over a rollout batch, for `fspo.update.module.RLModule`.
 
 Owns: `micro_batches` (how a batch is split into token-budget micro-batches, and the layout each
-is run in), `log_probs` (one micro-batch's per-token log-probs and entropies) and `old_log_probs`
+is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token log-probs and entropies) and `old_log_probs`
 (the no-grad pass giving log pi_old before the first update). Each takes the module: its policy,
 its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh.
 Leaves out: the update (fspo/update/module.py) and the log-prob arithmetic (fspo/update/logprobs.py).
@@ -46,6 +46,14 @@ def micro_batches(module, batch: RolloutBatch) -> Tuple[List[Optional[torch.Tens
     return groups, width
 
 
+def dummy_micro_batch(batch: RolloutBatch) -> RolloutBatch:
+    """The micro-batch a rank runs (with weight 0) when it has fewer micro-batches than another rank:
+    the batch's shortest sequence (prompt + response), trimmed, so the padding forward/backward that keeps
+    FSDP's collectives in step costs as little as a real micro-batch can."""
+    shortest = torch.argmin(batch.prompt_mask.sum(-1) + batch.lengths).reshape(1)
+    return batch.select(shortest).trim()
+
+
 def log_probs(module, batch: RolloutBatch, with_entropy: bool = False, pack_width: Optional[int] = None,
               usage: Optional[TokenUsage] = None):
     """(logp [B, T], entropy or None) at ``ppo.logprob_temperature``, under bf16 autocast with
@@ -79,8 +87,7 @@ def old_log_probs(module, batch: RolloutBatch, usage: Optional[TokenUsage] = Non
         groups = [None] * sync_count(0, module.device)
     for idx in groups:
         if idx is None:  # dummy forward: FSDP forwards are collectives
-            log_probs(module, batch.select(torch.zeros(1, dtype=torch.long, device=device)).trim(),
-                      pack_width=width)
+            log_probs(module, dummy_micro_batch(batch), pack_width=width)
             continue
         lp, _ = log_probs(module, sub.select(idx).trim(), pack_width=width, usage=usage)
         out[rows[idx.to(device)], :lp.shape[1]] = lp

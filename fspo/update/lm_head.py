@@ -28,7 +28,9 @@ float64 inputs are computed, and returned, in float64 (for ``torch.autograd.grad
 
 Leaves out: running the model's body (the caller passes the final hidden states at the K response
 positions), the [B, T] layout and response mask (the caller scatters the [K] result), packing, and
-any tensor / vocabulary parallelism (``weight`` is the full [V, H] matrix on this device).
+any tensor / vocabulary parallelism (``weight`` is the full [V, H] matrix on this device; under FSDP2
+the caller runs this inside the root module's forward, where FSDP has gathered it:
+`fspo.update.logprobs.in_root_forward`).
 
 Memory: the peak extra memory is about ``chunk_size * V * 4 bytes * 2`` (one chunk's float32
 logits plus its softmax / gradient) plus the [V, H] weight gradient (a float32 accumulator for a

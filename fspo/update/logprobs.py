@@ -1,7 +1,9 @@
 """Per-token log-probabilities of sampled responses under a causal LM.
 
 Owns: `response_log_probs`, the one forward pass the trainer uses both for old log-probs and
-for the policy loss (so both sides of the ratio come from the same computation).
+for the policy loss (so both sides of the ratio come from the same computation), and
+`in_root_forward`, which runs the chunked LM head (fspo/update/lm_head.py) inside the model's own
+forward call so that it works under FSDP2 as well as on one device.
 
     logp[i, t] = log softmax(logits[i, P - 1 + t] / temperature)[response_ids[i, t]]
 
@@ -21,7 +23,7 @@ with causal attention per sequence when the model uses segment attention
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -31,29 +33,58 @@ from fspo.update.lm_head import chunked_token_logprobs
 from fspo.update.packing import TokenUsage, pack_batch, pack_segments
 from fspo.types import RolloutBatch
 
+T = TypeVar("T")
+R = TypeVar("R")
 
-def _run(model, head: bool, **kw) -> Tensor:
-    """The model's logits (``head``), else the final hidden states of its body (no LM head)."""
-    if head:
-        return model(use_cache=False, **kw).logits
+
+def in_root_forward(model, fn: Callable[[], T]) -> T:
+    """``fn()`` run as ``model``'s own forward call: ``model.forward`` is shadowed for one call of
+    ``model()``, so every hook on the root module runs around ``fn`` as around a normal forward.
+
+    Why: under FSDP2 (``fully_shard`` on the decoder layers and the root, fspo/runtime/distributed.py)
+    the root's parameters (embeddings, final norm, LM head; tied or not) are sharded DTensors outside
+    its forward. The root's pre-forward hook all-gathers them (and runs FSDP's lazy root init), its
+    post-forward hook registers the pre-backward hook on the outputs that re-gathers them for backward
+    and the root's post-backward reduce-scatters their gradients. Calling ``model.get_decoder()`` and
+    reading ``lm_head.weight`` from outside would bypass all three (verl patches the model class's
+    forward for its fused log-prob kernels for the same reason). On an unsharded model this is a plain
+    call of ``fn``."""
+    own = vars(model).get("forward")  # an instance-level forward (e.g. set by a wrapper) is put back after
+    model.forward = lambda *args, **kwargs: fn()  # instance attribute: shadows the class's forward
+    try:
+        return model()
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+def _run(model, select: Callable[[Tensor], Tensor], head: Optional[Callable[[Tensor], R]] = None, **kw):
+    """``select(logits)`` of the model (``head`` None); with ``head``, ``head(select(h))`` of the final
+    hidden states ``h`` of the model's body, computed inside the model's own forward call
+    (`in_root_forward`: the LM head's weight is gathered under FSDP)."""
+    if head is None:
+        return select(model(use_cache=False, **kw).logits)
     kw.pop("logits_to_keep", None)
-    return model.get_decoder()(use_cache=False, **kw).last_hidden_state
+    return in_root_forward(model, lambda: head(select(model.get_decoder()(use_cache=False, **kw).last_hidden_state)))
 
 
-def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head: bool = True) -> Tensor:
+def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head=None):
     """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass
-    (``head=False``: [K, H], the final hidden states at those positions)."""
+    (with ``head``: ``head`` of the [K, H] final hidden states at those positions, `_run`)."""
     input_ids = batch.input_ids()
     attn = batch.attention_mask()
     if usage is not None:
         usage.add(input_ids.numel(), int(attn.sum()))
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    logits = _run(model, head, input_ids=input_ids, attention_mask=attn, position_ids=position_ids)
-    return logits[:, p - 1:p + t - 1][batch.response_mask.bool()]
+    mask = batch.response_mask.bool()
+    return _run(model, lambda x: x[:, p - 1:p + t - 1][mask], head,
+                input_ids=input_ids, attention_mask=attn, position_ids=position_ids)
 
 
-def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage], head: bool = True) -> Tensor:
+def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage], head=None):
     """[K, V] as `_padded_logits`, from a packed pass; the one-row layout computes the LM head only
     at those K positions (``logits_to_keep``)."""
     mask = batch.response_mask.bool()
@@ -62,15 +93,14 @@ def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[Token
         keep = lay.logit_index[mask]
         kw = dict(attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lay.input_ids.device),
                   fspo_segments=lay.segments, logits_to_keep=keep)
+        select = (lambda x: x[0]) if head is None else (lambda x: x[0, keep])  # logits: already kept
     else:
-        lay, keep = pack_batch(batch, width), None
+        lay = pack_batch(batch, width)
         kw = dict(attention_mask=None)
+        select = lambda x: x.flatten(0, 1)[lay.logit_index[mask]]  # noqa: E731
     if usage is not None:
         usage.add(lay.slots, lay.real_tokens)
-    logits = _run(model, head, input_ids=lay.input_ids, position_ids=lay.position_ids, **kw)
-    if keep is not None:
-        return logits[0] if head else logits[0, keep]
-    return logits.flatten(0, 1)[lay.logit_index[mask]]
+    return _run(model, select, head, input_ids=lay.input_ids, position_ids=lay.position_ids, **kw)
 
 
 def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False,
@@ -84,11 +114,13 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
     many positions (fspo/update/lm_head.py), so the [K, V] float32 logits are never held at once."""
     mask = batch.response_mask.bool()
     if head_chunk_rows > 0:
-        hidden = (_padded_logits(model, batch, usage, head=False) if pack_width is None
-                  else _packed_logits(model, batch, pack_width, usage, head=False))
-        out = model.get_output_embeddings()
-        flat, flat_ent = chunked_token_logprobs(hidden, out.weight, batch.response_ids[mask], temperature,
-                                                head_chunk_rows, bias=out.bias, with_entropy=with_entropy)
+        def head(hidden: Tensor):  # inside the model's forward call: the head's weight is gathered under FSDP
+            out = model.get_output_embeddings()
+            return chunked_token_logprobs(hidden, out.weight, batch.response_ids[mask], temperature,
+                                          head_chunk_rows, bias=out.bias, with_entropy=with_entropy)
+
+        flat, flat_ent = (_padded_logits(model, batch, usage, head) if pack_width is None
+                          else _packed_logits(model, batch, pack_width, usage, head))
         logp = flat.float().new_zeros(batch.response_ids.shape).masked_scatter(mask, flat.float())
         ent = None if flat_ent is None else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float())
         return logp, ent

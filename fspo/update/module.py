@@ -166,7 +166,7 @@ class RLModule(L.LightningModule):
         total_tokens = mb.lengths.sum().clamp(min=1)
         total_seqs = mb.batch_size
         norm_len = mb.response_mask.shape[-1]  # seq-mean-token-sum-norm: the mini-batch's width, not a micro-batch's
-        dummy = mb.select(torch.zeros(1, dtype=torch.long, device=mb.response_ids.device)).trim()
+        dummy = passes.dummy_micro_batch(mb)  # zero-weight: ranks with fewer micro-batches run it (FSDP lockstep)
         if rows is not None:
             mb = mb.select(rows.to(mb.response_ids.device))
         opt.zero_grad()
