@@ -23,7 +23,8 @@ NAME_RE = re.compile(r"^fspo-tiny-s42-\d{4}-\d{6}$")
 # one section per top-level family of the default run: band clip fairness guard logratio perf reward
 # rollout run time train val (12; before this layout 36, each per-bin family and each run/ family its
 # own); optional features add their family (rollout_corr/, dynamic_sampling/), one section each
-MAX_SECTIONS = 12
+# + "Headline" (first: copies of held-out accuracy, LRE, out-of-band by length) and "zz counts" (last)
+MAX_SECTIONS = 14
 CONSTANT_SETTINGS = ("clip/c_upper", "clip/c_lower", "clip/c_dual", "train/lr")  # fixed band, no warmup
 
 
@@ -42,6 +43,25 @@ def test_display_key_keeps_one_section_per_family_and_round_trips():
     # keys of runs logged before this layout (several '/') and benchmark names with dots are left alone
     assert canonical_key("clip/seq_frac/len_00016_00032") == "clip/seq_frac/len_00016_00032"
     assert canonical_key("eval/math.500/avg_at_4") == "eval/math.500/avg_at_4"
+
+
+def test_counts_go_last_and_the_headline_copies_come_first():
+    from fspo.diagnostics.metric_keys import headline, is_count
+
+    assert display_key("band/n_seq/len_00000_00016") == "zz counts/band.n_seq.len_00000_00016"
+    assert display_key("run/logratio/qq_n") == "zz counts/run.logratio.qq_n"
+    for k in ("band/n_seq/len_00000_00016", "run/band/n_seq/len_0_16", "fairness/binding_n_bins", "logratio/n",
+              "rollout/n_responses", "rollout_corr/n_seq/len_0_16"):
+        assert is_count(k) and canonical_key(display_key(k)) == k
+    for k in ("band/out_frac/len_0_16", "fairness/lre", "train/skipped_updates", "reward/nonfinite", "val/accuracy"):
+        assert not is_count(k) and canonical_key(display_key(k)) == k
+    m = {"val/accuracy": 0.5, "fairness/lre": 0.1, "band/out_frac": 0.2, "band/out_frac/len_00000_00016": 0.3,
+         "band/n_seq/len_00000_00016": 7.0, "train/loss": 1.0}
+    assert headline(m) == {"Headline/1 held-out accuracy": 0.5, "Headline/2 LRE": 0.1,
+                           "Headline/3 out-of-band fraction": 0.2,
+                           "Headline/5 out-of-band by length len_00000_00016": 0.3}
+    assert sorted(["Headline", "band", "clip", "val", "zz counts", "run"]) == \
+        ["Headline", "band", "clip", "run", "val", "zz counts"]
 
 
 def test_fixed_band_scales_are_params_not_metrics():
@@ -121,6 +141,12 @@ def test_two_tiny_runs_layout(tmp_path):
     assert params["clip/c_upper"] == "0.03" and params["clip/band"] == "fixed"
     sections = {section(k) for k in metrics}
     assert {"val", "train", "clip", "band", "run"} <= sections and len(sections) <= MAX_SECTIONS, sorted(sections)
+    order = sorted(sections)  # MLflow's order (plain code-unit sort): the headline first, the counts last
+    assert order[0] == "Headline" and order[-1] == "zz counts", order
+    assert {"Headline/1 held-out accuracy", "Headline/2 LRE", "Headline/3 out-of-band fraction"} <= set(metrics)
+    assert any(k.startswith("Headline/5 out-of-band by length len_") for k in metrics)
+    assert metrics["Headline/1 held-out accuracy"] == metrics["val/accuracy"]
+    assert not [k for k in metrics if "n_seq" in k and not k.startswith("zz counts/")]
     assert any(k.startswith("clip/seq_frac.len_") for k in metrics)  # per-bin series inside `clip`
     assert any(k.startswith("run/clip.seq_frac.len_") for k in metrics)
     plots = {a.path for a in client.list_artifacts(first, "plots")}

@@ -26,11 +26,14 @@ launch; the run name is `<method>-<model>-s<seed>-<MMDD>-<HHMMSS>` unless `run_n
 
 - **Params**: the resolved config, flattened (`clip/c_upper`, `ppo/lr`, `prompts_per_step`, ...);
   settings that do not change during a run are params, not metrics.
-- **Metrics**, one chart section per family: `val/` held-out accuracy, `train/` loss, KL and grad norm,
+- **Metrics**: the run page's first chart section, `Headline`, holds copies of what to look at first:
+  held-out accuracy, LRE, the out-of-band fraction overall and per length bin. Then one section per
+  family: `val/` held-out accuracy, `train/` loss, KL and grad norm,
   `reward/`, `rollout/` lengths, `clip/` binding clip fractions (per length bin:
   `clip/seq_frac.len_<lo>_<hi>`), `band/` the paper's out-of-band fraction c(L), `fairness/` the LRE,
   `logratio/` statistics of the sequence log-ratio, `perf/` and `time/` costs, `run/` whole-run aggregates
-  logged once at the end.
+  logged once at the end; last, `zz counts`: how many sequences each fraction is over (per length bin).
+- **Runs table**: add columns from "Columns" (e.g. `val/accuracy`, `fairness/lre`, `run/fairness.lre`).
 - **Artifacts**: `config.yaml` and `plots/` (clip fraction by length, LRE by step, Q-Q, std vs sqrt(L)).
 
 Compare runs with `python experiments/report.py` (tables and figures across methods and seeds).
