@@ -16,12 +16,15 @@ from typing import Dict, List, Sequence
 
 from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
-from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, experiment_ids, load_runs
+from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
 from fspo.evaluation.report.table import (fairness_markdown, fairness_rows, group_runs, run_rows, seeds_markdown, table1,
                                table1_markdown, write_csv)
 
 log = logging.getLogger(__name__)
 QQ_ARTIFACT = "plots/logratio_qq.png"
+
+
+REPORT_EXPERIMENT = "fspo-reports"  # report runs live here, outside the training runs' experiments
 
 
 def metric_key(s: str) -> str:
@@ -127,8 +130,10 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
 
     run_id = None
     if log_to_mlflow:
-        exp_id = experiment_ids(client, experiments[:1])[0] if experiments else records[0].experiment_id
-        run = client.create_run(exp_id, run_name="report", tags={
+        exp = client.get_experiment_by_name(REPORT_EXPERIMENT)  # its own experiment: not a row among the runs
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(REPORT_EXPERIMENT)
+        name = f"report-{'+'.join(experiments) or 'all'}"[:200]
+        run = client.create_run(exp_id, run_name=name, tags={
             ROLE_TAG: "report", "report.experiments": ",".join(experiments), "report.filter": filter_string[:5000],
             "report.group_by": ",".join(group_by), "mlflow.note.content": source})
         run_id = run.info.run_id

@@ -125,7 +125,8 @@ def run_rows(records: Sequence[RunRecord], keys: Sequence[str] = ("method",)) ->
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> Path:
-    """Write rows (dicts; the union of keys as columns, in first-seen order; None as empty) to CSV."""
+    """Write rows (dicts; the union of keys as columns, in first-seen order; None as empty; floats to 4
+    significant digits) to CSV."""
     cols: List[str] = []
     for row in rows:
         cols += [k for k in row if k not in cols]
@@ -133,8 +134,15 @@ def write_csv(rows: Sequence[Row], path: Path) -> Path:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for row in rows:
-            w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in cols})
+            w.writerow({k: _cell(row.get(k)) for k in cols})
     return Path(path)
+
+
+def _cell(v) -> str:
+    """A CSV cell: None empty, floats to 4 significant digits (0.02889, 1.234e-05), the rest as is."""
+    if v is None:
+        return ""
+    return f"{v:.4g}" if isinstance(v, float) else v
 
 
 def _f(v, digits: int = 4) -> str:
