@@ -115,3 +115,21 @@ def test_update_ratio_sees_bf16_rounding_away():
         opt.step()
         ratio = r.compute([w])
         assert (ratio == 0.0) == expect_zero, (dtype, ratio)
+
+
+@pytest.mark.slow
+def test_default_run_moves_the_weights_at_every_step(compose_cfg, mlflow_uri):
+    """The default (warm-started tiny model, FSPO, CPU) logs train/update_ratio > 0 at every RL step. (A
+    random model scores 0 everywhere, so its advantages and gradients are 0 and its ratio is exactly 0.)"""
+    import mlflow
+
+    from fspo.train import train
+
+    train(compose_cfg(["steps=2", "val.size=0", "logger.experiment_name=test_update_ratio"]))  # the default's batch
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name("test_update_ratio")
+    run = client.search_runs([exp.experiment_id])[0]
+    hist = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/update_ratio"))
+    assert [s for s, _ in hist] == [0, 1]
+    # Adam moves each weight by <= ~lr 2e-5 per update, 4 updates a step: a ratio of order 1e-4
+    assert all(0 < v < 1e-2 for _, v in hist), hist
