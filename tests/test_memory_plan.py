@@ -240,3 +240,29 @@ def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
     assert len(err) == 1 and err[0].startswith("error: MemoryPlanError: ")
     assert "would fit with FSDP over 4 GPUs (trainer=fsdp trainer.devices=4" in err[0] and "LoRA" in err[0]
     assert "\n  optimizer " in proc.stdout  # the plan was printed first
+
+
+def test_dry_run_and_device_gib_are_checked_up_front():
+    from fspo.runtime.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=r"^memory_plan.device_gib=-1: must be a number > 0 or null .*; set "
+                                          r"memory_plan.device_gib=80"):
+        check_config(compose_config(["memory_plan.device_gib=-1"]))
+    with pytest.raises(ConfigError, match=r"^dry_run=yes: must be one of True, False"):
+        check_config(compose_config(["dry_run=yes"]))
+    check_config(compose_config(["dry_run=true", "memory_plan.device_gib=141"]))
+
+
+def test_dry_run_prints_every_component_in_process(capsys):
+    from fspo.runtime.memory_plan import dry_run
+
+    lines = []
+    plan = dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=1000"]), out=lines.append)
+    text = "\n".join(lines)
+    assert text.startswith("dry run: qwen3_1_7b (1.721B parameters: 28 layers, hidden 2048, 16/8 heads")
+    assert "1 data-parallel rank(s); per rank 1000.00 GiB (memory_plan.device_gib)" in text
+    assert f"  {'peak':<16} {'':<9} {plan.peak / 2 ** 30:>9.2f}" in text and text.endswith("GiB usable per rank")
+    for name, size in plan.parts.items():  # a line per component: name, phase, GiB
+        assert f"  {name:<16} {plan.phases[name]:<9} {size / 2 ** 30:>9.2f}" in text
+    with pytest.raises(MemoryPlanError, match="would fit with FSDP over"):
+        dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=20"]), out=lines.append)
