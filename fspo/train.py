@@ -1,7 +1,7 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
 Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py), build the policy (under
+plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
 trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
 reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
 Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
