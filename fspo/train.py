@@ -1,7 +1,7 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
 Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py), build the policy (under
+plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
 trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
 reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
 Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
@@ -39,7 +39,7 @@ from fspo.runtime.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.tracking.progress import make_progress
 from fspo.runtime.run_config import resume_config
-from fspo.runtime.memory_plan import check_memory_plan
+from fspo.runtime.memory_plan import check_memory_plan, dry_run
 from fspo.runtime.run_lock import hold_output_dir
 from fspo.runtime.store_check import check_writable
 
@@ -60,6 +60,9 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     the run's saved config (``overrides``: this launch's command line, see fspo/runtime/run_config.py)."""
     quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
     check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/config_check.py)
+    if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/memory_plan.py)
+        dry_run(cfg)
+        return {}
     out_dir = Path(cfg.output_dir)
     with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
         plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any

@@ -296,3 +296,30 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
     client.log_artifact(train_id, str(run_dir / ".hydra" / "config.yaml"))
     run_cfg, _ = ev._mlflow_run_config(train_id, mlflow_uri)
     assert run_cfg.model.source == "random" and run_cfg.seed == 3
+
+
+def test_distributed_checkpoint_reads_the_weights_only(tmp_path, monkeypatch):
+    """Issue 29 item 8: evaluation reads the policy's tensors of a sharded checkpoint, never AdamW's state
+    (the storage reader is watched: every tensor it is asked for is recorded)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = build_tiny_model(seed=0)
+    ckpt = _lightning_ckpt(saved, step=5)
+    opt = torch.optim.AdamW(saved.parameters(), lr=1e-3)
+    saved(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
+    opt.step()
+    ckpt["optimizer_states"] = [opt.state_dict()]  # exp_avg / exp_avg_sq of every parameter
+    dcp.save(ckpt, checkpoint_id=str(tmp_path / "dcp.ckpt"))
+    asked = []
+    original = dcp.FileSystemReader.read_data
+
+    def watched(self, plan, planner):
+        asked.extend(item.storage_index.fqn for item in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", watched)
+    state, step = load_checkpoint(tmp_path / "dcp.ckpt")
+    assert step == 5
+    assert set(state) == set(saved.state_dict()) and all(torch.equal(state[k], v) for k, v in saved.state_dict().items())
+    assert asked and all(k.startswith("state_dict.policy.") or k == "state_dict.rl_step" for k in asked)
+    assert not any("exp_avg" in k or k.startswith("optimizer") for k in asked)

@@ -90,6 +90,8 @@ def test_two_ranks_equal_one_process(two_ranks, one_rank):
     got = _load(two_ranks / "step_w2.pt")
     assert got["dummies"] > 0, "the scenario should need dummy micro-batches (uneven counts per rank)"
     assert got["metrics"]["train/updates"] == 2.0
+    # ||theta_new - theta_old|| / ||theta_old|| summed over both ranks' shards = one process's
+    assert got["metrics"]["train/update_ratio"] > 0
     _assert_same_step(one_rank, got)
 
 

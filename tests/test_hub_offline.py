@@ -59,9 +59,9 @@ def test_unreachable_hub_is_probed_once_and_fails_in_seconds(monkeypatch, tmp_pa
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
 def test_entry_point_without_network_is_fast(tmp_path):
     """+model=qwen3_8b through experiments/run.py, HF_HUB_OFFLINE unset (was 57 s after the imports)."""
-    from test_bad_input import NOT_MODEL, run, single_error_line
+    from test_bad_input import NO_PLAN, NOT_MODEL, run, single_error_line
 
-    proc, elapsed = run([*NOT_MODEL, "+model=qwen3_8b"], tmp_path, clock=True,
+    proc, elapsed = run([*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"], tmp_path, clock=True,
                         extra_env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
     line = single_error_line(proc)
     assert "Qwen/Qwen3-8B-Base" in line and "model.path" in line, line

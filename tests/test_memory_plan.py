@@ -3,9 +3,12 @@ parameter count against the real model, and the refusal of a layout that cannot 
 the numbers and the fix). No mocks: ``available`` is an explicit argument of `check_memory_plan`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import compose_config
+from fspo.runtime.memory_components import Layout
 from fspo.runtime.memory_plan import MemoryPlanError, ModelShape, check_memory_plan, model_shape, plan_memory
 
 # V 10, H 4, 3 layers, 2 heads x d 2 (q 4), 1 kv head (kv 2), I 8, untied
@@ -36,41 +39,63 @@ def test_parameter_count_equals_the_real_tiny_model():
 
 
 def test_plan_two_ranks_bf16_compute_by_hand():
-    p = plan_memory(SMALL, dtype_bytes=4, compute_bytes=2, ranks=2, micro_tokens=3, kv_rows=5, kv_len=7)
+    p = plan_memory(SMALL, Layout(ranks=2, dtype_bytes=4, compute_bytes=2, micro_tokens=3, kv_rows=5, kv_len=7,
+                                  kv_bytes=2))
     # shards 552*4/2 = 1104, + gathered root and 2 layers (552 - 3*156 + 2*156) * 2 = 792
-    assert p.params == 1104 + 792
-    assert p.grads == 1104 and p.optimizer == 2208
-    # per layer 3 tokens * 2 B * (4H 16 + 2q 8 + 2kv 4 + 4I 32) = 360; x 3 layers + logits 3*10*4 = 120
-    assert p.activations == 360 * 3 + 120
+    assert p.weights == 1104 and p.compute_weights == 792
+    assert p.grads == 1104 and p.optimizer == 2208 and p.update_snapshot == 1104
+    # per layer 3 tokens * 2 B * (4H 16 + 2q 8 + 2kv 4 + 4I 32) = 360; x 3 layers
+    assert p.activations == 360 * 3
+    assert p.logits == 3 * 10 * (2 + 4 + 4)  # bf16 logits, their float32 copy, the softmax for backward
     # 2 (K, V) * 3 layers * kv 2 * 2 B * 5 rows * 7 positions
-    assert p.kv_cache == 840
-    assert p.total == 1896 + 1104 + 2208 + 1200 + 840 == 7248
+    assert p.kv_cache == 840 and p.engine_weights == 0
+    resident, train, generate = 1104 + 1104 + 2208, 792 + 1104 + 1080 + 300, 840
+    assert (p.phase_total("resident"), p.phase_total("train"), p.phase_total("generate")) == (resident, train, generate)
+    assert p.peak == p.total == resident + max(train, generate) == 7692
 
 
-def test_plan_one_rank_activation_checkpointing_and_engine_reservation():
-    p = plan_memory(SMALL, 4, 4, 1, micro_tokens=3, kv_rows=5, kv_len=7, activation_checkpointing=True,
-                    engine_reserved=1000)
-    assert (p.params, p.grads, p.optimizer) == (2208, 2208, 4416)  # nothing gathered on one rank
-    # layer inputs 3*4*4 per layer x 3 = 144, one layer's full set 3*4*60 = 720, logits 120
-    assert p.activations == 144 + 720 + 120
-    assert p.kv_cache == 1000  # vLLM's reservation replaces the KV estimate
+def test_plan_one_rank_checkpointing_chunked_head_and_a_sleeping_vllm():
+    x = Layout(ranks=1, dtype_bytes=4, compute_bytes=4, micro_tokens=3, activation_checkpointing=True,
+               engine="vllm", engine_bytes=2, engine_reserved=3000, engine_sleeps=True)
+    p = plan_memory(SMALL, x)
+    assert (p.weights, p.compute_weights, p.grads, p.optimizer) == (2208, 0, 2208, 4416)  # nothing gathered
+    # layer inputs 3*4*4 per layer x 3 = 144, one layer's full set 3*4*60 = 720
+    assert p.activations == 144 + 720 and p.logits == 3 * 10 * 12
+    # vLLM: its own bf16 weights 552*2, the rest of its reservation is KV cache; both only while generating
+    assert p.engine_weights == 1104 and p.kv_cache == 3000 - 1104
+    assert p.phases["engine_weights"] == p.phases["kv_cache"] == "generate"
+    assert p.peak == (2208 + 2208 + 4416) + max(2208 + 864 + 360, 3000) == 12264
+    awake = plan_memory(SMALL, replace(x, engine_sleeps=False))  # no sleep mode: held throughout
+    assert awake.peak == 2208 + 2208 + 4416 + 3000 + 2208 + 864 + 360
+    chunked = plan_memory(SMALL, replace(x, head_chunk_rows=2))
+    assert chunked.logits == min(3, 2) * 10 * 4 * 2  # one chunk's float32 logits and its softmax/gradient
+    autocast = plan_memory(SMALL, replace(x, compute_bytes=2))
+    assert autocast.compute_weights == 552 * 2  # autocast's bf16 copies of the float32 weights
+    assert plan_memory(SMALL, replace(x, update_snapshot=False)).update_snapshot == 0
+    lora = plan_memory(SMALL, replace(x, trainable_params=10))  # an adapter: state for its parameters only
+    assert (lora.grads, lora.optimizer, lora.weights) == (40, 80, 2208)
 
 
 def test_check_logs_and_passes_the_default_run(caplog):
     cfg = compose_config([])
     with caplog.at_level("INFO", logger="fspo.runtime.memory_plan"):
         plan = check_memory_plan(cfg, available=2 ** 40)
-    assert plan.params == 997248 * 4 and plan.optimizer == 2 * 997248 * 4  # tiny warm start, fp32, one rank
+    assert plan.weights == 997248 * 4 and plan.optimizer == 2 * 997248 * 4  # tiny warm start, fp32, one rank
     # rows: max(16 prompts x 8, 128 val prompts x 2) = 256 (engine batch 256); K,V of 4 layers x kv 64 x 4 B
     kv_len = int(cfg.data.max_prompt_len) + 128
     assert plan.kv_cache == 2 * 4 * 64 * 4 * 256 * kv_len
-    assert "memory plan per rank (1 rank(s)): params" in caplog.text
+    assert "memory plan per rank (1 rank(s)): weights" in caplog.text
 
 
 def test_check_refuses_a_layout_that_cannot_fit():
     cfg = compose_config(["+model=qwen3_100m", "trainer=fsdp", "trainer.devices=2"])
-    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 0.50 GiB available per rank .*activation_checkpointing"):
-        check_memory_plan(cfg, available=2 ** 29)
+    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 0.50 GiB available per rank .*would fit with a LoRA"):
+        check_memory_plan(cfg, available=2 ** 29)  # activations of 8192 tokens alone: no rank count helps
+    # 4 GiB: 2 ranks with checkpointing need 0.75 resident + 0.14 gathered + 0.19 snapshot + 0.34 activations
+    # + 2.44 logits (8192 x 32000 x 10 B) = 3.87 GiB > 3.6; 4 ranks 3.39 GiB
+    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 4.00 GiB .*would fit with FSDP over 4 GPUs \(trainer=fsdp "
+                       r"trainer.devices=4 trainer.strategy.activation_checkpointing=true\)"):
+        check_memory_plan(cfg, available=2 ** 32)
     plan = check_memory_plan(cfg, available=2 ** 40)
     assert plan.ranks == 2 and plan.grads == model_shape(cfg.model).params * 4 // 2
     off = compose_config(["+model=qwen3_100m", "memory_plan.check=false"])
@@ -89,7 +114,7 @@ def test_qwen3_8b_parameter_count_matches_the_model_card():
     assert s.layer_params == 192_946_432
     assert s.params == 2 * 151936 * 4096 + 4096 + 36 * 192_946_432 == 8_190_735_360
     # 8 ranks, fp32 masters, bf16 compute: AdamW state 2 x 4 B x N / 8 = 7.63 GiB per rank
-    p = plan_memory(s, 4, 2, 8, micro_tokens=1, kv_rows=0, kv_len=0)
+    p = plan_memory(s, Layout(ranks=8, dtype_bytes=4, compute_bytes=2, micro_tokens=1))
     assert p.optimizer == 2 * 4 * 8_190_735_360 // 8 == 8_190_735_360
 
 
@@ -101,3 +126,143 @@ def test_train_refuses_before_the_model_loads_or_mlflow_opens(tmp_path):
     with pytest.raises(MemoryPlanError, match=r"exceeds 0.00 x .* GiB available per rank \(host RAM\)"):
         train(cfg)
     assert not (tmp_path / "mlflow.db").exists()  # refused before the tracking store was opened
+
+
+# ------------------------------------------------------------------ issue 29: per-rank device, dry run, what fits
+QWEN3_8B = ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
+                      tied=False)
+
+
+def test_local_device_index_from_the_launcher():
+    from fspo.runtime.memory_plan import local_device_index
+
+    assert local_device_index({"LOCAL_RANK": "3"}, device_count=8) == 3      # torchrun / Lightning
+    assert local_device_index({"SLURM_LOCALID": "5"}, device_count=8) == 5   # srun
+    assert local_device_index({"LOCAL_RANK": "2", "SLURM_LOCALID": "6"}, device_count=8) == 2
+    assert local_device_index({}, device_count=8) == 0
+    assert local_device_index({"LOCAL_RANK": "3"}, device_count=1) == 0      # one visible GPU per process
+
+
+def test_available_bytes_reads_this_ranks_gpu_not_gpu_0(monkeypatch):
+    """CUDA cannot exist here: the two torch.cuda calls are replaced by a recording stand-in."""
+    import torch
+
+    from fspo.runtime.memory_plan import available_bytes
+
+    asked = []
+
+    class Props:
+        def __init__(self, i):
+            asked.append(i)
+            self.total_memory = (80 + i) * 2 ** 30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert available_bytes(cuda=True, local_ranks=8) == 83 * 2 ** 30 and asked == [3]
+    assert available_bytes(cuda=True, local_ranks=8, device_gib=141) == 141 * 2 ** 30  # memory_plan.device_gib
+    assert asked == [3]
+
+
+def test_model_configs_carry_the_architecture_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert model_shape(compose_config(["+model=qwen3_8b"]).model) == QWEN3_8B
+    small = model_shape(compose_config(["+model=qwen3_1_7b"]).model)
+    # Qwen3-1.7B card: 1.7B parameters, 1.4B without embeddings (tied)
+    assert small.layers * small.layer_params == 28 * 50_336_000 == 1_409_408_000
+    assert small.tied and small.params == 151936 * 2048 + 2048 + 1_409_408_000 == 1_720_574_976
+
+
+def test_paper_8xh200_plan_by_hand():
+    from fspo.runtime.memory_plan import layout_of
+
+    cfg = compose_config(["+experiment=paper_8xh200", "+method=fspo", "memory_plan.device_gib=141"])
+    x = layout_of(cfg, QWEN3_8B, 141 * 2 ** 30)
+    assert (x.ranks, x.dtype_bytes, x.compute_bytes, x.engine, x.engine_bytes, x.engine_sleeps) == \
+        (8, 4, 2, "vllm", 2, True)
+    p = plan_memory(QWEN3_8B, x)
+    n = QWEN3_8B.params
+    assert p.weights == p.grads == p.update_snapshot == 4 * n // 8 and p.optimizer == 8 * n // 8
+    assert p.engine_weights == 2 * n and p.kv_cache == int(0.5 * 141 * 2 ** 30) - 2 * n
+    # activation checkpointing at 20,480 tokens: layer inputs T 2 H x 36 + one layer (4H + 2q + 2kv + 4I = 75,776)
+    assert p.activations == 20480 * 2 * 4096 * 36 + 20480 * 2 * 75776
+    assert p.logits == 20480 * 151936 * 10
+    assert p.peak == p.phase_total("resident") + p.phase_total("generate") < 0.9 * 141 * 2 ** 30
+
+
+def test_what_would_fit_is_the_fewest_ranks():
+    from fspo.runtime.memory_plan import layout_of, what_would_fit
+
+    cfg = compose_config(["+model=qwen3_8b", "memory_plan.device_gib=80"])
+    x = layout_of(cfg, QWEN3_8B, 80 * 2 ** 30)
+    budget = 0.9 * 80 * 2 ** 30
+    assert plan_memory(QWEN3_8B, x).peak > budget
+    assert what_would_fit(QWEN3_8B, x, budget) == \
+        "FSDP over 4 GPUs (trainer=fsdp trainer.devices=4 trainer.strategy.activation_checkpointing=true)"
+    at = lambda w, ac: plan_memory(QWEN3_8B, replace(x, ranks=w, compute_bytes=2, kv_bytes=2, activation_checkpointing=ac,
+                                                     kv_rows=x.kv_rows // w)).peak  # noqa: E731
+    # 2 ranks: resident (4 + 4 + 8) N / 2 and the snapshot alone exceed 72 GiB; 4 ranks need checkpointing
+    assert at(2, True) > budget and at(4, False) > budget and at(4, True) <= budget
+    assert what_would_fit(QWEN3_8B, x, 2 ** 30) is None  # 1 GiB: no FSDP layout up to 256 GPUs
+
+
+def _dry(args, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(REPO / "experiments" / "run.py"), *args, "dry_run=true",
+                           f"output_dir={tmp_path / 'out'}", f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_dry_run_paper_8xh200_fits_offline(tmp_path):
+    proc = _dry(["+experiment=paper_8xh200", "+method=fspo", "memory_plan.device_gib=141"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "8 data-parallel rank(s); per rank 141.00 GiB (memory_plan.device_gib)" in out
+    for part in ("weights", "compute_weights", "grads", "optimizer", "activations", "logits", "engine_weights",
+                 "kv_cache", "peak"):
+        assert f"\n  {part} " in out, part
+    assert "trainable weights float32, compute bfloat16" in out and "fits: peak" in out
+    assert not (tmp_path / "m.db").exists()  # nothing opened or written
+
+
+@pytest.mark.slow
+def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
+    proc = _dry(["+method=fspo", "+model=qwen3_8b", "memory_plan.device_gib=80"], tmp_path)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: MemoryPlanError: ")
+    assert "would fit with FSDP over 4 GPUs (trainer=fsdp trainer.devices=4" in err[0] and "LoRA" in err[0]
+    assert "\n  optimizer " in proc.stdout  # the plan was printed first
+
+
+def test_dry_run_and_device_gib_are_checked_up_front():
+    from fspo.runtime.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=r"^memory_plan.device_gib=-1: must be a number > 0 or null .*; set "
+                                          r"memory_plan.device_gib=80"):
+        check_config(compose_config(["memory_plan.device_gib=-1"]))
+    with pytest.raises(ConfigError, match=r"^dry_run=yes: must be one of True, False"):
+        check_config(compose_config(["dry_run=yes"]))
+    check_config(compose_config(["dry_run=true", "memory_plan.device_gib=141"]))
+
+
+def test_dry_run_prints_every_component_in_process(capsys):
+    from fspo.runtime.memory_plan import dry_run
+
+    lines = []
+    plan = dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=1000"]), out=lines.append)
+    text = "\n".join(lines)
+    assert text.startswith("dry run: qwen3_1_7b (1.721B parameters: 28 layers, hidden 2048, 16/8 heads")
+    assert "1 data-parallel rank(s); per rank 1000.00 GiB (memory_plan.device_gib)" in text
+    assert f"  {'peak':<16} {'':<9} {plan.peak / 2 ** 30:>9.2f}" in text and text.endswith("GiB usable per rank")
+    for name, size in plan.parts.items():  # a line per component: name, phase, GiB
+        assert f"  {name:<16} {plan.phases[name]:<9} {size / 2 ** 30:>9.2f}" in text
+    with pytest.raises(MemoryPlanError, match="would fit with FSDP over"):
+        dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=20"]), out=lines.append)

@@ -19,7 +19,7 @@ CLIP_TARGETS = {
     "rloo": "fspo.clipping.rloo.RLOOClip",
     "gspo": "fspo.clipping.gspo.GSPOClip",
 }
-PER_STEP = ["clip/seq_frac", "fairness/lre", "reward/mean", "time/generate", "train/loss"]
+PER_STEP = ["clip/seq_frac", "fairness/lre", "reward/mean", "time/generate", "train/loss", "train/update_ratio"]
 BIN_KEY = re.compile(r"^clip/seq_frac\.len_\d{5}_(\d{5}|inf)$")
 SEED = 7
 

@@ -38,6 +38,7 @@ import torch
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.rows import pad_id, to_rollout_batch
 from fspo.rollout.weights import drain, iter_full_state_dict
+from fspo.runtime.precision import engine_dtype
 from fspo.types import RolloutBatch
 
 SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
@@ -66,8 +67,8 @@ class VLLMEngine(RolloutEngine):
             engine (module docstring).
         enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
         max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
-        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto" is the policy's parameter
-            dtype (vLLM's own "auto" would downcast a float32 model to bfloat16 on CPU).
+        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto": bfloat16 on GPUs, the
+            policy's parameter dtype on CPU (`fspo.runtime.precision.engine_dtype`).
         seed: engine seed (per-request seeds come from `SamplingConfig.seed`).
         enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
         kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
@@ -140,9 +141,8 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # auto: bfloat16 on GPUs, the policy's own dtype on CPU (fspo/runtime/precision.py)
+        dtype = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."), self.on_gpu)
         kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
                   gpu_memory_utilization=self.gpu_memory_utilization,

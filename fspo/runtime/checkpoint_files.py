@@ -5,7 +5,8 @@ only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what fspo/runtime/r
 `RUN_ID_FILE` (``<output_dir>/mlflow_run_id``, the tracking run id: written by fspo/tracking/logger.py,
 read by resume and evaluation); `find_checkpoints` (files, run folders, globs), `find_run_config` (the
 run's config next to a checkpoint) and `run_id_of_checkpoint`; `load_checkpoint` (a Lightning ``.ckpt``
-file or a distributed-checkpoint folder -> the policy's state dict and its RL step), `checkpoint_step`
+file or a distributed-checkpoint folder -> the policy's state dict and its RL step; a folder's optimizer
+state is never read), `checkpoint_step`
 and `load_into`. Leaves out: writing checkpoints (fspo/runtime/checkpointing.py) and checking their
 integrity (fspo/runtime/checkpoint_integrity.py).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import glob
 import logging
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -116,13 +116,23 @@ def _torch_load(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
-def _dcp_load(path: Path) -> dict:
-    """A distributed checkpoint folder (Lightning's ModelParallelStrategy) as one dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
+    """The policy weights of a distributed checkpoint folder (Lightning's ModelParallelStrategy), and its
+    ``rl_step``, as ``{"state_dict": ...}`` plus ``meta.pt``: only the tensors of ``state_dict.<prefix>*``
+    and ``state_dict.rl_step`` are read (``torch.distributed.checkpoint`` loads the entries asked for), never
+    the optimizer's state (AdamW: twice the weights again)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
-        ckpt = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    head = "state_dict."
+    reader = dcp.FileSystemReader(str(path))
+    wanted = {k[len(head):]: m for k, m in reader.read_metadata().state_dict_metadata.items()
+              if k.startswith(head + prefix) or k == head + "rl_step"}
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in wanted.items()
+          if isinstance(m, TensorStorageMetadata)}
+    if sd:
+        dcp.load({"state_dict": sd}, storage_reader=reader)
+    ckpt = {"state_dict": sd}
     meta = path / "meta.pt"  # Lightning's non-tensor state (loops, global_step)
     if meta.exists():
         ckpt = {**_torch_load(meta), **ckpt}
@@ -152,7 +162,7 @@ def load_checkpoint(path, prefix: str = "policy.") -> Tuple[Dict[str, torch.Tens
     if p.is_dir():
         if not (p / ".metadata").exists():
             raise ValueError(f"{p} is a folder but not a distributed checkpoint (no .metadata)")
-        ckpt = _dcp_load(p)
+        ckpt = _dcp_load(p, prefix)
     elif p.is_file():
         ckpt = _torch_load(p)
     else:

@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
+from fspo.runtime.precision import master_weight_problem
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ RULES: Tuple[Rule, ...] = (
     Rule("val.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="validation nucleus mass",
          example=0.95),
     _int("data.max_prompt_len", 1, "the longest prompt in tokens", 64),
+    Rule("dry_run", "choice", choices=(True, False), meaning="print the memory plan and exit", example="true"),
+    _pos("memory_plan.device_gib", "GiB per rank the memory plan assumes instead of the device found", 80,
+         nullable=True),
     _int("diagnostics.bin_width", 1, "clip-fraction length bin width in tokens", 16),
     Rule("diagnostics.lre_min_len", "number", lo=0, meaning="shortest length counted in the LRE",
          example=0),
@@ -223,6 +227,9 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         if lr / max(1.0 - beta1, 1e-12) >= FLOAT32_MAX:
             raise _fail("ppo.lr", lr, "AdamW's first step (lr / (1 - beta1)) overflows float32",
                         "use a learning rate below 1 (2e-5 for the tiny model, 1e-6 for Qwen3)")
+        dtype = _get(cfg, "model.dtype")  # bf16 trainable weights at a fine-tuning lr learn nothing, silently
+        if dtype is not _ABSENT and (problem := master_weight_problem(str(dtype), float(lr))) is not None:
+            raise ConfigError(problem)
         if lr > LR_WARN:
             warnings.append(f"ppo.lr={lr:g} is far above fine-tuning rates (1e-7..1e-4): expect divergence "
                             f"(the guard, guard.action, stops or skips diverging updates)")

@@ -1,42 +1,34 @@
-"""The memory plan of a run, per rank, printed at start-up; a layout that cannot fit is refused before
-the model loads.
+"""The memory plan of a run, per rank, from its config: logged at start-up, printed by ``dry_run=true``; a
+layout that cannot fit is refused before the model loads, with the layout that would.
 
-Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depends on, read from the
-model config: `model_shape`), `MemoryPlan` / `plan_memory` (the formulas below), `available_bytes`
-(what one rank may use) and `check_memory_plan` (fspo/train.py: log the plan at INFO, raise
-`MemoryPlanError` when it exceeds ``memory_plan.headroom`` x available). Leaves out: measuring real
-usage (experiments/bench_memory.py) and sharding itself (fspo/runtime/distributed.py).
+Owns: `model_shape` (the model's numbers from its config alone: the weights' local config.json, else
+``model.arch`` of conf/model/*.yaml, so no hub access is needed), `layout_of` (a config -> the
+`fspo.runtime.memory_components.Layout` of one rank), `local_device_index` / `available_bytes` (the
+memory of THIS rank's device: ``memory_plan.device_gib`` when set), `what_would_fit` (the fewest FSDP
+ranks that fit) and `check_memory_plan` (log the plan, raise `MemoryPlanError` above
+``memory_plan.headroom`` x available), `dry_run` (print the plan and stop). Leaves out: the formulas
+(fspo/runtime/memory_components.py), measuring real usage (experiments/bench_memory.py,
+experiments/gpu_smoke.py) and sharding itself (fspo/runtime/distributed.py).
 
-Per rank, with W data-parallel ranks (trainer=fsdp: ``devices x num_nodes``; else 1), b the bytes of
-``model.dtype``, b_c the compute dtype's (bf16 mixed precision on CUDA: 2, else b):
-
-  N        = V H (embedding) + [V H if untied] + H (final norm) + layers x N_layer
-  N_layer  = H q + 2 H kv + q H + 3 H I + 2 H + 2 d     (q = heads x d, kv = kv_heads x d; Qwen3's q/k norms)
-  params   = N b / W  +  [W > 1] (N - layers N_layer + 2 N_layer) b_c   (shards + the gathered root and
-             two layers: the one computing and the one prefetched)
-  grads    = N b / W
-  optimizer= 2 N b / W                                  (AdamW: exp_avg and exp_avg_sq)
-  activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens:
-             T b_c (4 H + 2 q + 2 kv + 4 I) x layers    (norm inputs, q/k/v, attention output, MLP)
-             with activation checkpointing: T b_c H x layers + one layer's full set
-           + T V 4                                      (one float32 logits row per token: a lower bound,
-                                                         the dense head also keeps log-softmax copies)
-  KV cache = 2 x layers x kv x b_c x rows x (max_prompt_len + max_new_tokens), rows = the most sequences one
-             rank decodes at once: min(rollout.engine.batch_size, max(prompts_per_step/W x n,
-             val.batch_size/W x val.n)) (HF engine); vLLM on CUDA reserves gpu_memory_utilization x
-             device memory instead (a separate process on CPU: its kv_cache_space GiB).
-  available: CUDA: the device's total memory; CPU: physical RAM / the ranks on this node.
+Device: on CUDA the total memory of the rank's own GPU (its index from the launcher's LOCAL_RANK or
+SLURM_LOCALID, read before Lightning sets the device, without creating a context on GPU 0); on CPU
+physical RAM / the ranks on the node; ``memory_plan.device_gib=N`` stands in for either (and, with
+``trainer.accelerator`` cuda/gpu/auto, plans for a GPU even where none is visible: the dry run).
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import replace
+from typing import Callable, Mapping, Optional, Tuple
+
+from fspo.runtime.memory_components import GIB, Layout, MemoryPlan, ModelShape, plan_memory  # noqa: F401
+from fspo.runtime.precision import engine_dtype
 
 log = logging.getLogger(__name__)
-GIB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FSDP = "fspo.runtime.distributed.FSDP2Strategy"
+MAX_RANKS = 256  # what_would_fit looks this far
 
 
 class MemoryPlanError(ValueError):
@@ -44,95 +36,56 @@ class MemoryPlanError(ValueError):
     shows it as one line, fspo/runtime/errors.py)."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    tied: bool
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h + 2 * self.head_dim
-
-    @property
-    def params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + self.layers * self.layer_params
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Bytes per rank of each part, and the total."""
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    kv_cache: int
-    ranks: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
-
-    def describe(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "kv_cache")
-        return (f"memory plan per rank ({self.ranks} rank(s)): "
-                + ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
-                + f"; total {self.total / GIB:.2f} GiB")
-
-
-def plan_memory(shape: ModelShape, dtype_bytes: int, compute_bytes: int, ranks: int, micro_tokens: int,
-                kv_rows: int, kv_len: int, activation_checkpointing: bool = False,
-                engine_reserved: int = 0) -> MemoryPlan:
-    """The module docstring's formulas; ``engine_reserved`` replaces the KV estimate when > 0 (vLLM)."""
-    n = shape.params
-    gathered = (n - shape.layers * shape.layer_params + 2 * shape.layer_params) * compute_bytes if ranks > 1 else 0
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_layer = micro_tokens * compute_bytes * (4 * h + 2 * q + 2 * kv + 4 * shape.intermediate)
-    acts = (micro_tokens * compute_bytes * h * shape.layers + per_layer) if activation_checkpointing \
-        else per_layer * shape.layers
-    acts += micro_tokens * shape.vocab * 4
-    kv_cache = engine_reserved or 2 * shape.layers * kv * compute_bytes * kv_rows * kv_len
-    return MemoryPlan(params=n * dtype_bytes // ranks + gathered, grads=n * dtype_bytes // ranks,
-                      optimizer=2 * n * dtype_bytes // ranks, activations=acts, kv_cache=kv_cache, ranks=ranks)
-
-
 def model_shape(model_cfg) -> Optional[ModelShape]:
-    """The shape of the configured model from its config alone (no weights); None when unknown
-    before loading (a hub id not in the local cache)."""
+    """The shape of the configured model from its config alone (no weights, no hub): ``model.arch`` for a
+    random model; else the weights' config.json when it is local (model.path, the warm start, the hub
+    cache), else ``model.arch``; None when neither exists."""
     source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
+    arch = dict(model_cfg.get("arch") or {})
     if source == "random":
         from fspo.models.tiny import tiny_qwen3_config
 
-        c = tiny_qwen3_config(**dict(model_cfg.get("arch") or {}))
-    else:
-        from transformers import AutoConfig
+        return _shape(tiny_qwen3_config(**arch).to_dict())
+    from transformers import AutoConfig
 
-        from fspo.models.loading import WARMSTART_DIR
+    from fspo.models.loading import WARMSTART_DIR
 
-        where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
-        try:
-            c = AutoConfig.from_pretrained(str(where), local_files_only=True)
-        except (OSError, ValueError):
-            return None
-    heads = c.num_attention_heads
-    return ModelShape(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
-                      kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                      intermediate=c.intermediate_size, tied=bool(getattr(c, "tie_word_embeddings", False)))
+    where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
+    try:
+        return _shape(AutoConfig.from_pretrained(str(where), local_files_only=True).to_dict())
+    except (OSError, ValueError):
+        return _shape(arch) if arch.get("num_hidden_layers") else None
 
 
-def available_bytes(cuda: bool, local_ranks: int) -> int:
-    """CUDA: the current device's total memory; CPU: physical RAM shared by the node's ``local_ranks``."""
+def _shape(c: dict) -> ModelShape:
+    """A `ModelShape` from config.json's keys (Hugging Face names, as in ``model.arch``)."""
+    heads = int(c["num_attention_heads"])
+    return ModelShape(vocab=int(c["vocab_size"]), hidden=int(c["hidden_size"]), layers=int(c["num_hidden_layers"]),
+                      heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
+                      head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+                      intermediate=int(c["intermediate_size"]), tied=bool(c.get("tie_word_embeddings", False)))
+
+
+def local_device_index(env: Mapping[str, str] = os.environ, device_count: int = 1) -> int:
+    """This process's GPU index: the launcher's LOCAL_RANK (torchrun, Lightning), else SLURM_LOCALID, else
+    0; 0 when that index is not visible (a launcher that gives each process one GPU)."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if str(env.get(key, "")).isdigit():
+            idx = int(env[key])
+            return idx if idx < max(1, device_count) else 0
+    return 0
+
+
+def available_bytes(cuda: bool, local_ranks: int, device_gib: Optional[float] = None) -> int:
+    """``device_gib`` GiB when given; CUDA: the total memory of this rank's GPU (`local_device_index`;
+    device properties, so no CUDA context is created on GPU 0); CPU: physical RAM / ``local_ranks``."""
+    if device_gib is not None:
+        return int(float(device_gib) * GIB)
     if cuda:
         import torch
 
-        return int(torch.cuda.mem_get_info()[1])
+        return int(torch.cuda.get_device_properties(local_device_index(os.environ, torch.cuda.device_count()))
+                   .total_memory)
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local_ranks)
 
 
@@ -143,43 +96,143 @@ def _select(cfg, key, default=None):
     return default if v is None else v
 
 
-def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPlan]:
-    """Log the plan of ``cfg`` at INFO and raise `MemoryPlanError` when it exceeds
-    ``memory_plan.headroom`` x ``available`` (default: `available_bytes`) with ``memory_plan.check``;
-    None (logged) when the model's shape is unknown before loading."""
+def _on_gpu(cfg) -> bool:
+    """The run's trainer is on a GPU: cuda/gpu/auto with a visible GPU or a ``memory_plan.device_gib``."""
     import torch
 
-    shape = model_shape(cfg.model)
-    if shape is None:
-        log.info("memory plan skipped: the config of %s is not available before loading", cfg.model.get("hub_id"))
-        return None
-    sharded = str(_select(cfg, "trainer.strategy._target_", "")).endswith("FSDP2Strategy")
+    if str(_select(cfg, "trainer.accelerator", "cpu")) not in ("cuda", "gpu", "auto"):
+        return False
+    return torch.cuda.is_available() or _select(cfg, "memory_plan.device_gib") is not None
+
+
+def _ranks(cfg) -> Tuple[int, int]:
+    """(data-parallel ranks, ranks on this node)."""
+    sharded = str(_select(cfg, "trainer.strategy._target_", "")) == FSDP
     devices = _select(cfg, "trainer.devices", 1)
     local = int(devices) if sharded and str(devices).isdigit() else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    ranks = local * int(_select(cfg, "trainer.num_nodes", 1)) if sharded else 1
-    cuda = str(_select(cfg, "trainer.accelerator", "cpu")) in ("cuda", "gpu", "auto") and torch.cuda.is_available()
+    return (local * int(_select(cfg, "trainer.num_nodes", 1)) if sharded else 1), local
+
+
+def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
+    """The `Layout` of one rank of ``cfg`` (model ``shape``) on a device of ``device_bytes`` (vLLM reserves a
+    share of it on a GPU)."""
+    ranks, _ = _ranks(cfg)
+    gpu = _on_gpu(cfg)
     b = _BYTES[str(cfg.model.get("dtype", "float32"))]
     mp = str(_select(cfg, "trainer.strategy.mixed_precision", "none"))
-    b_c = 2 if (sharded and (mp in ("bf16", "bfloat16", "fp16", "float16") or (mp == "auto" and cuda))) else b
+    if ranks > 1 or str(_select(cfg, "trainer.strategy._target_", "")) == FSDP:
+        b_c = 2 if (mp in ("bf16", "bfloat16", "fp16", "float16") or (mp == "auto" and gpu)) else b
+    else:
+        b_c = 2 if _select(cfg, "ppo.autocast") == "bf16" else b
     n = int(_select(cfg, "rollout.sampling.n", 1))
     rows = max(int(cfg.prompts_per_step) // ranks * n,
                int(_select(cfg, "val.batch_size", 0)) // ranks * int(_select(cfg, "val.sampling.n", 1)))
     rows = min(rows, int(_select(cfg, "rollout.engine.batch_size", rows)))
-    kv_len = int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0))
-    avail = available if available is not None else available_bytes(cuda, local)
-    util = _select(cfg, "rollout.engine.gpu_memory_utilization")
-    reserved = int(float(util) * avail) if (cuda and util is not None) else 0
-    plan = plan_memory(shape, b, b_c, ranks, int(_select(cfg, "ppo.micro_batch_max_tokens", 0)), rows, kv_len,
-                       bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)), reserved)
+    vllm = str(_select(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine")
+    e_dtype = engine_dtype(str(_select(cfg, "rollout.engine.dtype", "auto")), str(cfg.model.get("dtype", "float32")), gpu)
+    tp = int(_select(cfg, "rollout.engine.tensor_parallel_size", 1))
+    reserved = 0
+    if vllm and gpu:
+        reserved = int(float(_select(cfg, "rollout.engine.gpu_memory_utilization", 0.5)) * device_bytes)
+    elif vllm:  # CPU: its own weights, then its KV cache space (1 GiB by default)
+        reserved = int(float(_select(cfg, "rollout.engine.kv_cache_space", 1.0)) * GIB) \
+            + shape.params * _BYTES.get(e_dtype, 4) // tp
+    return Layout(
+        ranks=ranks, dtype_bytes=b, compute_bytes=b_c, micro_tokens=int(_select(cfg, "ppo.micro_batch_max_tokens", 0)),
+        activation_checkpointing=bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)),
+        head_chunk_rows=int(_select(cfg, "ppo.lm_head_chunk_rows", 0)),
+        update_snapshot=bool(_select(cfg, "ppo.update_ratio", True)),
+        engine="vllm" if vllm else "hf", engine_bytes=_BYTES.get(e_dtype, 4), engine_tp=tp,
+        engine_sleeps=bool(vllm and gpu and _select(cfg, "rollout.engine.enable_sleep_mode", False)),
+        engine_reserved=reserved, kv_rows=rows,
+        kv_len=int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0)),
+        kv_bytes=b_c if ranks > 1 else b)
+
+
+def what_would_fit(shape: ModelShape, layout: Layout, budget: float) -> Optional[str]:
+    """The fewest FSDP ranks (powers of 2 up to `MAX_RANKS`; bf16 compute, activation checkpointing as
+    configured, then on) whose plan fits in ``budget`` bytes, as the overrides to use; None if none does."""
+    w = max(2, layout.ranks)
+    while w <= MAX_RANKS:
+        for ac in sorted({layout.activation_checkpointing, True}):
+            x = replace(layout, ranks=w, compute_bytes=2, activation_checkpointing=ac, kv_bytes=2,
+                        kv_rows=max(1, layout.kv_rows * layout.ranks // w))
+            if plan_memory(shape, x).peak <= budget:
+                nodes = "" if w <= 8 else f" trainer.num_nodes={w // 8}"
+                return (f"FSDP over {w} GPUs (trainer=fsdp trainer.devices={min(w, 8)}{nodes}"
+                        f"{' trainer.strategy.activation_checkpointing=true' if ac else ''})")
+        w *= 2
+    return None
+
+
+def _plan(cfg, available: Optional[int]):
+    """(shape, layout, plan, available bytes, where they come from, headroom), or None for an unknown shape."""
+    shape = model_shape(cfg.model)
+    if shape is None:
+        return None
+    _, local = _ranks(cfg)
+    gib = _select(cfg, "memory_plan.device_gib")
+    gpu = _on_gpu(cfg)
+    avail = available if available is not None else available_bytes(gpu, local, gib)
+    where = "memory_plan.device_gib" if gib is not None else ("CUDA" if gpu else "host RAM")
     headroom = float(_select(cfg, "memory_plan.headroom", 0.9))
     if not 0 < headroom <= 1:
         raise ValueError(f"memory_plan.headroom={headroom} must be in (0, 1] (the usable fraction), e.g. 0.9")
+    layout = layout_of(cfg, shape, avail)
+    return shape, layout, plan_memory(shape, layout), avail, where, headroom
+
+
+def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPlan]:
+    """Log the plan of ``cfg`` at INFO and raise `MemoryPlanError` when its peak exceeds
+    ``memory_plan.headroom`` x ``available`` (default: `available_bytes`) with ``memory_plan.check``, or
+    when vLLM's memory share leaves no room for its KV cache; None (logged) when the model's shape is
+    unknown before loading."""
+    found = _plan(cfg, available)
+    if found is None:
+        log.info("memory plan skipped: the config of %s is not available before loading (set model.arch)",
+                 cfg.model.get("hub_id"))
+        return None
+    shape, layout, plan, avail, where, headroom = found
     log.info("%s (%.1fM parameters; available %.2f GiB %s, headroom %.2f)", plan.describe(), shape.params / 1e6,
-             avail / GIB, "CUDA" if cuda else "host RAM", headroom)
-    if bool(_select(cfg, "memory_plan.check", True)) and plan.total > headroom * avail:
+             avail / GIB, where, headroom)
+    if not bool(_select(cfg, "memory_plan.check", True)):
+        return plan
+    if layout.engine == "vllm" and layout.engine_reserved and _on_gpu(cfg) and plan.kv_cache <= 0:
         raise MemoryPlanError(
-            f"{plan.describe()} exceeds {headroom:.2f} x {avail / GIB:.2f} GiB available per rank "
-            f"({'CUDA' if cuda else 'host RAM'}): use more ranks (trainer=fsdp trainer.devices=...), "
-            f"trainer.strategy.activation_checkpointing=true, a smaller ppo.micro_batch_max_tokens or "
-            f"rollout.engine.batch_size, model.dtype=bfloat16, or memory_plan.check=false to run anyway")
+            f"rollout.engine.gpu_memory_utilization={_select(cfg, 'rollout.engine.gpu_memory_utilization')}: vLLM's "
+            f"share ({layout.engine_reserved / GIB:.2f} GiB) does not hold its weights "
+            f"({plan.engine_weights / GIB:.2f} GiB), so no KV cache is left; raise it or set rollout.engine.tensor_parallel_size")
+    if plan.peak > headroom * avail:
+        fits = what_would_fit(shape, layout, headroom * avail)
+        instead = f"{fits} or a LoRA adapter" if fits else f"a LoRA adapter (no FSDP layout up to {MAX_RANKS} GPUs fits)"
+        raise MemoryPlanError(
+            f"{plan.describe()} exceeds {headroom:.2f} x {avail / GIB:.2f} GiB available per rank ({where}): "
+            f"a full fine-tune of {shape.params / 1e9:.2f}B parameters would fit with {instead}; or lower "
+            f"ppo.micro_batch_max_tokens, set ppo.lm_head_chunk_rows, or memory_plan.check=false to run anyway")
+    return plan
+
+
+def dry_run(cfg, available: Optional[int] = None, out: Callable[[str], None] = print) -> MemoryPlan:
+    """``dry_run=true``: print the per-rank plan of ``cfg`` (a line per component) and whether it fits, then
+    stop; raise `MemoryPlanError` (after printing) when it does not, naming the layout that would."""
+    found = _plan(cfg, available)
+    if found is None:
+        raise MemoryPlanError(f"dry_run: the shape of {cfg.model.get('hub_id') or cfg.model.get('path')} is unknown "
+                              f"offline: set model.arch (conf/model/*.yaml carry it) or model.path to local weights")
+    shape, x, plan, avail, where, headroom = found
+    names = {4: "float32", 2: "bfloat16"}
+    head = f"chunked ({x.head_chunk_rows} rows)" if x.head_chunk_rows else "dense"
+    engine = (f"vLLM {names.get(x.engine_bytes)} weights, tp {x.engine_tp}, "
+              f"{'sleeps while training' if x.engine_sleeps else 'held throughout'}") if x.engine == "vllm" \
+        else "HF generate (runs the policy itself)"
+    out(f"dry run: {cfg.model.get('name')} ({shape.params / 1e9:.3f}B parameters: {shape.layers} layers, hidden "
+        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, vocab {shape.vocab})")
+    out(f"  {x.ranks} data-parallel rank(s); per rank {avail / GIB:.2f} GiB ({where}), usable {headroom:.2f} x = "
+        f"{headroom * avail / GIB:.2f} GiB")
+    out(f"  trainable weights {names.get(x.dtype_bytes)}, compute {names.get(x.compute_bytes)}, micro-batch "
+        f"{x.micro_tokens} tokens, activation checkpointing {'on' if x.activation_checkpointing else 'off'}, "
+        f"LM head {head}; engine: {engine}")
+    out(plan.table())
+    check_memory_plan(cfg, avail)
+    out(f"fits: peak {plan.peak / GIB:.2f} GiB <= {headroom * avail / GIB:.2f} GiB usable per rank")
     return plan

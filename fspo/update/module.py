@@ -37,6 +37,7 @@ from fspo.update.guard import DivergenceGuard, UpdateMeter
 from fspo.update.settings import PPOConfig
 from fspo.models.segment_attention import enable_segment_attention
 from fspo.update.stats import StepStats, peak_memory_mib
+from fspo.update.update_ratio import UpdateRatio
 from fspo.types import RolloutBatch
 
 
@@ -106,6 +107,9 @@ class RLModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         stats = StepStats()
+        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio (fspo/update/update_ratio.py)
+        if moved is not None:
+            moved.snapshot(self.policy.parameters())
         # data parallel (fspo/runtime/distributed.py): each rank generated its share of the prompts; after its
         # old log-probs the whole batch is gathered and mini-batches are drawn from it as on one process
         rank, world = dp_rank_size(self)
@@ -151,6 +155,8 @@ class RLModule(L.LightningModule):
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
                          rows=share(torch.arange(mb.batch_size), rank, world))
         sched.step()
+        if moved is not None:
+            stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
         self.timings["time/train"] = time.perf_counter() - t0
         self._log_step(local, stats, batch.get("rollout_metrics", {}))
         self.rl_step += 1

@@ -8,6 +8,7 @@ statistics are token-weighted over every micro-batch of every update in the step
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
+    train/update_ratio = ||theta_new - theta_old|| / ||theta_old|| over the step (fspo/update/update_ratio.py)
     guard/trips    = updates that exceeded a divergence limit (fspo/update/guard.py; skipped ones also count
                      in train/skipped_updates)
     perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
@@ -44,6 +45,7 @@ class StepStats:
     loss_time: float = 0.0  # seconds in the clip rule + aggregation (forward)
     usage: TokenUsage = field(default_factory=TokenUsage)      # token slots of the training passes
     usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
+    update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old|| (fspo/update/update_ratio.py)
 
     @torch.no_grad()
     def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
@@ -72,6 +74,8 @@ class StepStats:
             "train/skipped_updates": float(self.skipped),
             "guard/trips": float(self.guard_trips),
         }
+        if self.update_ratio is not None:
+            out["train/update_ratio"] = self.update_ratio
         if updates:
             out["train/grad_norm"] = sum(self.grad_norms) / updates
         both = TokenUsage(self.usage.slots + self.usage_old.slots, self.usage.tokens + self.usage_old.tokens)

@@ -1,0 +1,196 @@
+"""The per-rank memory of a run, one function per component: the formulas of the memory plan.
+
+Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depends on), `Layout` (how the
+run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
+per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
+arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
+and the refusal (fspo/runtime/memory_plan.py). To add a component (e.g. a LoRA adapter's state), write
+one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
+
+Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
+dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a full fine-tune):
+
+  N        = V H (embedding) + [V H if untied] + H (final norm) + layers x N_layer
+  N_layer  = H q + 2 H kv + q H + 3 H I + 2 H + 2 d     (q = heads x d, kv = kv_heads x d; Qwen3's q/k norms)
+  weights         = N b / W                                  resident
+  compute_weights = W > 1: (N - layers N_layer + 2 N_layer) b_c (FSDP: the gathered root and two
+                    layers, the one computing and the one prefetched); W = 1 and b_c < b: N b_c
+                    (autocast's bf16 copies, saved for backward); else 0                 train
+  grads           = P b / W                                  resident (kept until the next zero_grad)
+  optimizer       = 2 P b / W  (AdamW exp_avg, exp_avg_sq)   resident
+  update_snapshot = P b / W  (train/update_ratio's copy; fspo/update/update_ratio.py)   train
+  activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens:                train
+                    T b_c (4 H + 2 q + 2 kv + 4 I) x layers  (norm inputs, q/k/v, attention output, MLP);
+                    activation checkpointing: T b_c H x layers + one layer's full set
+  logits          = dense: T V (b_c + 4 + 4) (the head's logits, their float32 copy, the softmax saved
+                    for backward); chunked (ppo.lm_head_chunk_rows = c > 0): min(T, c) V 4 x 2  train
+  engine_weights  = vLLM: N b_e / tp (its own copy, b_e its dtype); HF engine: 0 (it runs the policy)
+  kv_cache        = vLLM on a GPU: reserved - engine_weights (reserved = gpu_memory_utilization x device
+                    memory, which covers weights and KV cache); vLLM on CPU: its kv_cache_space;
+                    HF: 2 x layers x kv x b_kv x rows x (max_prompt_len + max_new_tokens)
+                    engine parts: phase generate when the engine sleeps during training (vLLM sleep
+                    mode on a GPU), else resident; HF's KV cache: generate
+  peak            = resident + max(train, generate)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h + 2 * self.head_dim
+
+    @property
+    def params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + self.layers * self.layer_params
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run places the model (module docstring's symbols)."""
+    ranks: int = 1                    # W
+    dtype_bytes: int = 4              # b: trainable (master) weights, grads and AdamW state
+    compute_bytes: int = 4            # b_c
+    micro_tokens: int = 8192          # T
+    activation_checkpointing: bool = False
+    head_chunk_rows: int = 0          # c; 0: dense head
+    update_snapshot: bool = True      # ppo.update_ratio
+    engine: str = "hf"                # hf | vllm
+    engine_bytes: int = 4             # b_e (vLLM)
+    engine_tp: int = 1
+    engine_sleeps: bool = False       # vLLM sleep mode on a GPU: engine memory only while generating
+    engine_reserved: int = 0          # vLLM: bytes it reserves (GPU: utilization x device; CPU: weights + kv space)
+    kv_rows: int = 0                  # HF engine: sequences one rank decodes at once
+    kv_len: int = 0                   # HF engine: max_prompt_len + max_new_tokens
+    kv_bytes: int = 4                 # HF engine: b_kv
+    trainable_params: Optional[int] = None  # P; None: every parameter (full fine-tune)
+
+
+def _trainable(s: ModelShape, x: Layout) -> int:
+    return s.params if x.trainable_params is None else x.trainable_params
+
+
+def weights(s: ModelShape, x: Layout) -> int:
+    return s.params * x.dtype_bytes // x.ranks
+
+
+def compute_weights(s: ModelShape, x: Layout) -> int:
+    if x.ranks > 1:
+        return (s.params - s.layers * s.layer_params + 2 * s.layer_params) * x.compute_bytes
+    return s.params * x.compute_bytes if x.compute_bytes < x.dtype_bytes else 0
+
+
+def grads(s: ModelShape, x: Layout) -> int:
+    return _trainable(s, x) * x.dtype_bytes // x.ranks
+
+
+def optimizer(s: ModelShape, x: Layout) -> int:
+    return 2 * _trainable(s, x) * x.dtype_bytes // x.ranks
+
+
+def update_snapshot(s: ModelShape, x: Layout) -> int:
+    return _trainable(s, x) * x.dtype_bytes // x.ranks if x.update_snapshot else 0
+
+
+def activations(s: ModelShape, x: Layout) -> int:
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = x.micro_tokens * x.compute_bytes * (4 * h + 2 * q + 2 * kv + 4 * s.intermediate)
+    if x.activation_checkpointing:
+        return x.micro_tokens * x.compute_bytes * h * s.layers + per_layer
+    return per_layer * s.layers
+
+
+def logits(s: ModelShape, x: Layout) -> int:
+    if x.head_chunk_rows > 0:
+        return min(x.micro_tokens, x.head_chunk_rows) * s.vocab * 4 * 2
+    return x.micro_tokens * s.vocab * (x.compute_bytes + 4 + 4)
+
+
+def engine_weights(s: ModelShape, x: Layout) -> int:
+    return s.params * x.engine_bytes // x.engine_tp if x.engine == "vllm" else 0
+
+
+def kv_cache(s: ModelShape, x: Layout) -> int:
+    if x.engine == "vllm":
+        return x.engine_reserved - engine_weights(s, x)
+    return 2 * s.layers * s.kv_heads * s.head_dim * x.kv_bytes * x.kv_rows * x.kv_len
+
+
+def _engine_phase(x: Layout) -> str:
+    return "generate" if x.engine_sleeps else "resident"
+
+
+# (name, size, phase): phase is "resident" (held throughout), "train" (the update) or "generate" (rollouts)
+COMPONENTS: Tuple[Tuple[str, Callable[[ModelShape, Layout], int], Callable[[Layout], str]], ...] = (
+    ("weights", weights, lambda x: "resident"),
+    ("compute_weights", compute_weights, lambda x: "train"),
+    ("grads", grads, lambda x: "resident"),
+    ("optimizer", optimizer, lambda x: "resident"),
+    ("update_snapshot", update_snapshot, lambda x: "train"),
+    ("activations", activations, lambda x: "train"),
+    ("logits", logits, lambda x: "train"),
+    ("engine_weights", engine_weights, _engine_phase),
+    ("kv_cache", kv_cache, lambda x: _engine_phase(x) if x.engine == "vllm" else "generate"),
+)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank of each component (`COMPONENTS` order), its phase, and the peak."""
+    parts: Dict[str, int]
+    phases: Dict[str, str]
+    ranks: int
+
+    def phase_total(self, phase: str) -> int:
+        return sum(v for k, v in self.parts.items() if self.phases[k] == phase)
+
+    @property
+    def peak(self) -> int:
+        return self.phase_total("resident") + max(self.phase_total("train"), self.phase_total("generate"))
+
+    @property
+    def total(self) -> int:
+        """The peak (what must fit)."""
+        return self.peak
+
+    def __getattr__(self, name: str) -> int:  # plan.grads, plan.kv_cache, ...
+        parts = self.__dict__.get("parts") or {}
+        if name in parts:
+            return parts[name]
+        raise AttributeError(name)
+
+    def describe(self) -> str:
+        """One line: every component in GiB and the peak."""
+        return (f"memory plan per rank ({self.ranks} rank(s)): "
+                + ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
+                + f"; peak {self.peak / GIB:.2f} GiB (train {self.phase_total('train') / GIB:.2f}, generate "
+                  f"{self.phase_total('generate') / GIB:.2f} on top of resident {self.phase_total('resident') / GIB:.2f})")
+
+    def table(self) -> str:
+        """The plan as a table, a line per component (the dry run prints it)."""
+        rows = [f"  {'component':<16} {'phase':<9} {'GiB':>9}"]
+        rows += [f"  {k:<16} {self.phases[k]:<9} {v / GIB:>9.2f}" for k, v in self.parts.items()]
+        rows.append(f"  {'peak':<16} {'':<9} {self.peak / GIB:>9.2f}   (resident + max(train, generate))")
+        return "\n".join(rows)
+
+
+def plan_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
+    """Every component of `COMPONENTS` for ``shape`` placed as ``layout``."""
+    parts = {name: int(size(shape, layout)) for name, size, _ in COMPONENTS}
+    return MemoryPlan(parts=parts, phases={name: phase(layout) for name, _, phase in COMPONENTS}, ranks=layout.ranks)

@@ -1,0 +1,58 @@
+"""How far one RL step moved the trainable weights: ``train/update_ratio``, logged every step by every method.
+
+Owns: `UpdateRatio` (snapshot the trainable weights when a step starts; the relative change when it
+ends). Leaves out: the update itself (fspo/update/module.py) and where the metric goes
+(fspo/update/metric_logging.py).
+
+    train/update_ratio = ||theta_new - theta_old|| / ||theta_old||
+
+over every trainable parameter (``requires_grad``) together, theta_old the weights the step's rollouts
+were sampled with, theta_new those after the step's optimizer updates. A run whose updates round away
+(bfloat16 weights at lr 1e-6: fspo/runtime/precision.py) or whose every update is skipped shows 0 at
+once; a healthy AdamW step at lr moves it by about lr / |w| (1e-6 / 0.02 = 5e-5 for Qwen3).
+Under FSDP each rank holds its shards (DTensor local tensors): the two squared norms are summed over
+the ranks' shards (one all-reduce of two numbers). The snapshot costs one copy of the rank's trainable
+weights, on their device (fspo/runtime/memory_plan.py counts it).
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+import torch
+from torch import Tensor
+
+from fspo.runtime.distributed import reduce_sum
+
+
+def _local(p: Tensor) -> Tensor:
+    """This rank's part of ``p``: a DTensor's local shard, else ``p`` itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class UpdateRatio:
+    """`snapshot(params)` at the start of a step, `compute(params)` at its end (same parameters, same order)."""
+
+    def __init__(self) -> None:
+        self._old: Optional[List[Tensor]] = None
+
+    @torch.no_grad()
+    def snapshot(self, params: Iterable[Tensor]) -> None:
+        """Copy this rank's part of every trainable parameter of ``params``."""
+        self._old = [_local(p).detach().clone() for p in params if p.requires_grad]
+
+    @torch.no_grad()
+    def compute(self, params: Iterable[Tensor], device=None) -> float:
+        """||theta_new - theta_old|| / ||theta_old|| (float64 sums, all ranks), then drop the snapshot;
+        0.0 when the weights are all zero. Call on every rank (a collective under torch.distributed)."""
+        if self._old is None:
+            raise RuntimeError("UpdateRatio.compute called before snapshot")
+        new = [_local(p).detach() for p in params if p.requires_grad]
+        if len(new) != len(self._old):
+            raise RuntimeError(f"UpdateRatio: {len(new)} trainable parameters now, {len(self._old)} at the snapshot")
+        diff2 = old2 = 0.0
+        for a, b in zip(new, self._old):
+            diff2 += float(torch.linalg.vector_norm(a - b, dtype=torch.float64) ** 2)
+            old2 += float(torch.linalg.vector_norm(b, dtype=torch.float64) ** 2)
+        self._old = None
+        diff2, old2 = reduce_sum([diff2, old2], device)
+        return (diff2 ** 0.5) / (old2 ** 0.5) if old2 > 0 else 0.0
