@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
+from fspo.runtime.vllm_support import FIX as VLLM_FIX, installed_vllm_version, vllm_version_problem
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,10 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
     strategy = str(_get(cfg, "trainer.strategy._target_"))
+    engine_target = str(_get(cfg, "rollout.engine._target_"))
+    installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None
+    if installed is not None and vllm_version_problem(installed) is not None:  # not installed: the engine says so
+        raise _fail("rollout.engine._target_", engine_target, vllm_version_problem(installed), VLLM_FIX)
     if _get(cfg, "rollout.overlap.enable") is True:
         old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
         ds = _get(cfg, "rollout.dynamic_sampling.enable")
