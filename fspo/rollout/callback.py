@@ -192,19 +192,26 @@ class RolloutCallback(L.Callback):
 
     def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
         """Step ``step``'s rollout from the pipeline (fspo/rollout/pipeline.py), which asks for the
-        prompts of steps ahead from the datamodule's sampler; they must be the ones Lightning gives."""
+        prompts of steps ahead from the datamodule's sampler (this rank's slice and seed under data
+        parallelism, each rank with its own engine process); they must be the ones Lightning gives."""
         dm = getattr(trainer, "datamodule", None)
         sampler = getattr(dm, "sampler", None)
         if sampler is None or not hasattr(sampler, "step_prompts"):
             raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
                                "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
         self.pipeline.start(pl_module.policy, self.tokenizer)
+        rank, world = dp_rank_size(pl_module)
+
+        def mine(s: int):  # this rank's share of step s's prompts, as in the in-process path
+            idx = sampler.step_prompts(s)
+            return idx[rank_slice(len(idx), rank, world)] if world > 1 else idx
 
         def request(s: int):
-            items = [dm.train_source[i] for i in sampler.step_prompts(s)]
-            return self._tokenize([x.prompt for x in items]), replace(self.sampling, seed=self.seed * 1_000_003 + s)
+            items = [dm.train_source[i] for i in mine(s)]
+            return self._tokenize([x.prompt for x in items]), replace(
+                self.sampling, seed=self.seed * 1_000_003 + s + 7919 * rank)
 
-        ahead = [dm.train_source[i].prompt for i in sampler.step_prompts(step)]
+        ahead = [dm.train_source[i].prompt for i in mine(step)]
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
         return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)

@@ -212,8 +212,9 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
                  "use rollout=hf"),
                 (ds is True, "dynamic sampling draws extra prompts mid-step, which the pipeline cannot request ahead",
                  "set rollout.dynamic_sampling.enable=false"),
-                ("FSDP" in strategy, "pipelined rollouts run on one process for now (one engine per rank is not built)",
-                 "use trainer=cpu")):
+                (str(_get(cfg, "trainer.accelerator")) in ("gpu", "cuda"), "the pipelined engine process generates "
+                 "with the HF engine on CPU, which a GPU trainer would wait for", "on GPUs use the colocated vLLM "
+                 "engine (rollout=vllm rollout.overlap.enable=false), which time-shares each GPU through sleep/wake")):
             if bad:
                 raise _fail("rollout.overlap.enable", True, problem, fix)
     chunk = _get(cfg, "ppo.lm_head_chunk_rows")
