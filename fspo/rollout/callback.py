@@ -4,6 +4,8 @@ Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
 
     sync weights -> generate G completions per prompt -> decode -> reward -> advantages
 
+(the memory steps around sync and generation: fspo/rollout/engine_memory.py)
+
 and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
 ``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
@@ -40,6 +42,7 @@ import torch
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.engine_memory import rollout_memory
 from fspo.rollout.group_filter import GroupFilter
 from fspo.rollout.pipeline import RolloutPipeline
 from fspo.types import RolloutBatch
@@ -106,6 +109,9 @@ class RolloutCallback(L.Callback):
         # callbacks' setup, and an engine that copies weights must see the sharded module
         if not self._ready:
             self._workdir.mkdir(parents=True, exist_ok=True)
+            trainer = getattr(pl_module, "_trainer", None)
+            if trainer is not None and hasattr(self.engine, "trainer_local_rank"):
+                self.engine.trainer_local_rank = trainer.local_rank  # Lightning's cluster environment
             self.engine.setup(pl_module.policy, self.tokenizer, str(self._workdir))
             self._ready = True
 
@@ -121,12 +127,14 @@ class RolloutCallback(L.Callback):
     def _generate(self, pl_module, prompts: List[str], params: SamplingConfig,
                   timings: Dict[str, float]) -> RolloutBatch:
         self._ensure_engine(pl_module)
+        trainer = getattr(pl_module, "_trainer", None)
+        optimizers = trainer.optimizers if trainer is not None else []
         t0 = time.perf_counter()
-        self.engine.sync_weights(pl_module.policy)
-        self.engine.wake()
-        t1 = time.perf_counter()
-        rollout = self.engine.generate(self._tokenize(prompts), params)
-        self.engine.sleep()
+        # free the trainer's gradients, wake the engine's weights, sync, then its KV cache; sleep after
+        with rollout_memory(self.engine, pl_module.policy, optimizers,
+                            offload_optimizer=bool(getattr(self.engine, "offload_optimizer", False))):
+            t1 = time.perf_counter()
+            rollout = self.engine.generate(self._tokenize(prompts), params)
         t2 = time.perf_counter()
         timings["time/weight_sync"] = t1 - t0
         timings["time/generate"] = t2 - t1
@@ -184,19 +192,26 @@ class RolloutCallback(L.Callback):
 
     def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
         """Step ``step``'s rollout from the pipeline (fspo/rollout/pipeline.py), which asks for the
-        prompts of steps ahead from the datamodule's sampler; they must be the ones Lightning gives."""
+        prompts of steps ahead from the datamodule's sampler (this rank's slice and seed under data
+        parallelism, each rank with its own engine process); they must be the ones Lightning gives."""
         dm = getattr(trainer, "datamodule", None)
         sampler = getattr(dm, "sampler", None)
         if sampler is None or not hasattr(sampler, "step_prompts"):
             raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
                                "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
         self.pipeline.start(pl_module.policy, self.tokenizer)
+        rank, world = dp_rank_size(pl_module)
+
+        def mine(s: int):  # this rank's share of step s's prompts, as in the in-process path
+            idx = sampler.step_prompts(s)
+            return idx[rank_slice(len(idx), rank, world)] if world > 1 else idx
 
         def request(s: int):
-            items = [dm.train_source[i] for i in sampler.step_prompts(s)]
-            return self._tokenize([x.prompt for x in items]), replace(self.sampling, seed=self.seed * 1_000_003 + s)
+            items = [dm.train_source[i] for i in mine(s)]
+            return self._tokenize([x.prompt for x in items]), replace(
+                self.sampling, seed=self.seed * 1_000_003 + s + 7919 * rank)
 
-        ahead = [dm.train_source[i].prompt for i in sampler.step_prompts(step)]
+        ahead = [dm.train_source[i].prompt for i in mine(step)]
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
         return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)

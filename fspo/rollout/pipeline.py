@@ -22,6 +22,12 @@ log-probs come with the rollout (``engine_log_probs``), so the importance ratio 
 the policy that sampled it (``ppo.old_log_probs=engine``, enforced by fspo/runtime/config_check.py);
 the clip rules, FSPO's band and the rollout-correction diagnostics apply unchanged, now measuring a
 k-step policy lag too. Requests past ``last_step`` are not submitted.
+
+Data parallel (``trainer=fsdp``): every rank has its own engine process, fed the FULL weights gathered
+from the shards at each push (fspo/rollout/async_engine.py), and generates that rank's share of the
+prompts; the schedule above is identical on every rank, so the gathers (collectives) line up. This is
+the one-step-off layout of verl's recipe with the engine beside the trainer on the host; on GPUs the
+colocated vLLM engine (time-shared through sleep/wake) is the supported layout instead.
 """
 from __future__ import annotations
 

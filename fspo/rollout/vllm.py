@@ -23,6 +23,13 @@ Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `Ro
   the same seeds, and each keeps the rows of its own prompts; each member's sync streams the full
   weights and vLLM's loaders keep that member's shard.
 - Sleep mode (``llm.sleep(level=1)``) frees GPU memory between rollouts; on CPU it is a no-op.
+  ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
+  in the order of fspo/rollout/engine_memory.py; ``offload_optimizer`` asks that order to move the
+  trainer's optimizer state to CPU while the engine holds GPU memory.
+- Supported vLLM: fspo/runtime/vllm_support.py (``VLLM_RANGE``); any other version is refused in
+  `import_vllm` with one line naming the range.
+- ``LOCAL_RANK`` (the device of vLLM's external launcher) is the launcher's local rank
+  (fspo/runtime/launcher.py; the rollout callback passes Lightning's ``trainer.local_rank``).
 - Side effects on the host process (vLLM's, CPU only): it binds memory to the NUMA node and makes
   ``torch.set_num_threads`` a no-op for the rest of the process.
 """
@@ -36,9 +43,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from fspo.rollout.base import RolloutEngine, SamplingConfig
+from fspo.rollout.engine_memory import KV_CACHE, WEIGHTS
 from fspo.rollout.rows import pad_id, to_rollout_batch
 from fspo.rollout.weights import drain, iter_full_state_dict
+from fspo.runtime.launcher import local_rank
 from fspo.runtime.precision import engine_dtype
+from fspo.runtime.vllm_support import check_vllm_version, installed_vllm_version
 from fspo.types import RolloutBatch
 
 SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
@@ -50,11 +60,13 @@ INSTALL_HINT = (
 
 
 def import_vllm():
-    """Import and return the `vllm` module, or raise ImportError carrying `INSTALL_HINT`."""
+    """Import and return the `vllm` module, or raise ImportError carrying `INSTALL_HINT`; a vLLM
+    outside fspo/runtime/vllm_support.py's range raises its one-line ValueError."""
     try:
         import vllm
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    check_vllm_version(getattr(vllm, "__version__", None) or installed_vllm_version() or "unknown")
     return vllm
 
 
@@ -74,13 +86,17 @@ class VLLMEngine(RolloutEngine):
         kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
         batch_size: most sequences decoded at once (vLLM ``max_num_seqs``); None = vLLM's default.
         llm_kwargs: extra keyword arguments for `vllm.LLM`, applied last.
+        offload_optimizer: move the trainer's optimizer state to CPU while the engine is awake
+            (fspo/rollout/engine_memory.py); worth it when weights + KV cache do not fit beside it.
+
+    ``trainer_local_rank`` (set by the rollout callback before `setup`) is Lightning's local rank.
     """
 
     def __init__(self, gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enable_sleep_mode: bool = True, max_model_len: Optional[int] = None,
                  dtype: str = "auto", seed: int = 0, enforce_eager: bool = False,
                  kv_cache_space: Optional[float] = None, batch_size: Optional[int] = None,
-                 llm_kwargs: Optional[dict] = None):
+                 llm_kwargs: Optional[dict] = None, offload_optimizer: bool = False):
         import_vllm()
         if int(tensor_parallel_size) < 1:
             raise ValueError(f"rollout.engine.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -94,11 +110,13 @@ class VLLMEngine(RolloutEngine):
         self.kv_cache_space = kv_cache_space
         self.batch_size = batch_size
         self.llm_kwargs = dict(llm_kwargs or {})
+        self.offload_optimizer = bool(offload_optimizer)
+        self.trainer_local_rank: Optional[int] = None
         self.llm = None
         self.rank = 0
         self.replica = 0      # engine index (rank // tensor_parallel_size), set in setup
         self.tp_group = None  # torch.distributed group of this engine's tensor-parallel members
-        self._asleep = False
+        self._asleep: set = set()  # the parts sleep() released and wake() has not brought back
         self._synced = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,7 +168,7 @@ class VLLMEngine(RolloutEngine):
                   load_format="dummy" if sharded else "auto")
         if world > 1:  # one engine per rank inside the trainer's process group
             os.environ.setdefault("RANK", str(rank))
-            os.environ.setdefault("LOCAL_RANK", str(rank))
+            os.environ["LOCAL_RANK"] = str(local_rank(rank, world, self.trainer_local_rank))
             os.environ.setdefault("WORLD_SIZE", str(world))
             kw["distributed_executor_backend"] = "external_launcher"
         if self.on_gpu and self.enable_sleep_mode:
@@ -182,8 +200,7 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError("VLLMEngine.sync_weights called before setup(model, tokenizer, workdir)")
             drain(model)
             return
-        if self._asleep:
-            self.wake()
+        self.wake([WEIGHTS])  # the KV cache stays asleep (fspo/rollout/engine_memory.py)
         weights = iter_full_state_dict(model)
 
         def _reload(worker):
@@ -198,13 +215,14 @@ class VLLMEngine(RolloutEngine):
         """``llm.sleep(level=1)`` (weights to CPU, KV cache freed) when sleep mode is on a GPU."""
         if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep = {WEIGHTS, KV_CACHE}
 
-    def wake(self) -> None:
-        """Undo `sleep` (``llm.wake_up()``); a no-op when not asleep."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake(self, tags=None) -> None:
+        """Undo `sleep` for ``tags`` (``llm.wake_up(tags=...)``; None: both parts); parts awake are skipped."""
+        parts = [t for t in (tags if tags is not None else (WEIGHTS, KV_CACHE)) if t in self._asleep]
+        if parts:
+            self.llm.wake_up(tags=parts)
+            self._asleep.difference_update(parts)
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory; the engine is unusable afterwards.

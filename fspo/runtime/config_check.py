@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
 from fspo.runtime.precision import master_weight_problem
+from fspo.runtime.vllm_support import FIX as VLLM_FIX, installed_vllm_version, vllm_version_problem
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,10 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
     strategy = str(_get(cfg, "trainer.strategy._target_"))
+    engine_target = str(_get(cfg, "rollout.engine._target_"))
+    installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None
+    if installed is not None and vllm_version_problem(installed) is not None:  # not installed: the engine says so
+        raise _fail("rollout.engine._target_", engine_target, vllm_version_problem(installed), VLLM_FIX)
     if _get(cfg, "rollout.overlap.enable") is True:
         old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
         ds = _get(cfg, "rollout.dynamic_sampling.enable")
@@ -211,8 +216,9 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
                  "use rollout=hf"),
                 (ds is True, "dynamic sampling draws extra prompts mid-step, which the pipeline cannot request ahead",
                  "set rollout.dynamic_sampling.enable=false"),
-                ("FSDP" in strategy, "pipelined rollouts run on one process for now (one engine per rank is not built)",
-                 "use trainer=cpu")):
+                (str(_get(cfg, "trainer.accelerator")) in ("gpu", "cuda"), "the pipelined engine process generates "
+                 "with the HF engine on CPU, which a GPU trainer would wait for", "on GPUs use the colocated vLLM "
+                 "engine (rollout=vllm rollout.overlap.enable=false), which time-shares each GPU through sleep/wake")):
             if bad:
                 raise _fail("rollout.overlap.enable", True, problem, fix)
     budget, longest = _get(cfg, "ppo.micro_batch_max_tokens"), (_get(cfg, "data.max_prompt_len"), hi_new)
