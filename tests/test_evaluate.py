@@ -289,8 +289,8 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
     assert math.isclose(run.data.metrics["summary/math500/best_avg_at_k"], max(ck.values()))
     assert "summary.md" in [Path(f.path).name for f in client.list_artifacts(train_id, "eval")]
     block = ev.summary_block(cfg, out)  # what evaluate.py ends on: where summary.md went, the run, how to open it
-    assert f"  summary:      {(tmp_path / 'eval_out' / 'eval' / 'summary.md').resolve()}" in block.splitlines()
-    assert f"experiment:   test-eval-train (id {exp_id})" in block and f"fake-training (id {train_id})" in block
+    assert f"  summary:         {(tmp_path / 'eval_out' / 'eval' / 'summary.md').resolve()}" in block.splitlines()
+    assert f"experiment:      test-eval-train (id {exp_id})" in block and f"fake-training (id {train_id})" in block
     assert f"mlflow ui --backend-store-uri {mlflow_uri}" in block and "math500/avg_at_k" in block
     # the model config can also come from the run's config.yaml artifact (what train.py logs)
     client.log_artifact(train_id, str(run_dir / ".hydra" / "config.yaml"))
