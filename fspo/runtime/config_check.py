@@ -91,6 +91,10 @@ RULES: Tuple[Rule, ...] = (
          example="token-mean"),
     Rule("model.source", "choice", choices=("warmstart", "random", "pretrained"), meaning="where the "
          "policy comes from", example="pretrained"),
+    _int("model.lora.rank", 0, "LoRA rank r; 0 turns LoRA off (full fine-tuning)", 8),
+    _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A", 16),
+    Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input",
+         example=0.0),
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
          "parameter dtype", example="float32"),
     # rollouts
@@ -197,6 +201,7 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
     strategy = str(_get(cfg, "trainer.strategy._target_"))
+    _lora_checks(cfg)
     if _get(cfg, "rollout.overlap.enable") is True:
         old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
         ds = _get(cfg, "rollout.dynamic_sampling.enable")
@@ -224,6 +229,26 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         if lr > LR_WARN:
             warnings.append(f"ppo.lr={lr:g} is far above fine-tuning rates (1e-7..1e-4): expect divergence "
                             f"(the guard, guard.action, stops or skips diverging updates)")
+
+
+def _lora_checks(cfg: DictConfig) -> None:
+    """LoRA settings given while ``model.lora.rank`` is 0, and what LoRA cannot be combined with."""
+    rank, targets = _get(cfg, "model.lora.rank"), _get(cfg, "model.lora.target_modules")
+    if rank in (_ABSENT, None) or int(rank) == 0:
+        if targets not in (_ABSENT, None):
+            raise _fail("model.lora.rank", 0 if rank is _ABSENT else rank, f"model.lora.target_modules={list(targets)} "
+                        "asks for LoRA adapters but rank 0 turns LoRA off", "set model.lora.rank=8 (or drop target_modules)")
+        return
+    if _get(cfg, "rollout.overlap.enable") is True:
+        raise _fail("model.lora.rank", rank, "the pipelined engine process (rollout.overlap) shares plain model weights, "
+                    "not LoRA adapters", "set rollout.overlap.enable=false with LoRA")
+    if isinstance(targets, (list, tuple)) or (targets not in (_ABSENT, None) and OmegaConf.is_list(targets)):
+        if len(targets) == 0:
+            raise _fail("model.lora.target_modules", "[]", "no layer to adapt", "set it to null (every linear layer of "
+                        "attention and MLP) or list some, e.g. [q_proj,v_proj]")
+    elif targets not in (_ABSENT, None):
+        raise _fail("model.lora.target_modules", targets, "must be a list of linear-layer names or null",
+                    "write it as a list, e.g. model.lora.target_modules=[q_proj,v_proj]")
 
 
 def _build_settings(cfg: DictConfig) -> None:

@@ -26,6 +26,14 @@ Per rank, with W data-parallel ranks (trainer=fsdp: ``devices x num_nodes``; els
              val.batch_size/W x val.n)) (HF engine); vLLM on CUDA reserves gpu_memory_utilization x
              device memory instead (a separate process on CPU: its kv_cache_space GiB).
   available: CUDA: the device's total memory; CPU: physical RAM / the ranks on this node.
+
+LoRA (``model.lora.rank`` r > 0, fspo/models/lora.py; `lora_params`, `with_lora`): the base is frozen
+in ``model.dtype`` and only the adapters (float32, 4 bytes) train, so with N_a = layers x sum over the
+adapted linears (in -> out) of r (in + out):
+  params   = N b / W + N_a 4 / W  (+ the gathered part as above)
+  grads    = N_a 4 / W                                  (none for the frozen base)
+  optimizer= 2 N_a 4 / W
+  activations as above + T 4 r x (adapted linears) x layers (each adapter's A x)
 """
 from __future__ import annotations
 
@@ -102,6 +110,34 @@ def plan_memory(shape: ModelShape, dtype_bytes: int, compute_bytes: int, ranks: 
                       optimizer=2 * n * dtype_bytes // ranks, activations=acts, kv_cache=kv_cache, ranks=ranks)
 
 
+def _linears(shape: ModelShape) -> dict:
+    """(in, out) of each linear of one Qwen3/Llama decoder layer, by name."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def lora_params(shape: ModelShape, rank: int, targets=None) -> int:
+    """N_a: LoRA adapter parameters, r (in + out) per adapted linear per layer (``targets``: names;
+    None: all seven of attention and MLP)."""
+    lin = _linears(shape)
+    names = lin if targets is None else [t for t in targets if t in lin]
+    return shape.layers * sum(rank * (lin[n][0] + lin[n][1]) for n in names)
+
+
+def with_lora(plan: MemoryPlan, shape: ModelShape, dtype_bytes: int, rank: int, targets, micro_tokens: int
+              ) -> MemoryPlan:
+    """``plan`` (full fine-tuning) turned into LoRA's (module docstring): the base's gradients and
+    optimizer state dropped, the float32 adapters' params, gradients and AdamW moments added."""
+    w = plan.ranks
+    n_a = lora_params(shape, rank, targets)
+    adapted = len(_linears(shape) if targets is None else [t for t in targets if t in _linears(shape)])
+    return MemoryPlan(params=plan.params + n_a * 4 // w, grads=n_a * 4 // w,
+                      optimizer=2 * n_a * 4 // w,
+                      activations=plan.activations + micro_tokens * 4 * rank * adapted * shape.layers,
+                      kv_cache=plan.kv_cache, ranks=w)
+
+
 def model_shape(model_cfg) -> Optional[ModelShape]:
     """The shape of the configured model from its config alone (no weights); None when unknown
     before loading (a hub id not in the local cache)."""
@@ -171,6 +207,10 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
     reserved = int(float(util) * avail) if (cuda and util is not None) else 0
     plan = plan_memory(shape, b, b_c, ranks, int(_select(cfg, "ppo.micro_batch_max_tokens", 0)), rows, kv_len,
                        bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)), reserved)
+    rank = int(_select(cfg, "model.lora.rank", 0))
+    if rank > 0:  # LoRA: frozen base, float32 adapters (fspo/models/lora.py)
+        plan = with_lora(plan, shape, b, rank, _select(cfg, "model.lora.target_modules"),
+                         int(_select(cfg, "ppo.micro_batch_max_tokens", 0)))
     headroom = float(_select(cfg, "memory_plan.headroom", 0.9))
     if not 0 < headroom <= 1:
         raise ValueError(f"memory_plan.headroom={headroom} must be in (0, 1] (the usable fraction), e.g. 0.9")
