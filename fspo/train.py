@@ -33,7 +33,7 @@ from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.runtime.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
-from fspo.models.lora import check_lora_targets, param_counts
+from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
 from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
@@ -74,6 +74,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
+    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
     check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/memory_plan.py)
     check_lora_targets(cfg.model)  # model.lora.target_modules the model does not have: one line (fspo/models/lora.py)
     out_dir = Path(cfg.output_dir)

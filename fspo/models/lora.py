@@ -1,7 +1,7 @@
 """LoRA adapters on the policy (``model.lora``, built with peft): only the adapters train.
 
-Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, ``target_modules``),
-`lora_settings`, `target_names` / `check_targets` (the linear layers a model offers, and the one-line
+Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, ``target_modules``,
+``lr``), `lora_settings`, `lora_update_settings` (the adapters' learning rate), `target_names` / `check_targets` (the linear layers a model offers, and the one-line
 refusal of names it does not have), `apply_lora` (wrap a loaded HF causal LM with peft's LoRA: base
 frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share of a
 LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that
@@ -39,6 +39,7 @@ class LoRASettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: Optional[Tuple[str, ...]] = None
+    lr: Optional[float] = None  # AdamW's learning rate for the adapters; None: ppo.lr
 
     @property
     def enabled(self) -> bool:
@@ -51,9 +52,21 @@ def lora_settings(model_cfg) -> LoRASettings:
     if not node:
         return LoRASettings()
     tm = node.get("target_modules")
+    lr = node.get("lr")
     return LoRASettings(rank=int(node.get("rank", 0) or 0), alpha=float(node.get("alpha", 16.0)),
                         dropout=float(node.get("dropout", 0.0) or 0.0),
-                        target_modules=None if tm is None else tuple(str(t) for t in tm))
+                        target_modules=None if tm is None else tuple(str(t) for t in tm),
+                        lr=None if lr is None else float(lr))
+
+
+def lora_update_settings(ppo, model_cfg):
+    """``ppo`` (a dataclass with ``lr``, e.g. `fspo.update.settings.PPOConfig`) with ``lr`` =
+    ``model.lora.lr`` when LoRA is on and that is set (adapters need a larger rate than full
+    fine-tuning: docs/lora.md), else ``ppo`` itself."""
+    from dataclasses import replace
+
+    settings = lora_settings(model_cfg)
+    return replace(ppo, lr=settings.lr) if settings.enabled and settings.lr is not None else ppo
 
 
 def target_names(model: nn.Module) -> List[str]:

@@ -93,6 +93,7 @@ RULES: Tuple[Rule, ...] = (
          "policy comes from", example="pretrained"),
     _int("model.lora.rank", 0, "LoRA rank r; 0 turns LoRA off (full fine-tuning)", 8),
     _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A", 16),
+    _pos("model.lora.lr", "AdamW's learning rate for the LoRA adapters (null: ppo.lr)", 5e-4, nullable=True),
     Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input",
          example=0.0),
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
