@@ -191,3 +191,29 @@ def test_check_memory_plan_counts_lora(tmp_path):
         check_memory_plan(compose_config(over), available=80 * GIB)
     plan = check_memory_plan(compose_config(over + ["model.lora.rank=64"]), available=80 * GIB)
     assert plan.grads == 174_587_904 * 4 and plan.total <= 0.9 * 80 * GIB
+
+
+def test_chunked_head_and_bf16_base_run_under_lora():
+    """The update's log-prob paths on a LoRA policy: the chunked LM head (fspo/update/lm_head.py) equals the
+    dense one, and over a bf16 base the log-probs are float32 and the gradients reach the float32 adapters."""
+    from fspo.types import RolloutBatch
+    from fspo.update.logprobs import response_log_probs
+
+    m = _tiny_lora(rank=4, alpha=8.0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)
+    b, P, T = 4, 5, 7
+    batch = RolloutBatch(prompt_ids=torch.randint(4, 100, (b, P)), prompt_mask=torch.ones(b, P, dtype=torch.long),
+                         response_ids=torch.randint(4, 100, (b, T)), response_mask=torch.ones(b, T, dtype=torch.long),
+                         group_ids=torch.arange(b) // 2, advantages=torch.zeros(b), rewards=torch.zeros(b),
+                         overlong=torch.zeros(b, dtype=torch.bool))
+    dense, _ = response_log_probs(m, batch)
+    chunked, _ = response_log_probs(m, batch, head_chunk_rows=3)
+    assert torch.allclose(dense, chunked, atol=1e-5)
+    half = _tiny_lora(rank=4, dtype=torch.bfloat16)
+    logp, _ = response_log_probs(half, batch)
+    assert logp.dtype == torch.float32
+    logp.sum().backward()
+    assert {p.grad.dtype for p in half.parameters() if p.grad is not None} == {torch.float32}
