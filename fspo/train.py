@@ -33,6 +33,7 @@ from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.runtime.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
+from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
 from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
@@ -77,7 +78,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
+    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
     check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/memory_plan.py)
+    check_lora_targets(cfg.model)  # model.lora.target_modules the model does not have: one line (fspo/models/lora.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
@@ -118,6 +121,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
 
     # logging and checkpoints
     log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
+    for lg in loggers:  # every run, LoRA or not: model/trainable_params, model/total_params (fspo/models/lora.py)
+        lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)
     record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))

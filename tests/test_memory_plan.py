@@ -89,7 +89,8 @@ def test_check_logs_and_passes_the_default_run(caplog):
 
 def test_check_refuses_a_layout_that_cannot_fit():
     cfg = compose_config(["+model=qwen3_100m", "trainer=fsdp", "trainer.devices=2"])
-    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 0.50 GiB available per rank .*would fit with a LoRA"):
+    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 0.50 GiB available per rank .*would fit with neither "
+                       r"FSDP up to 256 GPUs nor LoRA r 64"):
         check_memory_plan(cfg, available=2 ** 29)  # activations of 8192 tokens alone: no rank count helps
     # 4 GiB: 2 ranks with checkpointing need 0.75 resident + 0.14 gathered + 0.19 snapshot + 0.34 activations
     # + 2.44 logits (8192 x 32000 x 10 B) = 3.87 GiB > 3.6; 4 ranks 3.39 GiB
@@ -240,6 +241,17 @@ def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
     assert len(err) == 1 and err[0].startswith("error: MemoryPlanError: ")
     assert "would fit with FSDP over 4 GPUs (trainer=fsdp trainer.devices=4" in err[0] and "LoRA" in err[0]
     assert "\n  optimizer " in proc.stdout  # the plan was printed first
+
+
+def test_dry_run_8b_lora_on_one_80gb_gpu(tmp_path):
+    """Issue 32: Qwen3-8B with LoRA r 64 on one 80 GiB GPU. A float32 base does not fit (131 GiB); the refusal
+    names the recipe that does (bf16 frozen base, chunked head), and that recipe's dry run exits 0."""
+    proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.device_gib=80"], tmp_path)
+    assert proc.returncode == 2 and "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024 (61.78 GiB" in proc.stderr
+    proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "model.dtype=bfloat16",
+                 "ppo.lm_head_chunk_rows=1024", "memory_plan.device_gib=80"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\n  adapters " in proc.stdout and "fits: peak 61.78 GiB <= 72.00 GiB" in proc.stdout
 
 
 def test_dry_run_and_device_gib_are_checked_up_front():

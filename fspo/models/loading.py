@@ -120,9 +120,19 @@ def _cached_snapshot(hub_id: str) -> Optional[Path]:
 
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
                 dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
-                **_ignored):
+                lora: dict | None = None, **_ignored):
     """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
-    parameters of a local folder's model on the meta device, for sharded loading."""
+    parameters of a local folder's model on the meta device, for sharded loading. ``lora`` with
+    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (fspo/models/lora.py; built in
+    full, not on meta: the adapters have no weights on disk to fill them from)."""
+    from fspo.models.lora import apply_lora, lora_settings
+
+    settings = lora_settings({"lora": lora})
+    model, tok = _load(source, path, hub_id, dtype, seed, arch, meta and not settings.enabled)
+    return apply_lora(model, settings), tok
+
+
+def _load(source, path, hub_id, dtype, seed, arch, meta):
     torch_dtype = _dtype(dtype)
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer

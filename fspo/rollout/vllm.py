@@ -42,10 +42,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from fspo.models.lora import is_lora
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.engine_memory import KV_CACHE, WEIGHTS
 from fspo.rollout.rows import pad_id, to_rollout_batch
-from fspo.rollout.weights import drain, iter_full_state_dict
+from fspo.rollout.weights import drain, engine_weights
 from fspo.runtime.launcher import local_rank
 from fspo.runtime.precision import engine_dtype
 from fspo.runtime.vllm_support import check_vllm_version, installed_vllm_version
@@ -148,9 +149,11 @@ class VLLMEngine(RolloutEngine):
         path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
         path.mkdir(parents=True, exist_ok=True)
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-        if sharded:
+        lora = is_lora(model)  # LoRA: vLLM holds the merged weights, loaded by the first sync (fspo/models/lora.py)
+        if sharded or lora:
             # save_pretrained would set this; fully_shard renames the class to FSDP<Name>.
-            arch = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+            base = model.get_base_model() if lora else model
+            arch = next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
             model.config.architectures = [arch]
             model.config.save_pretrained(path)
             if getattr(model, "generation_config", None) is not None:
@@ -165,7 +168,7 @@ class VLLMEngine(RolloutEngine):
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
                   gpu_memory_utilization=self.gpu_memory_utilization,
                   tensor_parallel_size=self.tensor_parallel_size,
-                  load_format="dummy" if sharded else "auto")
+                  load_format="dummy" if sharded or lora else "auto")
         if world > 1:  # one engine per rank inside the trainer's process group
             os.environ.setdefault("RANK", str(rank))
             os.environ["LOCAL_RANK"] = str(local_rank(rank, world, self.trainer_local_rank))
@@ -185,7 +188,7 @@ class VLLMEngine(RolloutEngine):
             self.llm = vllm.LLM(**kw)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.pad_token_id = pad_id(tokenizer, model)
-        self._synced = not sharded
+        self._synced = not (sharded or lora)
 
     def sync_weights(self, model) -> None:
         """Load ``model``'s current parameters into vLLM in place, then drop the prefix cache.
@@ -201,7 +204,7 @@ class VLLMEngine(RolloutEngine):
             drain(model)
             return
         self.wake([WEIGHTS])  # the KV cache stays asleep (fspo/rollout/engine_memory.py)
-        weights = iter_full_state_dict(model)
+        weights = engine_weights(model)  # a LoRA policy's adapters merged into its base
 
         def _reload(worker):
             worker.reload_weights(weights_iterator=weights)

@@ -1,6 +1,7 @@
 """Stream the trainer's full (unsharded) HF state dict, one tensor at a time.
 
-Owns: `iter_full_state_dict`, the weight source for engine weight sync (fspo/rollout/vllm.py),
+Owns: `iter_full_state_dict`, the weight source for engine weight sync (fspo/rollout/vllm.py; `engine_weights`
+picks it, or the merged weights of a LoRA policy),
 and `checkpoint_name`, which maps wrapped parameter names back to the HF checkpoint names.
 Leaves out: where the tensors go (the engine) and when sync happens (the rollout callback).
 
@@ -71,6 +72,14 @@ def iter_full_state_dict(model: nn.Module, include_tied_lm_head: bool = True
         yield "lm_head.weight", _full(state[embed_name])
 
 
+def engine_weights(model: nn.Module) -> Iterator[Tuple[str, Tensor]]:
+    """What an engine holding a plain HF model loads: `iter_full_state_dict`, or for a LoRA policy the
+    weights with the adapters merged (`fspo.models.lora.merged_weights`, HF names, same contract)."""
+    from fspo.models.lora import is_lora, merged_weights
+
+    return merged_weights(model) if is_lora(model) else iter_full_state_dict(model)
+
+
 def drain(model: nn.Module) -> int:
     """Run `iter_full_state_dict` to the end and discard the tensors; returns the tensor count.
 
@@ -78,6 +87,6 @@ def drain(model: nn.Module) -> int:
     """
     n = 0
     with torch.no_grad():
-        for _ in iter_full_state_dict(model):
+        for _ in engine_weights(model):
             n += 1
     return n

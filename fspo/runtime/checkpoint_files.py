@@ -178,7 +178,11 @@ def load_checkpoint(path, prefix: str = "policy.") -> Tuple[Dict[str, torch.Tens
 
 def load_into(policy, state: Dict[str, torch.Tensor]) -> None:
     """Copy ``state`` into ``policy`` (strict: every key must match; a clear error otherwise)."""
+    from fspo.models.lora import is_lora
+
     missing, unexpected = policy.load_state_dict(state, strict=False)
+    if is_lora(policy):  # a LoRA checkpoint holds the adapters; the frozen base was built from the model config
+        missing = [k for k in missing if "lora_" in k]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model built from the model config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}: check model.* (or use_run_model=true)")

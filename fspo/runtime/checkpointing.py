@@ -43,6 +43,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from fspo.runtime.checkpoint_integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
                                        shard_digests, write_manifest)
 from fspo.runtime.checkpoint_files import META_KEY, list_checkpoints
+from fspo.runtime.distributed import is_sharded
+from fspo.models.lora import adapter_state, is_lora
 from fspo.runtime.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
 
 log = logging.getLogger(__name__)
@@ -265,6 +267,9 @@ class StepCheckpoint(Checkpoint):
             torch.distributed.all_gather_object(gathered, states)
         else:
             gathered = [states]
+        policy = getattr(pl_module, "policy", None)
+        if policy is not None and is_lora(policy) and not is_sharded(policy):  # LoRA: the adapters, not the base,
+            checkpoint["state_dict"] = adapter_state(checkpoint["state_dict"], policy)  # rebuilt from run_config
         checkpoint[META_KEY] = {"rl_step": int(pl_module.rl_step), "rng": rng_states(), "metrics": gathered,
                                 "mlflow_run_id": self.run_id_fn() if self.run_id_fn else None,
                                 "world_size": world, "run_config": self.run_config}

@@ -93,6 +93,11 @@ RULES: Tuple[Rule, ...] = (
          example="token-mean"),
     Rule("model.source", "choice", choices=("warmstart", "random", "pretrained"), meaning="where the "
          "policy comes from", example="pretrained"),
+    _int("model.lora.rank", 0, "LoRA rank r; 0 turns LoRA off (full fine-tuning)", 8),
+    _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A", 16),
+    _pos("model.lora.lr", "AdamW's learning rate for the LoRA adapters (null: ppo.lr)", 5e-4, nullable=True),
+    Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input",
+         example=0.0),
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
          "parameter dtype", example="float32"),
     # rollouts
@@ -206,6 +211,7 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None
     if installed is not None and vllm_version_problem(installed) is not None:  # not installed: the engine says so
         raise _fail("rollout.engine._target_", engine_target, vllm_version_problem(installed), VLLM_FIX)
+    _lora_checks(cfg)
     if _get(cfg, "rollout.overlap.enable") is True:
         old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
         ds = _get(cfg, "rollout.dynamic_sampling.enable")
@@ -234,11 +240,33 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
             raise _fail("ppo.lr", lr, "AdamW's first step (lr / (1 - beta1)) overflows float32",
                         "use a learning rate below 1 (2e-5 for the tiny model, 1e-6 for Qwen3)")
         dtype = _get(cfg, "model.dtype")  # bf16 trainable weights at a fine-tuning lr learn nothing, silently
-        if dtype is not _ABSENT and (problem := master_weight_problem(str(dtype), float(lr))) is not None:
+        lora = isinstance(_get(cfg, "model.lora.rank"), int) and _get(cfg, "model.lora.rank") > 0
+        # with LoRA the trainable weights are the float32 adapters: a bf16 base is frozen, never stepped
+        if dtype is not _ABSENT and (problem := master_weight_problem(str(dtype), float(lr), trainable=not lora)) is not None:
             raise ConfigError(problem)
         if lr > LR_WARN:
             warnings.append(f"ppo.lr={lr:g} is far above fine-tuning rates (1e-7..1e-4): expect divergence "
                             f"(the guard, guard.action, stops or skips diverging updates)")
+
+
+def _lora_checks(cfg: DictConfig) -> None:
+    """LoRA settings given while ``model.lora.rank`` is 0, and what LoRA cannot be combined with."""
+    rank, targets = _get(cfg, "model.lora.rank"), _get(cfg, "model.lora.target_modules")
+    if rank in (_ABSENT, None) or int(rank) == 0:
+        if targets not in (_ABSENT, None):
+            raise _fail("model.lora.rank", 0 if rank is _ABSENT else rank, f"model.lora.target_modules={list(targets)} "
+                        "asks for LoRA adapters but rank 0 turns LoRA off", "set model.lora.rank=8 (or drop target_modules)")
+        return
+    if _get(cfg, "rollout.overlap.enable") is True:
+        raise _fail("model.lora.rank", rank, "the pipelined engine process (rollout.overlap) shares plain model weights, "
+                    "not LoRA adapters", "set rollout.overlap.enable=false with LoRA")
+    if isinstance(targets, (list, tuple)) or (targets not in (_ABSENT, None) and OmegaConf.is_list(targets)):
+        if len(targets) == 0:
+            raise _fail("model.lora.target_modules", "[]", "no layer to adapt", "set it to null (every linear layer of "
+                        "attention and MLP) or list some, e.g. [q_proj,v_proj]")
+    elif targets not in (_ABSENT, None):
+        raise _fail("model.lora.target_modules", targets, "must be a list of linear-layer names or null",
+                    "write it as a list, e.g. model.lora.target_modules=[q_proj,v_proj]")
 
 
 def _build_settings(cfg: DictConfig) -> None:

@@ -4,8 +4,7 @@ Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depen
 run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
 per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
 arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
-and the refusal (fspo/runtime/memory_plan.py). To add a component (e.g. a LoRA adapter's state), write
-one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
+and the refusal (fspo/runtime/memory_plan.py). To add a component, write one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
 
 Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
 dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a full fine-tune):
@@ -16,9 +15,12 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
   compute_weights = W > 1: (N - layers N_layer + 2 N_layer) b_c (FSDP: the gathered root and two
                     layers, the one computing and the one prefetched); W = 1 and b_c < b: N b_c
                     (autocast's bf16 copies, saved for backward); else 0                 train
-  grads           = P b / W                                  resident (kept until the next zero_grad)
-  optimizer       = 2 P b / W  (AdamW exp_avg, exp_avg_sq)   resident
-  update_snapshot = P b / W  (train/update_ratio's copy; fspo/update/update_ratio.py)   train
+  adapters        = LoRA (model.lora.rank r > 0): N_a 4 / W, N_a = layers x sum over the adapted linears
+                    (in -> out) of r (in + out); the adapters are float32 whatever the base's dtype  resident
+  grads           = P b_t / W  (b_t = b; LoRA: P = N_a, b_t = 4: the frozen base has none)   resident
+  optimizer       = 2 P b_t / W  (AdamW exp_avg, exp_avg_sq) resident
+  update_snapshot = P b_t / W  (train/update_ratio's copy; fspo/update/update_ratio.py)   train
+  adapter_activations = LoRA: T 4 r x (adapted linears) x layers (each adapter's A x)     train
   activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens:                train
                     T b_c (4 H + 2 q + 2 kv + 4 I) x layers  (norm inputs, q/k/v, attention output, MLP);
                     activation checkpointing: T b_c H x layers + one layer's full set
@@ -80,10 +82,36 @@ class Layout:
     kv_len: int = 0                   # HF engine: max_prompt_len + max_new_tokens
     kv_bytes: int = 4                 # HF engine: b_kv
     trainable_params: Optional[int] = None  # P; None: every parameter (full fine-tune)
+    lora_rank: int = 0                # r; 0: no LoRA (model.lora.rank)
+    lora_targets: Optional[Tuple[str, ...]] = None  # adapted linears; None: all seven of attention and MLP
+
+
+def linears(s: ModelShape) -> Dict[str, Tuple[int, int]]:
+    """(in, out) of each linear of one Qwen3/Llama decoder layer, by name."""
+    h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _adapted(s: ModelShape, x: Layout):
+    lin = linears(s)
+    return [n for n in (lin if x.lora_targets is None else x.lora_targets) if n in lin]
+
+
+def lora_params(s: ModelShape, x: Layout) -> int:
+    """N_a = layers x sum over the adapted linears (in -> out) of r (in + out); 0 without LoRA."""
+    lin = linears(s)
+    return s.layers * sum(x.lora_rank * (lin[n][0] + lin[n][1]) for n in _adapted(s, x)) if x.lora_rank > 0 else 0
 
 
 def _trainable(s: ModelShape, x: Layout) -> int:
+    if x.lora_rank > 0:
+        return lora_params(s, x)
     return s.params if x.trainable_params is None else x.trainable_params
+
+
+def _trainable_bytes(x: Layout) -> int:
+    return 4 if x.lora_rank > 0 else x.dtype_bytes  # LoRA adapters are float32 whatever the base's dtype
 
 
 def weights(s: ModelShape, x: Layout) -> int:
@@ -97,15 +125,23 @@ def compute_weights(s: ModelShape, x: Layout) -> int:
 
 
 def grads(s: ModelShape, x: Layout) -> int:
-    return _trainable(s, x) * x.dtype_bytes // x.ranks
+    return _trainable(s, x) * _trainable_bytes(x) // x.ranks
 
 
 def optimizer(s: ModelShape, x: Layout) -> int:
-    return 2 * _trainable(s, x) * x.dtype_bytes // x.ranks
+    return 2 * _trainable(s, x) * _trainable_bytes(x) // x.ranks
 
 
 def update_snapshot(s: ModelShape, x: Layout) -> int:
-    return _trainable(s, x) * x.dtype_bytes // x.ranks if x.update_snapshot else 0
+    return _trainable(s, x) * _trainable_bytes(x) // x.ranks if x.update_snapshot else 0
+
+
+def adapters(s: ModelShape, x: Layout) -> int:
+    return lora_params(s, x) * 4 // x.ranks
+
+
+def adapter_activations(s: ModelShape, x: Layout) -> int:
+    return x.micro_tokens * 4 * x.lora_rank * len(_adapted(s, x)) * s.layers if x.lora_rank > 0 else 0
 
 
 def activations(s: ModelShape, x: Layout) -> int:
@@ -140,10 +176,12 @@ def _engine_phase(x: Layout) -> str:
 COMPONENTS: Tuple[Tuple[str, Callable[[ModelShape, Layout], int], Callable[[Layout], str]], ...] = (
     ("weights", weights, lambda x: "resident"),
     ("compute_weights", compute_weights, lambda x: "train"),
+    ("adapters", adapters, lambda x: "resident"),
     ("grads", grads, lambda x: "resident"),
     ("optimizer", optimizer, lambda x: "resident"),
     ("update_snapshot", update_snapshot, lambda x: "train"),
     ("activations", activations, lambda x: "train"),
+    ("lora_activations", adapter_activations, lambda x: "train"),
     ("logits", logits, lambda x: "train"),
     ("engine_weights", engine_weights, _engine_phase),
     ("kv_cache", kv_cache, lambda x: _engine_phase(x) if x.engine == "vllm" else "generate"),

@@ -146,7 +146,9 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
         engine_sleeps=bool(vllm and gpu and _select(cfg, "rollout.engine.enable_sleep_mode", False)),
         engine_reserved=reserved, kv_rows=rows,
         kv_len=int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0)),
-        kv_bytes=b_c if ranks > 1 else b)
+        kv_bytes=b_c if ranks > 1 else b,
+        lora_rank=int(_select(cfg, "model.lora.rank", 0) or 0),
+        lora_targets=tuple(t) if (t := _select(cfg, "model.lora.target_modules")) else None)
 
 
 def what_would_fit(shape: ModelShape, layout: Layout, budget: float) -> Optional[str]:
@@ -204,10 +206,21 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
             f"({plan.engine_weights / GIB:.2f} GiB), so no KV cache is left; raise it or set rollout.engine.tensor_parallel_size")
     if plan.peak > headroom * avail:
         fits = what_would_fit(shape, layout, headroom * avail)
-        instead = f"{fits} or a LoRA adapter" if fits else f"a LoRA adapter (no FSDP layout up to {MAX_RANKS} GPUs fits)"
+        lora = None  # on these ranks: LoRA r 64 (fspo/models/lora.py), a bf16 frozen base, the chunked head
+        r = layout.lora_rank or 64
+        pre = "" if layout.lora_rank else "model.lora.rank=64 "
+        bf16 = dict(dtype_bytes=2, compute_bytes=2, kv_bytes=2)
+        for over, kw in ((pre, {}), (pre + "model.dtype=bfloat16", bf16),
+                         (pre + "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024", {**bf16, "head_chunk_rows": 1024})):
+            if over and (peak := plan_memory(shape, replace(layout, lora_rank=r, **kw)).peak) <= headroom * avail:
+                lora = f"{over.strip()} ({peak / GIB:.2f} GiB per rank; with LoRA the base is frozen, the adapters float32)"
+                break
+        ways = [w for w in (fits, lora) if w]
+        instead = " or ".join(ways) if ways else f"neither FSDP up to {MAX_RANKS} GPUs nor LoRA r 64"
+        kind = f"LoRA r {layout.lora_rank}" if layout.lora_rank else "full"
         raise MemoryPlanError(
             f"{plan.describe()} exceeds {headroom:.2f} x {avail / GIB:.2f} GiB available per rank ({where}): "
-            f"a full fine-tune of {shape.params / 1e9:.2f}B parameters would fit with {instead}; or lower "
+            f"a {kind} fine-tune of {shape.params / 1e9:.2f}B parameters would fit with {instead}; or lower "
             f"ppo.micro_batch_max_tokens, set ppo.lm_head_chunk_rows, or memory_plan.check=false to run anyway")
     return plan
 

@@ -35,9 +35,10 @@ from fspo.runtime.distributed import (any_rank, clip_grad_norm, configure_shardi
 from fspo.update.metric_logging import emit_metrics
 from fspo.update.guard import DivergenceGuard, UpdateMeter
 from fspo.update.settings import PPOConfig
+from fspo.update.update_ratio import UpdateRatio
+from fspo.models.lora import is_lora
 from fspo.models.segment_attention import enable_segment_attention
 from fspo.update.stats import StepStats, peak_memory_mib
-from fspo.update.update_ratio import UpdateRatio
 from fspo.types import RolloutBatch
 
 
@@ -54,6 +55,7 @@ class RLModule(L.LightningModule):
                  seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None):
         super().__init__()
         self.policy = policy
+        self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
         # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
         if self.correction is not None and ppo.old_log_probs != "recompute":
@@ -78,7 +80,8 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.ppo.lr, betas=tuple(self.ppo.betas),
+        # trainable parameters only: with LoRA (fspo/models/lora.py) the adapters, so no optimizer state for the base
+        opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=self.ppo.lr, betas=tuple(self.ppo.betas),
                                 weight_decay=self.ppo.weight_decay)
         warm = max(0, int(self.ppo.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -158,7 +161,8 @@ class RLModule(L.LightningModule):
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
         self.timings["time/train"] = time.perf_counter() - t0
-        self._log_step(local, stats, batch.get("rollout_metrics", {}))
+        extra = dict(batch.get("rollout_metrics", {}))
+        self._log_step(local, stats, extra)
         self.rl_step += 1
 
     def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,

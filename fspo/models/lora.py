@@ -1,0 +1,213 @@
+"""LoRA adapters on the policy (``model.lora``, built with peft): only the adapters train.
+
+Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, ``target_modules``,
+``lr``), `lora_settings`, `lora_update_settings` (the adapters' learning rate), `target_names` / `check_targets` (the linear layers a model offers, and the one-line
+refusal of names it does not have), `apply_lora` (wrap a loaded HF causal LM with peft's LoRA: base
+frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share of a
+LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that
+hold a plain model: vLLM's weight sync). Leaves out: loading the base (fspo/models/loading.py),
+exporting a merged model from a checkpoint (fspo/models/lora_export.py) and the memory plan's
+LoRA terms (fspo/runtime/memory_plan.py).
+
+The adapted layer computes y = W0 x + (alpha / r) B A x, A [r, in], B [out, r], B = 0 at start
+(peft's init), so the wrapped policy equals the base model before the first update and the method
+computes exactly what it computes on a full model, with the gradient restricted to (A, B).
+
+Dtypes (the float32-master rule for trainable weights): every trainable parameter, the adapters, is
+float32 whatever ``model.dtype`` is, so the optimizer state (AdamW's moments) is float32 too; the
+frozen base may be bf16 since it is never updated (no tiny-lr bf16 updates that round to nothing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+ADAPTER = "default"  # peft's adapter name
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """``model.lora``: ``rank`` r (0: LoRA off), ``alpha`` (scale alpha / r), ``dropout`` on the
+    adapter input (training passes only), ``target_modules``: linear-layer names (the last segment,
+    e.g. ``q_proj``); None = every linear layer of attention and MLP (all but the LM head)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[Tuple[str, ...]] = None
+    lr: Optional[float] = None  # AdamW's learning rate for the adapters; None: ppo.lr
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+def lora_settings(model_cfg) -> LoRASettings:
+    """`LoRASettings` from a model config (a dict or DictConfig with an optional ``lora`` key)."""
+    node = (model_cfg or {}).get("lora") if hasattr(model_cfg, "get") else None
+    if not node:
+        return LoRASettings()
+    tm = node.get("target_modules")
+    lr = node.get("lr")
+    return LoRASettings(rank=int(node.get("rank", 0) or 0), alpha=float(node.get("alpha", 16.0)),
+                        dropout=float(node.get("dropout", 0.0) or 0.0),
+                        target_modules=None if tm is None else tuple(str(t) for t in tm),
+                        lr=None if lr is None else float(lr))
+
+
+def lora_update_settings(ppo, model_cfg):
+    """``ppo`` (a dataclass with ``lr``, e.g. `fspo.update.settings.PPOConfig`) with ``lr`` =
+    ``model.lora.lr`` when LoRA is on and that is set (adapters need a larger rate than full
+    fine-tuning: docs/lora.md), else ``ppo`` itself."""
+    from dataclasses import replace
+
+    settings = lora_settings(model_cfg)
+    return replace(ppo, lr=settings.lr) if settings.enabled and settings.lr is not None else ppo
+
+
+def target_names(model: nn.Module) -> List[str]:
+    """The distinct last-segment names of ``model``'s linear layers except the LM head (sorted): what
+    ``target_modules`` may name, and the default set."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head and n})
+
+
+def check_targets(settings: LoRASettings, available: Sequence[str]) -> List[str]:
+    """The target names to adapt (``settings.target_modules``, or all of ``available``); raises
+    ValueError naming the unknown ones and listing ``available`` when some do not exist."""
+    if settings.target_modules is None:
+        return list(available)
+    if not settings.target_modules:
+        raise ValueError("model.lora.target_modules=[]: no layer to adapt; set it to some of "
+                         f"{list(available)} or null (all of them)")
+    missing = [t for t in settings.target_modules if t not in available]
+    if missing:
+        raise ValueError(f"model.lora.target_modules={list(settings.target_modules)}: {missing} are not linear "
+                         f"layers of this model; it has {list(available)} (null: all of them)")
+    return list(settings.target_modules)
+
+
+def config_target_names(model_cfg) -> Optional[List[str]]:
+    """`target_names` of the configured model, from its config alone (built on the meta device: no
+    weights, milliseconds even for 8B); None when the config is not available before loading."""
+    source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
+    try:
+        if source == "random":
+            from fspo.models.tiny import tiny_qwen3_config
+
+            config = tiny_qwen3_config(**dict(model_cfg.get("arch") or {}))
+        else:
+            from transformers import AutoConfig
+
+            from fspo.models.loading import WARMSTART_DIR
+
+            where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
+            config = AutoConfig.from_pretrained(str(where), local_files_only=True)
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError):
+        return None
+    return target_names(model)
+
+
+def check_lora_targets(model_cfg) -> None:
+    """Refuse (ValueError, one line listing the model's linear layers) ``model.lora.target_modules``
+    naming layers the configured model does not have, before anything loads; a no-op without LoRA or
+    when the model's config is not available yet (then `apply_lora` checks after loading)."""
+    settings = lora_settings(model_cfg)
+    if settings.enabled and settings.target_modules is not None:
+        names = config_target_names(model_cfg)
+        if names is not None:
+            check_targets(settings, names)
+
+
+def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
+    """``model`` wrapped with LoRA adapters on ``settings``' targets (a peft ``PeftModelForCausalLM``),
+    or ``model`` unchanged when ``settings.rank == 0``. Base parameters are frozen
+    (``requires_grad=False``) in their dtype; adapters are float32 and trainable."""
+    if not settings.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = check_targets(settings, target_names(model))
+    config = LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha), lora_dropout=float(settings.dropout),
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+        else:
+            p.requires_grad_(False)
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    """True when ``model`` carries LoRA adapters (a peft model, possibly sharded)."""
+    return any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def param_counts(model: nn.Module) -> Dict[str, int]:
+    """``{"model/trainable_params", "model/total_params"}``: element counts (full, not per shard)."""
+    seen, total, trainable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:  # tied weights count once
+            continue
+        seen.add(id(p))
+        n = p.numel()  # a DTensor's numel is the full tensor's
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {"model/trainable_params": trainable, "model/total_params": total}
+
+
+def adapter_state(state: Dict[str, Tensor], policy: nn.Module, prefix: str = "policy.") -> Dict[str, Tensor]:
+    """``state`` (a module state dict whose policy entries start with ``prefix``) with, of the LoRA
+    ``policy``'s entries, the trainable ones only (the adapters; the frozen base, tied copies included,
+    is left out); every non-policy entry stays. The base is rebuilt from the run's ``model`` config on
+    resume and evaluation."""
+    trainable = {prefix + n for n, p in policy.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if not k.startswith(prefix) or k in trainable}
+
+
+def hf_name(peft_name: str) -> str:
+    """A peft state-dict name of a base weight as the HF checkpoint names it
+    (``base_model.model.x.q_proj.base_layer.weight`` -> ``x.q_proj.weight``)."""
+    name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
+    return name.replace(".base_layer.", ".")
+
+
+def _full(t: Tensor) -> Tensor:
+    full = getattr(t, "full_tensor", None)  # DTensor: all-gathered (a collective)
+    return (full() if full is not None else t).detach()
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> Iterator[Tuple[str, Tensor]]:
+    """``(hf_name, tensor)`` of the LoRA ``model`` with W = W0 + (alpha / r) B A for every adapted
+    layer, in the base's dtype, adapters left out; the other entries as they are (``lm_head.weight``
+    added as the embedding when tied). Under FSDP every rank must drain it (gathers are collectives)."""
+    state = model.state_dict()
+    seen_head, embed = False, None
+    for raw, t in state.items():
+        if "lora_" in raw or raw.endswith("rotary_emb.inv_freq"):
+            continue
+        name = hf_name(raw)
+        seen_head |= name == "lm_head.weight"
+        if name.endswith("embed_tokens.weight"):
+            embed = raw
+        w = _full(t)
+        if raw.endswith(".base_layer.weight"):
+            layer = model.get_submodule(raw[: -len(".base_layer.weight")])
+            a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
+            w = (w.float() + (b.float() @ a.float()) * float(layer.scaling[ADAPTER])).to(w.dtype)
+        yield name, w
+    config = getattr(model, "config", None)
+    if bool(getattr(config, "tie_word_embeddings", False)) and not seen_head and embed is not None:
+        yield "lm_head.weight", _full(state[embed])
