@@ -302,3 +302,27 @@ def test_old_log_prob_pass_size(mini_batch_size, epochs, rows):
     assert len(grads) == epochs * (B // mini_batch_size)
     totals = rollout.prompt_mask.sum(-1) + rollout.lengths
     assert m["perf/old_log_probs_tokens"] == (0.0 if rows == "none" else float(totals.sum()))
+
+
+def test_engine_old_log_probs_first_minibatch_is_measured():
+    """Issue 30 item 6 (the stale first batch). With ``ppo.old_log_probs=engine`` (what
+    ``rollout.overlap`` enforces: the batch was sampled by the engine's, possibly older, weights) the
+    first mini-batch's ratio is taken against the behaviour policy, so it is NOT on-policy: with one
+    update per step its band, LRE and log-ratio statistics are measured and fspo_ema's sigma-hat moves.
+
+    Hand computation: the engine's log-probs are the policy's own + 0.01 * (+1, -1, +1, ...) per token,
+    so S_i = -0.01 * (L_i mod 2): lengths (1, 12, 5, 7, 3, 12, 9, 2) give S / sqrt(L) =
+    (-0.01, 0, -0.01/sqrt5, -0.01/sqrt7, -0.01/sqrt3, 0, -0.01/3, 0); sigma_1 = 0.9 * 0.03 + 0.1 * stdev."""
+    import statistics
+
+    z = [-0.01, 0.0, -0.01 / 5 ** 0.5, -0.01 / 7 ** 0.5, -0.01 / 3 ** 0.5, 0.0, -0.01 / 3, 0.0]
+    expected = 0.9 * 0.03 + 0.1 * statistics.stdev(z)  # 0.02728...
+    module, _, metrics = run_update(_engine_rollout(0.01), clip_name="fspo_ema", mini_batch_size=B,
+                                    old_log_probs="engine")
+    assert float(module.clip.sigma_hat) == pytest.approx(expected, abs=1e-7)
+    assert metrics["clip/sigma_hat"] == pytest.approx(expected, abs=1e-7)
+    assert "fairness/lre" in metrics and metrics["logratio/n"] == B
+    # with the policy's own log-probs recomputed (recompute), the one mini-batch is on-policy (S = 0):
+    # nothing to measure, sigma-hat stays at sigma_0
+    module, _, metrics = run_update(_fresh_rollout(), clip_name="fspo_ema", mini_batch_size=B)
+    assert float(module.clip.sigma_hat) == pytest.approx(0.03) and "fairness/lre" not in metrics

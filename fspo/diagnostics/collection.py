@@ -51,8 +51,9 @@ class FairnessMetrics(torch.nn.Module):
     (LogRatioStats: ``logratio/*``), ``rollout`` (RolloutLengthStats: ``rollout/*``).
     ``metric_kwargs`` go to every torchmetrics Metric (e.g. ``process_group``, ``sync_on_compute``).
 
-    On-policy convention: the first mini-batch of each step is trained before any update, so its
-    S = 0 exactly and it is always in the band. Like the log-ratio statistics (the paper's Figure 1
+    On-policy convention: the first mini-batch of each step is trained before any update, so with
+    recomputed old log-probs its S = 0 exactly and it is always in the band (with the engine's old
+    log-probs it is not on-policy and the training step counts it like any other: issue 30). Like the log-ratio statistics (the paper's Figure 1
     count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance counts (``band/*``,
     ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
     fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees.

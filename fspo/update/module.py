@@ -20,6 +20,11 @@ with one epoch, the rows of the step's first mini-batch: the policy has not chan
 generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
 old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
 one update per step it skips all of it. Old log-probs already in the batch are used as given.
+Which mini-batch is on-policy (S = 0 exactly: left out of the log-ratio statistics, the acceptance
+counts and the running band's ``observe``): only the first one of a step whose old log-probs come from
+its own loss pass. With supplied old log-probs (``engine``, and always under ``rollout.overlap``,
+where the engine's weights are k steps behind) the ratio of every mini-batch, the first included, is
+against the policy that generated the batch, and is measured (issue 30: the stale first batch).
 """
 from __future__ import annotations
 
@@ -147,7 +152,10 @@ class RLModule(L.LightningModule):
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
             # the gap of rows the old-log-prob pass did not compute is taken in the first loss pass
-            self._update(mb, opt, stats, on_policy=(updates == 0), old_from_loss=(updates == 0 and not supplied),
+            # on-policy (S = 0 exactly) only when the old log-probs are this update's own: a supplied batch
+            # (the engine's log-probs: the behaviour policy, k steps stale under rollout.overlap) is measured
+            self._update(mb, opt, stats, on_policy=(updates == 0 and not supplied),
+                         old_from_loss=(updates == 0 and not supplied),
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
                          rows=share(torch.arange(mb.batch_size), rank, world))
         sched.step()
