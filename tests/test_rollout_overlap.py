@@ -108,6 +108,7 @@ def test_schedule_gives_step_t_the_weights_of_the_end_of_step_t_minus_1_minus_k(
         policy = {"version": t - 1}  # W_{t-1}
         seed, version = pipe.take(t, last, policy, lambda s: ([], SamplingConfig(seed=s)))
         assert seed == t  # the request for step t
+        assert pipe.lag == (t - 1) - version  # steps between the sampling weights and the trainer's
         got.append(version)
     assert got == [max(t - 1 - k, -1) for t in range(last + 1)]
     assert pipe.engine.queue == [] and pipe.in_flight == []
@@ -117,7 +118,7 @@ def test_a_resumed_pipeline_starts_over_with_the_current_weights():
     pipe = RolloutPipeline(RecordingEngine(), staleness=1)
     pipe.take(0, 9, {"version": -1}, lambda s: ([], SamplingConfig(seed=s)))  # step 1 in flight with W_{-1}
     seed, version = pipe.take(5, 9, {"version": 4}, lambda s: ([], SamplingConfig(seed=s)))  # a resume at step 5
-    assert (seed, version) == (5, 4) and pipe.in_flight == [6]
+    assert (seed, version) == (5, 4) and pipe.in_flight == [6] and pipe.lag == 0
 
 
 def test_overlap_settings_are_checked():

@@ -52,8 +52,8 @@ class FairnessMetrics(torch.nn.Module):
     ``metric_kwargs`` go to every torchmetrics Metric (e.g. ``process_group``, ``sync_on_compute``).
 
     On-policy convention: the first mini-batch of each step is trained before any update, so with
-    recomputed old log-probs its S = 0 exactly and it is always in the band (with the engine's old
-    log-probs it is not on-policy and the training step counts it like any other: issue 30). Like the log-ratio statistics (the paper's Figure 1
+    recomputed old log-probs (or the engine's, sampled by the same weights) its S = 0 and it is always in the
+    band (a stale batch, rollout.overlap, is not on-policy: the training step counts it like any other). Like the log-ratio statistics (the paper's Figure 1
     count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance counts (``band/*``,
     ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
     fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees.
