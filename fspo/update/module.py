@@ -209,7 +209,8 @@ class RLModule(L.LightningModule):
             meter.add(res.token_loss, logp, old, micro.response_mask)
             # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
             for d in self._diagnostics():
-                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
+                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy,
+                              token_log_ratio=None if on_policy else (logp.detach() - old))
             stats.metrics_time += time.perf_counter() - t_m
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)
