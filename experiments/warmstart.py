@@ -95,6 +95,8 @@ def main(argv=None):
                     "instead of a fresh model: the long-chain warm start continues the default one")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="of the accuracy evaluations")
     ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--max-positions", type=int, default=None, help="set the config's max_position_embeddings "
+                    "(and the tokenizer's model_max_length): RoPE has no table, the number only bounds prompt + response")
     ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
     a = ap.parse_args(argv)
 
@@ -105,6 +107,8 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_pretrained(a.init, torch_dtype=torch.float32)
     else:
         model = build_tiny_model(seed=a.seed)
+    if a.max_positions:
+        model.config.max_position_embeddings = tok.model_max_length = int(a.max_positions)
     task = dict(max_operand=a.max_operand, max_ops=a.max_ops, min_ops=a.min_ops)
     # the RL train split (conf/data/arithmetic.yaml: seed 0, 20000 problems); validation excludes all of it
     train = ArithmeticTask("train", size=a.train_size, seed=0, **task)
