@@ -79,6 +79,12 @@ def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128,
     return sum(r.components["correct"]) / len(samples)
 
 
+def _save(model, tok, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -132,6 +138,8 @@ def main(argv=None):
         if step % 25 == 0:
             print(json.dumps({"step": step, "loss": round(float(loss.detach()), 4),
                               "elapsed_s": round(time.time() - t0, 1)}), flush=True)
+        if step == a.steps:  # saved before its evaluation: an evaluation error loses no training
+            _save(model, tok, Path(a.out))
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
             n = a.max_new_tokens
@@ -142,9 +150,6 @@ def main(argv=None):
             history.append(rec)
             print(json.dumps(rec), flush=True)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
     (out / "warmstart.json").write_text(json.dumps({"args": vars(a), "history": history}, indent=1))
     print(f"saved warm start to {out}")
 
