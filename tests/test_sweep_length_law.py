@@ -70,3 +70,18 @@ def test_matched_bands_equal_at_median_length(arms):
     assert up * L_MED == pytest.approx(BAND, rel=1e-4) and lo * L_MED == pytest.approx(BAND, rel=1e-4)
     up, lo = _log_bounds(arms["grpo_matched"].clip)  # per token
     assert up == pytest.approx(SIGMA, rel=2e-3) and lo == pytest.approx(SIGMA, rel=2e-3)
+
+
+def test_long_warm_start_fits_prompt_and_response(arms):
+    """The engine refuses prompt + max_new_tokens above max_position_embeddings: the long-chain warm start
+    raises it (RoPE has no position table, experiments/warmstart.py --max-positions)."""
+    import json
+    from pathlib import Path
+
+    cfg = arms["fspo_matched"]
+    asset = Path(__file__).resolve().parents[1] / cfg.model.path
+    config = json.loads((asset / "config.json").read_text())
+    assert config["max_position_embeddings"] >= cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens
+    assert config["rope_parameters"]["rope_type"] == "default"
+    made = json.loads((asset / "warmstart.json").read_text())["args"]
+    assert made["init"] == "fspo/assets/tiny_warmstart" and made["max_ops"] == 64 and made["min_ops"] == 4
