@@ -6,6 +6,9 @@ models). The committed checkpoint was made by this script with its defaults:
 
     python experiments/warmstart.py --steps 400 --slip 0.5 --out fspo/assets/tiny_warmstart
 
+The long-chain warm start (``fspo/assets/tiny_warmstart_long``, the length-law task conf/data/arithmetic_law.yaml)
+continues that one on 4..64-operand chains (responses ~30-600 tokens); its command is in its warmstart.json.
+
 Training: next-token cross-entropy on the response tokens (the worked solution + EOS) only, AdamW,
 cosine schedule. The demonstrations carry a realistic, learnable flaw, like the answer-reporting
 habits RL fixes first in base models: in a fraction ``--slip`` (default 0.5) of them the worked
@@ -76,6 +79,12 @@ def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128,
     return sum(r.components["correct"]) / len(samples)
 
 
+def _save(model, tok, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -87,16 +96,30 @@ def main(argv=None):
     ap.add_argument("--slip", type=float, default=0.5)
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--max-ops", type=int, default=9)
+    ap.add_argument("--min-ops", type=int, default=2)
+    ap.add_argument("--init", default=None, help="start from this checkpoint (e.g. fspo/assets/tiny_warmstart) "
+                    "instead of a fresh model: the long-chain warm start continues the default one")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="of the accuracy evaluations")
+    ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--max-positions", type=int, default=None, help="set the config's max_position_embeddings "
+                    "(and the tokenizer's model_max_length): RoPE has no table, the number only bounds prompt + response")
     ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
     a = ap.parse_args(argv)
 
     torch.manual_seed(a.seed)
     tok = build_tokenizer()
-    model = build_tiny_model(seed=a.seed)
-    task = dict(max_operand=a.max_operand, max_ops=a.max_ops)
+    if a.init:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(a.init, torch_dtype=torch.float32)
+    else:
+        model = build_tiny_model(seed=a.seed)
+    if a.max_positions:
+        model.config.max_position_embeddings = tok.model_max_length = int(a.max_positions)
+    task = dict(max_operand=a.max_operand, max_ops=a.max_ops, min_ops=a.min_ops)
     # the RL train split (conf/data/arithmetic.yaml: seed 0, 20000 problems); validation excludes all of it
     train = ArithmeticTask("train", size=a.train_size, seed=0, **task)
-    val = [ArithmeticTask("val", size=256, seed=0, exclude_size=a.train_size, **task)[i] for i in range(256)]
+    val = [ArithmeticTask("val", size=a.eval_size, seed=0, exclude_size=a.train_size, **task)[i]
+           for i in range(a.eval_size)]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))
@@ -112,18 +135,21 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if step % 25 == 0:
+            print(json.dumps({"step": step, "loss": round(float(loss.detach()), 4),
+                              "elapsed_s": round(time.time() - t0, 1)}), flush=True)
+        if step == a.steps:  # saved before its evaluation: an evaluation error loses no training
+            _save(model, tok, Path(a.out))
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
-            rec = {"step": step, "loss": float(loss.detach()), "greedy_acc": accuracy(model, tok, val, 0.0),
-                   "sampled_acc": accuracy(model, tok, val, 1.0), "paper_decoding_acc": accuracy(model, tok, val, 0.6),
+            n = a.max_new_tokens
+            rec = {"step": step, "loss": float(loss.detach()), "greedy_acc": accuracy(model, tok, val, 0.0, n),
+                   "sampled_acc": accuracy(model, tok, val, 1.0, n), "paper_decoding_acc": accuracy(model, tok, val, 0.6, n),
                    "elapsed_s": time.time() - t0}
             model.train()
             history.append(rec)
             print(json.dumps(rec), flush=True)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
     (out / "warmstart.json").write_text(json.dumps({"args": vars(a), "history": history}, indent=1))
     print(f"saved warm start to {out}")
 

@@ -53,7 +53,48 @@ def test_std_exponent_exactly_half():
     for L in (50, 150, 420, 999, 5000):
         a = 0.03 * math.sqrt(L)
         m.update(_f64([a, -a, a, -a]), torch.full((4,), L))
-    assert m.compute()["logratio/std_exponent"] == pytest.approx(0.5, abs=1e-12)
+    out = m.compute()
+    assert out["logratio/std_exponent"] == pytest.approx(0.5, abs=1e-12)
+    # std exactly c L^0.5 (c = 0.03 * sqrt(4/3), the sample std of (a, -a, a, -a) being a sqrt(4/3)): R^2 = 1
+    assert out["logratio/std_exponent_r2"] == pytest.approx(1.0, abs=1e-12)
+    assert out["logratio/std_prefactor"] == pytest.approx(0.03 * math.sqrt(4 / 3), rel=1e-10)
+    assert out["logratio/std_exponent_bins"] == 5
+
+
+def test_std_exponent_r2_by_hand():
+    """Three bins, L = 1, e, e^2 (log L = 0, 1, 2) with std = 1, e, 1 (log std = 0, 1, 0): the
+    log-log slope is 0, so R^2 = 0; with std = 1, e^1, e^3 (log std 0, 1, 3): slope 1.5,
+    intercept -1/6, R^2 = 1.5^2 * 2 / (sum (y - 4/3)^2 = 16/9 + 1/9 + 25/9 = 42/9) = 27/28."""
+    from fspo.diagnostics.log_ratio import _power_fit
+
+    L = _f64([1.0, math.e, math.e ** 2])
+    flat = _power_fit(L, _f64([1.0, math.e, 1.0]))
+    assert flat["logratio/std_exponent"] == pytest.approx(0.0, abs=1e-12)
+    assert flat["logratio/std_exponent_r2"] == pytest.approx(0.0, abs=1e-12)
+    bent = _power_fit(L, _f64([1.0, math.e, math.e ** 3]))
+    assert bent["logratio/std_exponent"] == pytest.approx(1.5, rel=1e-12)
+    assert bent["logratio/std_exponent_r2"] == pytest.approx(27 / 28, rel=1e-12)
+    assert bent["logratio/std_prefactor"] == pytest.approx(math.exp(-1 / 6), rel=1e-12)
+    assert bent["logratio/std_exponent_bins"] == 3
+
+
+def test_qq_per_bin_standardisation_is_law_free():
+    """S exactly normal-quantile shaped in each of two bins, with std growing like L^1 (not sqrt L):
+    standardised by sqrt(L) sigma_hat the two bins' Z have different spreads (qq_r2 < 1); by each bin's
+    own std they coincide: qq_r2_per_bin is that of the n quantiles taken twice (a linear map of Z
+    leaves R^2 unchanged)."""
+    n = 401
+    q = normal_quantiles(n)
+    m = LogRatioStats(LengthBins(edges=[0, 100, 1000]), reservoir_size=2048)
+    m.update(torch.cat([0.01 * 50 * q, 0.01 * 500 * q]), torch.cat([torch.full((n,), 50), torch.full((n,), 500)]))
+    out = m.compute()
+    from fspo.diagnostics.log_ratio import _qq_fit
+
+    twice = _qq_fit(torch.cat([q, q]))["logratio/qq_r2"]  # the n quantiles taken twice: 0.99984
+    assert twice > 0.9998
+    assert out["logratio/qq_r2_per_bin"] == pytest.approx(twice, abs=1e-12)
+    assert out["logratio/qq_r2"] < 0.97
+    assert out["logratio/std_exponent"] == pytest.approx(1.0, abs=1e-12)
 
 
 def test_qq_exact_on_normal_quantiles():

@@ -149,6 +149,8 @@ def test_two_tiny_runs_layout(tmp_path):
     assert not [k for k in metrics if "n_seq" in k and not k.startswith("zz counts/")]
     assert any(k.startswith("clip/seq_frac.len_") for k in metrics)  # per-bin series inside `clip`
     assert any(k.startswith("run/clip.seq_frac.len_") for k in metrics)
+    # the run's length law (issue 30 item 2): std(S_L) ~ c L^gamma over its length bins, and the Q-Q R^2
+    assert {"run/logratio.std_exponent", "run/logratio.std_exponent_r2", "run/logratio.qq_r2"} <= set(metrics)
     plots = {a.path for a in client.list_artifacts(first, "plots")}
     assert {"plots/lre_by_step.png", "plots/clip_fraction_by_length.png"} <= plots
 

@@ -67,11 +67,12 @@ def make_rollout(seed: int = 0) -> RolloutBatch:
 
 
 class InjectRollout(L.Callback):
-    def __init__(self, rollout: RolloutBatch):
-        self.rollout = rollout
+    def __init__(self, rollout: RolloutBatch, policy_lag: int = 0):
+        self.rollout, self.policy_lag = rollout, policy_lag
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         batch["rollout"] = copy.deepcopy(self.rollout)
+        batch["policy_lag"] = self.policy_lag  # as RolloutCallback: rollout.overlap's steps of lag, else 0
 
 
 class RecordGrads(L.Callback):
@@ -92,7 +93,7 @@ class SGDModule(RLModule):
 
 
 def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "token-mean", sgd: bool = False,
-               **ppo):
+               policy_lag: int = 0, **ppo):
     """One RL step (``B / mini_batch_size`` optimizer updates) on ``rollout``; returns
     (module, recorded gradients, logged metrics)."""
     settings = dict(mini_batch_size=4, micro_batch_max_tokens=8192, lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
@@ -105,7 +106,7 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
     rec = RecordGrads()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[InjectRollout(rollout), rec])
+                        limit_val_batches=0, callbacks=[InjectRollout(rollout, policy_lag), rec])
     data = DataLoader([{"prompts": ["unused"]}], batch_size=None)  # one RL step
     trainer.fit(module, train_dataloaders=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -302,3 +303,28 @@ def test_old_log_prob_pass_size(mini_batch_size, epochs, rows):
     assert len(grads) == epochs * (B // mini_batch_size)
     totals = rollout.prompt_mask.sum(-1) + rollout.lengths
     assert m["perf/old_log_probs_tokens"] == (0.0 if rows == "none" else float(totals.sum()))
+
+
+def test_engine_old_log_probs_first_minibatch_is_measured():
+    """Issue 30 item 6 (the stale first batch). Under ``rollout.overlap`` the batch was sampled by the
+    engine's weights ``policy_lag`` steps behind and its old log-probs are the engine's: the first
+    mini-batch's ratio is against that behaviour policy, so it is NOT on-policy: with one update per
+    step its band, LRE and log-ratio statistics are measured and fspo_ema's sigma-hat moves.
+
+    Hand computation: the engine's log-probs are the policy's own + 0.01 * (+1, -1, +1, ...) per token,
+    so S_i = -0.01 * (L_i mod 2): lengths (1, 12, 5, 7, 3, 12, 9, 2) give S / sqrt(L) =
+    (-0.01, 0, -0.01/sqrt5, -0.01/sqrt7, -0.01/sqrt3, 0, -0.01/3, 0); sigma_1 = 0.9 * 0.03 + 0.1 * stdev."""
+    import statistics
+
+    z = [-0.01, 0.0, -0.01 / 5 ** 0.5, -0.01 / 7 ** 0.5, -0.01 / 3 ** 0.5, 0.0, -0.01 / 3, 0.0]
+    expected = 0.9 * 0.03 + 0.1 * statistics.stdev(z)  # 0.02728...
+    module, _, metrics = run_update(_engine_rollout(0.01), clip_name="fspo_ema", mini_batch_size=B,
+                                    old_log_probs="engine", policy_lag=1)
+    assert float(module.clip.sigma_hat) == pytest.approx(expected, abs=1e-7)
+    assert metrics["clip/sigma_hat"] == pytest.approx(expected, abs=1e-7)
+    assert "fairness/lre" in metrics and metrics["logratio/n"] == B
+    # on-policy first mini-batches (S = 0 up to the engine's float gap) are still left out: the engine's
+    # log-probs with no lag (a synchronous run), and recomputed ones; sigma-hat stays at sigma_0
+    for rollout, ppo in ((_engine_rollout(0.01), dict(old_log_probs="engine")), (_fresh_rollout(), {})):
+        module, _, metrics = run_update(rollout, clip_name="fspo_ema", mini_batch_size=B, **ppo)
+        assert float(module.clip.sigma_hat) == pytest.approx(0.03) and "fairness/lre" not in metrics

@@ -108,6 +108,7 @@ def test_schedule_gives_step_t_the_weights_of_the_end_of_step_t_minus_1_minus_k(
         policy = {"version": t - 1}  # W_{t-1}
         seed, version = pipe.take(t, last, policy, lambda s: ([], SamplingConfig(seed=s)))
         assert seed == t  # the request for step t
+        assert pipe.lag == (t - 1) - version  # steps between the sampling weights and the trainer's
         got.append(version)
     assert got == [max(t - 1 - k, -1) for t in range(last + 1)]
     assert pipe.engine.queue == [] and pipe.in_flight == []
@@ -117,7 +118,7 @@ def test_a_resumed_pipeline_starts_over_with_the_current_weights():
     pipe = RolloutPipeline(RecordingEngine(), staleness=1)
     pipe.take(0, 9, {"version": -1}, lambda s: ([], SamplingConfig(seed=s)))  # step 1 in flight with W_{-1}
     seed, version = pipe.take(5, 9, {"version": 4}, lambda s: ([], SamplingConfig(seed=s)))  # a resume at step 5
-    assert (seed, version) == (5, 4) and pipe.in_flight == [6]
+    assert (seed, version) == (5, 4) and pipe.in_flight == [6] and pipe.lag == 0
 
 
 def test_overlap_settings_are_checked():
@@ -161,3 +162,7 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
     gap = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_gap")}
     assert sorted(gap) == [0, 1, 2, 3, 4]
     assert gap[0] < 1e-5 < min(gap[1], gap[2])  # float32 noise at step 0; a policy lag after
+    # issue 30 (the stale first batch): a stale step measures all 4 mini-batches of 8 (32 sequences), a step
+    # whose request used the current weights (0, and 3: the resumed pipeline starts over) only the last 3
+    n = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "logratio/n")}
+    assert all(n[s] > 24 for s in (1, 2, 4)) and all(n[s] <= 24 for s in (0, 3)), n

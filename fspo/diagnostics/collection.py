@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from fspo.clipping.base import ClipResult
+from fspo.diagnostics.autocorr import TokenLogRatioACF
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.clip_fraction import ClipFractionByLength
 from fspo.diagnostics.lengths import RolloutLengthStats
@@ -51,11 +52,13 @@ class FairnessMetrics(torch.nn.Module):
 
     Submodules: ``clip`` (ClipFractionByLength: ``band/*``, ``fairness/*`` from the paper's
     acceptance event, ``clip/*`` and ``fairness/binding_*`` from the binding clips), ``log_ratio``
-    (LogRatioStats: ``logratio/*``), ``rollout`` (RolloutLengthStats: ``rollout/*``).
+    (LogRatioStats: ``logratio/*``), ``rollout`` (RolloutLengthStats: ``rollout/*``), ``acf``
+    (TokenLogRatioACF: ``logratio/acf*``, ``logratio/tok_std*``, when given per-token log-ratios).
     ``metric_kwargs`` go to every torchmetrics Metric (e.g. ``process_group``, ``sync_on_compute``).
 
-    On-policy convention: the first mini-batch of each step is trained before any update, so its
-    S = 0 exactly and it is always in the band. Like the log-ratio statistics (the paper's Figure 1
+    On-policy convention: the first mini-batch of each step is trained before any update, so with
+    recomputed old log-probs (or the engine's, sampled by the same weights) its S = 0 and it is always in the
+    band (a stale batch, rollout.overlap, is not on-policy: the training step counts it like any other). Like the log-ratio statistics (the paper's Figure 1
     count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance counts (``band/*``,
     ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
     fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees.
@@ -73,11 +76,13 @@ class FairnessMetrics(torch.nn.Module):
         self.clip = ClipFractionByLength(bins, lre_min_len=lre_min_len, **metric_kwargs)
         self.log_ratio = LogRatioStats(bins, reservoir_size=reservoir_size, seed=seed, **metric_kwargs)
         self.rollout = RolloutLengthStats(**metric_kwargs)
+        self.acf = TokenLogRatioACF(bins, **metric_kwargs)  # per-token d_t along the response (positions in `bins`)
         self._last: Optional[Dict[str, float]] = None
 
     @torch.no_grad()
     def update_clip(self, result: ClipResult, lengths: Optional[Tensor], response_mask: Tensor,
-                    advantages: Tensor, log_ratio: bool = True, on_policy: Optional[bool] = None) -> None:
+                    advantages: Tensor, log_ratio: bool = True, on_policy: Optional[bool] = None,
+                    token_log_ratio: Optional[Tensor] = None) -> None:
         """Count one (micro-)batch's binding masks, acceptance event and sequence log-ratios.
 
         ``result``: the clip rule's ClipResult; ``lengths`` [B] (or None: ``response_mask.sum(-1)``);
@@ -87,6 +92,7 @@ class FairnessMetrics(torch.nn.Module):
         training step passes ``log_ratio=False`` for its on-policy mini-batch). An on-policy batch
         is left out of the log-ratio statistics, and of the acceptance counts unless
         ``acceptance_on_policy`` (class docstring); the binding clips always count it.
+        ``token_log_ratio`` [B, T] (optional): the per-token d_t, for their autocorrelation (autocorr.py).
         """
         if lengths is None:
             lengths = torch.as_tensor(response_mask).sum(-1)
@@ -97,6 +103,8 @@ class FairnessMetrics(torch.nn.Module):
                          acceptance=self.acceptance_on_policy or not on_policy)
         if log_ratio:  # False for on-policy mini-batches, whose S is identically 0
             self.log_ratio.update(result.seq_log_ratio.detach(), lengths)
+            if token_log_ratio is not None:
+                self.acf.update(token_log_ratio, response_mask)
 
     @torch.no_grad()
     def update_rollout(self, lengths: Tensor, overlong: Tensor) -> None:
@@ -114,7 +122,7 @@ class FairnessMetrics(torch.nn.Module):
         out: Dict[str, float] = {}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
-            for m in (self.clip, self.log_ratio, self.rollout):
+            for m in (self.clip, self.log_ratio, self.rollout, self.acf):
                 out.update(m.compute())
         check_metric_names(out)
         bad = [k for k, v in out.items() if not math.isfinite(v)]
@@ -156,6 +164,6 @@ class FairnessMetrics(torch.nn.Module):
 
     def reset(self) -> None:
         """Zero every metric state (call after each logging interval)."""
-        for m in (self.clip, self.log_ratio, self.rollout):
+        for m in (self.clip, self.log_ratio, self.rollout, self.acf):
             m.reset()
         self._last = None

@@ -14,8 +14,9 @@ all values"). Removing mu_b costs a degree of freedom per bin; if S_i ~ N(mu_b, 
 independently, E[sum_{i in b} (S_i - mu_b)^2 / L_i] = sigma^2 (n_b - 2 + (sum L)(sum 1/L) / n_b^2)
 (= n_b - 1 for equal L), which gives the unbiased ``sigma_hat_unbiased`` too. Per bin:
 mean mu_b and sample std sqrt((sum S^2 - n mu_b^2)/(n_b - 1)) (bins with n_b >= 2).
-``std_exponent`` is the least-squares slope of log std_b on log mean-L_b over bins with n_b >= 2
-and std_b > 0 (theory: 0.5, std(S_L) = sigma sqrt(L)).
+``std_exponent`` is the least-squares slope gamma of log std_b on log mean-L_b over bins with n_b >= 2
+and std_b > 0 (theory: 0.5, std(S_L) = sigma sqrt(L)), with ``std_prefactor`` c (std_b ~ c L^gamma),
+``std_exponent_r2`` the R^2 of that log-log fit and ``std_exponent_bins`` the number of bins in it.
 
 Sampled part: a reservoir of ``reservoir_size`` (S, L) pairs drawn uniformly from every sequence
 seen by this rank (Algorithm R; the random draw for the n-th sequence is a hash of (seed, n), so
@@ -23,7 +24,10 @@ k updates give the same reservoir as one update on their concatenation). States 
 tensors; under distribution the per-rank reservoirs are concatenated (at most world_size*size
 entries; equal weight per rank). The Q-Q statistics are therefore SAMPLED, unlike the exact sums:
 Z = (S - mu_b)/(sqrt(L) sigma_hat) sorted against normal quantiles Phi^{-1}((i - 3/8)/(n + 1/4))
-(Blom), fitted by least squares: ``qq_slope``, ``qq_intercept``, ``qq_r2`` (squared correlation).
+(Blom), fitted by least squares: ``qq_slope``, ``qq_intercept``, ``qq_r2`` (squared correlation): the
+paper's standardisation, which assumes the sqrt(L) law. ``qq_r2_per_bin`` standardises each bin by its
+own sample std instead, Z_b = (S - mu_b) / std_b: it tests the shape (Gaussian within a length) apart
+from the length law, so qq_r2 << qq_r2_per_bin says the sqrt(L) scaling, not the shape, is what fails.
 
 Rows with L = 0 (or L below the first edge) are ignored. Keys with an empty denominator are omitted.
 """
@@ -155,10 +159,7 @@ class LogRatioStats(DiagnosticMetric):
             out["logratio/n"] = N
         fit = (n > 1) & (std > 0)
         if int(fit.sum()) >= 2:
-            x, y = mean_len[fit].log(), std[fit].log()
-            vx = ((x - x.mean()) ** 2).sum()
-            if vx > 0:
-                out["logratio/std_exponent"] = float(((x - x.mean()) * (y - y.mean())).sum() / vx)
+            out.update(_power_fit(mean_len[fit], std[fit]))
         self.last_z = None
         valid = self.res_len.reshape(-1) > 0
         if sigma > 0 and int(valid.sum()) >= 3:
@@ -166,6 +167,11 @@ class LogRatioStats(DiagnosticMetric):
             z = (rs - mu[self.bins.index(rl)]) / (rl.double().sqrt() * sigma)
             out.update(_qq_fit(z))
             self.last_z = z.sort().values.cpu().numpy()
+            sb = std[self.bins.index(rl)]  # the law-free reading: each bin standardised by its own std
+            ok = sb > 0
+            if int(ok.sum()) >= 3:
+                zb = (rs[ok] - mu[self.bins.index(rl[ok])]) / sb[ok]
+                out["logratio/qq_r2_per_bin"] = _qq_fit(zb)["logratio/qq_r2"]
         self.last_per_bin = {"count": n.cpu().numpy(), "mean_len": mean_len.cpu().numpy(),
                              "mean": mu.cpu().numpy(), "std": std.cpu().numpy()}
         return out
@@ -174,6 +180,22 @@ class LogRatioStats(DiagnosticMetric):
         """Zero every state and drop the arrays cached by the last `compute()` for plotting."""
         super().reset()
         self.last_per_bin, self.last_z = None, None
+
+
+def _power_fit(length: Tensor, std: Tensor) -> Dict[str, float]:
+    """Least squares of log std_b = log c + gamma log L_b over the bins given (>= 2):
+    ``std_exponent`` gamma, ``std_prefactor`` c, ``std_exponent_r2`` (R^2 of the log-log fit; 1 when the
+    bins' std is exactly c L^gamma; 0 when gamma explains nothing), ``std_exponent_bins`` the count."""
+    x, y = length.double().log(), std.double().log()
+    xc, yc = x - x.mean(), y - y.mean()
+    vx, vy = (xc * xc).sum(), (yc * yc).sum()
+    out = {"logratio/std_exponent_bins": float(x.numel())}
+    if vx > 0:
+        gamma = (xc * yc).sum() / vx
+        out["logratio/std_exponent"] = float(gamma)
+        out["logratio/std_prefactor"] = float((y.mean() - gamma * x.mean()).exp())
+        out["logratio/std_exponent_r2"] = float(gamma * gamma * vx / vy) if vy > 0 else 1.0
+    return out
 
 
 def normal_quantiles(n: int, dtype=torch.float64, device=None) -> Tensor:

@@ -187,6 +187,7 @@ class RolloutCallback(L.Callback):
             rollout, ds = self._filter_groups(trainer, pl_module, rollout, out, params, len(prompts), timings)
             metrics.update(ds)
         batch["rollout"] = rollout
+        batch["policy_lag"] = self.pipeline.lag if self.pipeline is not None else 0  # steps behind the trainer
         batch["rollout_metrics"] = metrics
         batch["rollout_timings"] = timings
 

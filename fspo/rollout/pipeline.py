@@ -21,7 +21,9 @@ The behaviour policy of every rollout is the engine's (the weights its slot held
 log-probs come with the rollout (``engine_log_probs``), so the importance ratio is taken against
 the policy that sampled it (``ppo.old_log_probs=engine``, enforced by fspo/runtime/config_check.py);
 the clip rules, FSPO's band and the rollout-correction diagnostics apply unchanged, now measuring a
-k-step policy lag too. Requests past ``last_step`` are not submitted.
+k-step policy lag too. Requests past ``last_step`` are not submitted. The lag of each rollout taken
+(``RolloutPipeline.lag``) goes with the batch as ``policy_lag``: with lag > 0 the step's first mini-batch
+is not on-policy and is measured like the others (fspo/update/module.py).
 
 Data parallel (``trainer=fsdp``): every rank has its own engine process, fed the FULL weights gathered
 from the shards at each push (fspo/rollout/async_engine.py), and generates that rank's share of the
@@ -77,9 +79,12 @@ class RolloutPipeline:
     def __init__(self, engine: AsyncEngine, staleness: int = 1):
         self.engine, self.k = engine, int(staleness)
         self.in_flight: List[int] = []  # steps submitted and not collected, oldest first
+        self.submitted_at: Dict[int, int] = {}  # step -> the trainer's step when it was submitted (weights W_{that-1})
+        self.lag = 0  # policy lag of the last rollout taken: optimizer steps between its weights and the trainer's
 
-    def _submit(self, step: int, policy, request: Callable[[int], Request]) -> None:
+    def _submit(self, step: int, policy, request: Callable[[int], Request], now: int) -> None:
         slot = step % self.k
+        self.submitted_at[step] = now
         self.engine.push(policy, slot)
         prompt_ids, params = request(step)
         self.engine.submit(slot, prompt_ids, params)
@@ -88,17 +93,20 @@ class RolloutPipeline:
     def take(self, step: int, last_step: int, policy, request: Callable[[int], Request],
              timings: Optional[Dict[str, float]] = None) -> RolloutBatch:
         """Step ``step``'s rollout; submits the requests ahead (up to ``last_step``) with ``policy``'s
-        current weights. ``request(s)`` gives step s's prompt token ids and sampling settings."""
+        current weights. ``request(s)`` gives step s's prompt token ids and sampling settings. After the
+        call ``lag`` is the rollout's policy lag: RL steps between the weights that sampled it and ``policy``'s
+        (k in steady state; t for the first steps t < k; 0 for a step whose request was submitted now)."""
         if not self.in_flight or self.in_flight[0] != step:  # first step, or a resume: start over
             self.reset()
             for s in range(step, min(step + self.k, last_step + 1)):
-                self._submit(s, policy, request)
+                self._submit(s, policy, request, step)
         t0 = time.perf_counter()
         rollout = self.engine.result()
         self.in_flight.pop(0)
+        self.lag = step - self.submitted_at.pop(step)  # k in steady state; fewer for the first k steps
         t1 = time.perf_counter()
         if step + self.k <= last_step:
-            self._submit(step + self.k, policy, request)
+            self._submit(step + self.k, policy, request, step)
         if timings is not None:
             timings["time/generate"] = t1 - t0  # waiting for the engine (what overlap did not hide)
             timings["time/weight_sync"] = time.perf_counter() - t1
@@ -113,9 +121,9 @@ class RolloutPipeline:
         """Drop every request still in flight (their results are read and discarded)."""
         while self.in_flight:
             self.engine.result()
-            self.in_flight.pop(0)
+            self.submitted_at.pop(self.in_flight.pop(0), None)
 
     def close(self) -> None:
         """Stop the engine process."""
-        self.in_flight = []
+        self.in_flight, self.submitted_at = [], {}
         self.engine.close()

@@ -20,6 +20,12 @@ with one epoch, the rows of the step's first mini-batch: the policy has not chan
 generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
 old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
 one update per step it skips all of it. Old log-probs already in the batch are used as given.
+Which mini-batch is on-policy (S = 0: left out of the log-ratio statistics, the acceptance counts and
+the running band's ``observe``): only a step's first one, and only when its old log-probs are the
+current weights' (recomputed, or the engine's with ``batch["policy_lag"]`` 0, whose S is the float gap
+~1e-7). Under ``rollout.overlap`` the engine's weights are ``policy_lag`` (k) steps behind: the first
+mini-batch's ratio is against the policy that generated the batch and it is measured like the others
+(issue 30: the stale first batch).
 """
 from __future__ import annotations
 
@@ -151,10 +157,15 @@ class RLModule(L.LightningModule):
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        # the first mini-batch is on-policy (S = 0 up to the engine's float gap) when its old log-probs are
+        # the current weights': recomputed, or the engine's with no policy lag; a stale batch (rollout.overlap:
+        # the engine's weights ``policy_lag`` steps behind) is measured like every other mini-batch
+        lag = int(batch.get("policy_lag", 0))
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
             # the gap of rows the old-log-prob pass did not compute is taken in the first loss pass
-            self._update(mb, opt, stats, on_policy=(updates == 0), old_from_loss=(updates == 0 and not supplied),
+            self._update(mb, opt, stats, on_policy=(updates == 0 and (not supplied or lag == 0)),
+                         old_from_loss=(updates == 0 and not supplied),
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
                          rows=share(torch.arange(mb.batch_size), rank, world))
         sched.step()
@@ -208,7 +219,8 @@ class RLModule(L.LightningModule):
             meter.add(res.token_loss, logp, old, micro.response_mask)
             # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
             for d in self._diagnostics():
-                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy)
+                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy,
+                              token_log_ratio=None if on_policy else (logp.detach() - old))
             stats.metrics_time += time.perf_counter() - t_m
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)

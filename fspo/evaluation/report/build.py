@@ -1,7 +1,7 @@
 """Build the report folder from MLflow runs and log it to a ``report`` run.
 
 Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
-``by_length.md`` (c(L) per bin with counts and flatness), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
+``by_length.md`` (c(L) per bin with counts and flatness), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
 (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as artifacts of a new run
 named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command line
 (experiments/report.py).
@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence
 from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
 from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
+from fspo.evaluation.report.law import law_markdown, law_rows
 from fspo.evaluation.report.table import (fairness_markdown, fairness_rows, group_runs, run_rows, seeds_markdown, table1,
                                table1_markdown, write_csv)
 
@@ -111,6 +112,9 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     by_len = by_length_rows(groups, min_bin_count)
     length_md = by_length_markdown(by_len, min_bin_count)
     (out / "by_length.md").write_text(length_md)
+    law = law_rows(groups, min_count=min_bin_count)  # the length law's targets (issue 30 item 5): law.md, law.csv
+    write_csv(law, out / "law.csv")
+    (out / "law.md").write_text(law_markdown(law))
 
     figs = F.clip_by_length_figures(groups)
     figs["clip_fraction_by_length_grid"] = F.clip_by_length_grid(groups, min_bin_count)

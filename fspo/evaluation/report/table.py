@@ -24,6 +24,7 @@ FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_ba
             ("binding_q_bar", "run/fairness/binding_q_bar"),
             ("seq_clip_frac", "run/clip/seq_frac"), ("sigma_hat", "run/logratio/sigma_hat"),
             ("qq_slope", "run/logratio/qq_slope"), ("qq_r2", "run/logratio/qq_r2"),
+            ("std_exponent", "run/logratio/std_exponent"), ("std_exponent_r2", "run/logratio/std_exponent_r2"),
             ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"))
 Row = Dict[str, object]
 
@@ -172,16 +173,17 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
     """Length-fairness summary: LRE (the paper's, mean +- std over runs), LRE_w, out-of-band
-    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, overlong rate."""
+    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, the std(S_L) ~ L^gamma fit, overlong rate."""
     header = ["Method", "n", "LRE", "LRE_w", "out-of-band frac", "binding LRE", "binding clip frac", "sigma_hat",
-              "Q-Q slope", "Q-Q R2", "overlong rate", "mean len", "reward (last)"]
+              "Q-Q slope", "Q-Q R2", "std exponent", "exponent R2", "overlong rate", "mean len", "reward (last)"]
     body = []
     for r in rows:
         pm = "" if r.get("lre std") is None else f" +- {_f(r['lre std'])}"
         body.append([str(r["group"]), str(r["n_runs"]), _f(r.get("lre")) + pm, _f(r.get("lre_w")),
                      _f(r.get("out_of_band_frac")), _f(r.get("binding_lre")),
                      _f(r.get("seq_clip_frac")), _f(r.get("sigma_hat")), _f(r.get("qq_slope"), 3),
-                     _f(r.get("qq_r2"), 3), _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
+                     _f(r.get("qq_r2"), 3), _f(r.get("std_exponent"), 3), _f(r.get("std_exponent_r2"), 3),
+                     _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
                      _f(r.get("reward last"))])
     return _md(header, body)
 
