@@ -76,6 +76,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     from mlflow import MlflowClient
 
     from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.stored_config import check_stored_targets
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
     run_cfg, run_dir = _mlflow_run_config(str(rid), uri) if rid else (None, None)
@@ -95,6 +96,8 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
             log.info("MLflow run %s (from the checkpoint path) not usable in %s: %s", rid, uri, e)
             rid = None
         log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
+    if run_cfg is not None:  # read from a file: only allow-listed _target_s (fspo/runtime/stored_config.py)
+        check_stored_targets(run_cfg, "the training run's config", trusted=cfg)
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 

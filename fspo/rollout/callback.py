@@ -28,7 +28,6 @@ padded (by repeating the last prompt) to a multiple of the rank count; padding i
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rewards.base import RewardOutput
+from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.group_filter import GroupFilter
 from fspo.rollout.pipeline import RolloutPipeline
@@ -47,45 +47,15 @@ from fspo.types import RolloutBatch
 log = logging.getLogger(__name__)
 
 
-def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[int], overlong: List[bool],
-                   max_new_tokens: int) -> RewardOutput:
-    """``reward_fn`` on the batch, made safe for the update: if the call raises (or returns the wrong
-    number of scores) each sample is scored alone and a sample whose call raises scores 0 and counts
-    in ``errors``; a non-finite score becomes 0 and is flagged in the ``nonfinite`` component (logged
-    as ``reward/nonfinite``, the fraction of such samples)."""
-    n = len(texts)
-    try:
-        out = reward_fn(texts, refs, lengths, overlong, max_new_tokens)
-        if len(out.scores) != n:
-            raise ValueError(f"reward function returned {len(out.scores)} scores for {n} completions")
-        scores, comps, errors = [float(x) for x in out.scores], dict(out.components), int(out.errors)
-    except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
-        log.warning("reward function failed on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
-        scores, rows, errors = [], [], 0
-        for i in range(n):
-            try:
-                o = reward_fn(texts[i:i + 1], refs[i:i + 1], lengths[i:i + 1], overlong[i:i + 1], max_new_tokens)
-                scores.append(float(o.scores[0]))
-                rows.append({k: float(v[0]) for k, v in o.components.items()})
-                errors += int(o.errors)
-            except Exception:  # noqa: BLE001
-                scores.append(0.0)
-                rows.append({})
-                errors += 1
-        comps = {k: [r.get(k, 0.0) for r in rows] for k in sorted({k for r in rows for k in r})}
-    bad = [not math.isfinite(x) for x in scores]
-    comps["nonfinite"] = [float(b) for b in bad]
-    return RewardOutput(scores=[0.0 if b else x for x, b in zip(scores, bad)], components=comps, errors=errors)
-
-
 class RolloutCallback(L.Callback):
     """Drives the rollout engine; see the module docstring. ``max_prompt_len`` bounds prompt tokens."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
                  seed: int = 0, group_filter: Optional[GroupFilter] = None,
-                 pipeline: Optional[RolloutPipeline] = None):
+                 pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0):
         self.engine = engine
+        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac (fspo/rewards/guard.py)
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
@@ -173,6 +143,9 @@ class RolloutCallback(L.Callback):
         metrics: Dict[str, float] = {"reward/mean": sums[0] / max(sums[1], 1), "reward/errors": sums[2]}
         for i, name in enumerate(names):
             metrics[f"reward/{name}"] = sums[5 + 2 * i] / max(sums[6 + 2 * i], 1)
+        total = {name: sums[5 + 2 * i] for i, name in enumerate(names)}  # the same on every rank: all stop together
+        check_reward_health(reward_name(self.reward_fn), step, sums[1], total.get("nonfinite", 0.0),
+                            total.get("raised", 0.0), sums[2], self.max_reward_error_frac)
         if sums[4]:
             metrics["reward/zero_adv_group_frac"] = sums[3] / sums[4]
         if self.group_filter is not None:  # dynamic sampling: the kept groups, their advantages

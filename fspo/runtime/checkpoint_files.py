@@ -12,15 +12,14 @@ integrity (fspo/runtime/checkpoint_integrity.py).
 from __future__ import annotations
 
 import glob
-import logging
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from fspo.runtime.safe_load import safe_dcp_load, safe_torch_load
+
 CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
 META_KEY = "fspo_resume"
 RUN_ID_FILE = "mlflow_run_id"  # <output_dir>/mlflow_run_id: the MLflow run of the training run
@@ -109,20 +108,12 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- policy weights
 def _torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # Lightning stores plain Python objects too; the file is the user's own run
-        log.info("weights_only load of %s failed (%s): loading it as a full pickle", path, type(e).__name__)
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/safe_load.py)
 
 
 def _dcp_load(path: Path) -> dict:
-    """A distributed checkpoint folder (Lightning's ModelParallelStrategy) as one dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), str(Path(tmp) / "full.pt"))
-        ckpt = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    """A distributed checkpoint folder (Lightning's ModelParallelStrategy) as one dict, loaded safely."""
+    ckpt = safe_dcp_load(path)
     meta = path / "meta.pt"  # Lightning's non-tensor state (loops, global_step)
     if meta.exists():
         ckpt = {**_torch_load(meta), **ckpt}

@@ -147,6 +147,8 @@ RULES: Tuple[Rule, ...] = (
     _pos("guard.max_grad_norm", "divergence limit on the gradient norm before clipping", 1e4, nullable=True),
     _pos("guard.max_loss", "divergence limit on the mini-batch's mean token loss", 1e3, nullable=True),
     _pos("guard.max_kl", "divergence limit on the mean KL(old || current) per token", 1.0, nullable=True),
+    Rule("reward_guard.max_error_frac", "number", lo=0, hi=1, meaning="the fraction of a step's samples the reward "
+         "may raise on before the run stops", example=0.0),
 )
 
 
@@ -196,6 +198,11 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if lo_new is not _ABSENT and hi_new is not _ABSENT and lo_new > hi_new:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
+    reward = _get(cfg, "reward")
+    for k, v in (reward.items() if isinstance(reward, DictConfig) else ()):  # a NaN reward weight trains on nothing
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _fail(f"reward.{k}", v, "must be a finite number (a non-finite reward gives no learning signal)",
+                        f"set reward.{k} to a finite number, e.g. reward.{k}=1.0")
     strategy = str(_get(cfg, "trainer.strategy._target_"))
     if _get(cfg, "rollout.overlap.enable") is True:
         old, engine = _get(cfg, "ppo.old_log_probs"), str(_get(cfg, "rollout.engine._target_"))
