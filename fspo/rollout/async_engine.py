@@ -16,12 +16,16 @@ behaviour policy the engine's log-probs (``engine_log_probs``) belong to.
 The child answers requests in order; `result` returns the `RolloutBatch` of the oldest request
 (its tensors come back through torch.multiprocessing's shared memory). An exception in the child is
 sent back and raised by `result` with the child's traceback text; a dead child is reported instead
-of waiting forever.
+of waiting forever. The child dies with the trainer, however the trainer ends (`die_with_parent`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
+import threading
+import time
 import traceback
 from typing import Dict, List, Sequence
 
@@ -35,8 +39,33 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 
 
-def _engine_main(config, tokenizer, engine, slots: List[Dict[str, torch.Tensor]], threads: int, requests, results):
+def die_with_parent(parent_pid: int, poll_s: float = POLL_S) -> None:
+    """Make this process end when ``parent_pid`` does, however it ends (kill -9 included): the kernel's
+    ``PR_SET_PDEATHSIG`` = SIGKILL on Linux, and on every platform a daemon thread that polls the
+    parent pid (also covering a parent that died before the prctl call)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - not Linux: the watchdog below covers it
+        pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)  # orphaned: the trainer is gone
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="fspo-engine-parent-watch").start()
+
+
+def _engine_main(config, tokenizer, engine, slots: List[Dict[str, torch.Tensor]], threads: int, requests, results,
+                 parent_pid: int = 0):
     """The child: build the model, then answer ``(slot, prompt ids, params)`` requests until None."""
+    if parent_pid:
+        die_with_parent(parent_pid)
     try:
         from transformers import AutoModelForCausalLM
 
@@ -78,7 +107,7 @@ class AsyncEngine:
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_engine_main, daemon=True, name="fspo-engine",
                                 args=(policy.config, tokenizer, self.engine, self.slots, self.threads,
-                                      self.requests, self.results))
+                                      self.requests, self.results, os.getpid()))
         self.proc.start()
         kind, payload = self._get()
         if kind != "ready":
