@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, quarantine, verify
+from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, manifest_path, quarantine, verify
 from fspo.runtime.checkpoint_files import RUN_ID_FILE, checkpoint_dir, list_checkpoints, read_resume_meta
 from fspo.runtime.rank_zero import launch_rank
 
@@ -49,11 +49,19 @@ class ResumePlan:
 
 def check_checkpoint(path) -> None:
     """Raise unless ``path`` matches its checksum manifest and its resume metadata reads; a checkpoint
-    without manifest (an older version's) passes with a warning that it is unverified."""
-    if not verify(path):
-        log.warning("checkpoint %s has no checksum manifest (written by an older version): loading it unverified",
-                    path)
-    read_resume_meta(path)
+    without manifest passes with a warning that names the missing file, says that its bytes were not
+    verified and what was checked (it reads as a checkpoint, its step)."""
+    manifest = verify(path)
+    meta = read_resume_meta(path)
+    if not manifest:
+        man = manifest_path(path)
+        others = [p.name for p in Path(path).parent.glob("step_*.ckpt" + man.suffix) if p != man]
+        log.warning("checkpoint %s: its checksum manifest %s is MISSING (%s), so its bytes were NOT verified; "
+                    "checked: it loads as a checkpoint with resume metadata (RL step %s). Loading it unverified -- "
+                    "if you did not expect this, stop and use an earlier checkpoint (resume=<path>)", path, man.name,
+                    f"deleted? {len(others)} other checkpoints here have theirs" if others
+                    else "none of the checkpoints here has one: written before manifests existed, or all deleted",
+                    meta.get("rl_step", "?"))
 
 
 def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
