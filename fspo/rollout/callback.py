@@ -83,9 +83,18 @@ class RolloutCallback(L.Callback):
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         longest = max((len(x) for x in ids), default=0)
         if longest > self.max_prompt_len:
-            raise ValueError(
-                f"a prompt has {longest} tokens but data.max_prompt_len is {self.max_prompt_len}: raise "
-                f"data.max_prompt_len or filter long prompts")
+            new = self.sampling.max_new_tokens
+            ctx = getattr(getattr(getattr(self.engine, "model", None), "config", None), "max_position_embeddings", None)
+            head = f"a prompt has {longest} tokens but data.max_prompt_len is {self.max_prompt_len}: "
+            if isinstance(ctx, int) and longest + new > ctx:  # raising max_prompt_len alone would not fit
+                raise ValueError(head + (f"set data.max_prompt_len={longest} and rollout.sampling.max_new_tokens="
+                                         f"{ctx - longest} (the model's context is {ctx} tokens)" if ctx - longest >= 1
+                                         else f"the prompt alone exceeds the model's context of {ctx} tokens")
+                                 + f", or remove prompts over {min(self.max_prompt_len, max(ctx - new, 1))} tokens "
+                                   f"from the data")
+            raise ValueError(head + f"set data.max_prompt_len={longest}"
+                             + (f" (it fits the model's context: {longest} + {new} new tokens <= {ctx})" if ctx else
+                                f", or remove prompts over {self.max_prompt_len} tokens from the data"))
         return ids
 
     def _generate(self, pl_module, prompts: List[str], params: SamplingConfig,

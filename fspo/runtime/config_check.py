@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -187,6 +188,14 @@ def _check_rule(rule: Rule, value: Any) -> None:
         raise bad
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a SLURM or cgroup limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     """Settings that are each valid but cannot train together (errors) or probably should not (warnings)."""
     n = _get(cfg, "rollout.sampling.n")
@@ -198,6 +207,11 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if lo_new is not _ABSENT and hi_new is not _ABSENT and lo_new > hi_new:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
+    threads, cores = _get(cfg, "cpu_threads"), usable_cores()
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
+        raise _fail("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch threads "
+                    f"than cores run many times slower; thousands hang)", f"set cpu_threads={cores} or less "
+                    f"(1 is as fast for small models)")
     reward = _get(cfg, "reward")
     for k, v in (reward.items() if isinstance(reward, DictConfig) else ()):  # a NaN reward weight trains on nothing
         if isinstance(v, float) and not math.isfinite(v):

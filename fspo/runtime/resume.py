@@ -103,6 +103,9 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
     a path continues from that checkpoint (an error if it is damaged)."""
     mode = OmegaConf.select(cfg, "resume", default=None)
     out = Path(output_dir)
+    if checkpoint_dir(out).exists() and not checkpoint_dir(out).is_dir():
+        raise ValueError(f"{checkpoint_dir(out)} is a file, but the run keeps its checkpoints in that folder: "
+                              f"move or rename the file, or choose another output_dir")
     id_file = out / RUN_ID_FILE
     if mode is None:
         found = list_checkpoints(checkpoint_dir(out))

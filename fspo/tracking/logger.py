@@ -88,6 +88,27 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
             for lc in lcfgs]
 
 
+def check_wandb_login(offline: bool) -> None:
+    """Raise ValueError (one line) when W&B would need a login it does not have: online mode, no
+    ``WANDB_API_KEY`` and no ``wandb login`` entry in ~/.netrc for ``WANDB_BASE_URL``'s host."""
+    import netrc
+    import os
+    import urllib.parse
+
+    if offline or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ValueError(f"the W&B logger has no API key (WANDB_API_KEY is unset and ~/.netrc has no `wandb login` entry "
+                     f"for {host}): set WANDB_API_KEY or run `wandb login`, or log locally with offline=true on the "
+                     f"W&B logger (logger.offline=true or extra_loggers.wandb.offline=true; WANDB_MODE=offline) and "
+                     f"upload later with `wandb sync`")
+
+
 def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
     """A non-MLflow logger: ``save_dir: null`` -> the run's output_dir; W&B gets the tags as ``key=value``
     strings (CSV and TensorBoard take none)."""
@@ -96,6 +117,7 @@ def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
         kwargs["save_dir"] = str(Path(output_dir))
     target = str(lcfg.get("_target_", ""))
     if target.endswith("WandbLogger"):
+        check_wandb_login(bool(lcfg.get("offline", False)))  # now, not at the first metric mid-run
         kwargs["tags"] = [f"{k}={v}"[:64] for k, v in tags.items()]  # W&B: a list, 64 characters each
     try:
         return instantiate(lcfg, **kwargs)
