@@ -117,6 +117,10 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.hf import HFEngine
 
+    from fspo.tracking.logger import check_tracking_uri
+
+    # an http(s) tracking server must answer now (<= 2 x 5 s), not after MLflow's minutes of retries
+    check_tracking_uri(str(cfg.mlflow.tracking_uri), key="mlflow.tracking_uri", fallback=False)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_cfg, ckpts, train_run_id = _training_run(cfg)

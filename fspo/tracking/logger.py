@@ -44,10 +44,12 @@ class TrackingURIUnreachable(ValueError):
     """The MLflow tracking server did not answer at start-up (a bad ``logger.tracking_uri`` or a server down)."""
 
 
-def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2) -> None:
+def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2,
+                       key: str = "logger.tracking_uri", fallback: bool = True) -> None:
     """Raise `TrackingURIUnreachable` unless an http(s) tracking server answers ``GET /health``
     (any HTTP status counts as an answer) within ``attempts`` tries of ``timeout_s``. Other URIs
-    (sqlite, file, databricks) are not probed."""
+    (sqlite, file, databricks) are not probed. ``key`` names the setting in the message; ``fallback``:
+    mention ``logger_fallback=local`` (training runs only)."""
     if not uri or urlparse(str(uri)).scheme not in ("http", "https"):
         return
     url, reason = str(uri).rstrip("/") + "/health", ""
@@ -62,8 +64,9 @@ def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int
             if i + 1 < attempts:
                 time.sleep(1.0)
     raise TrackingURIUnreachable(
-        f"MLflow tracking server {uri} did not answer ({reason}): start it, fix logger.tracking_uri, or "
-        f"set logger_fallback=local to log to a SQLite store in the output folder")
+        f"MLflow tracking server {uri} did not answer ({reason}): start it, fix {key}"
+        + (", or set logger_fallback=local to log to a SQLite store in the output folder" if fallback else
+           " (or MLFLOW_TRACKING_URI), or point it at a local store (sqlite:///mlflow.db)"))
 
 
 def _is_mlflow(lcfg) -> bool:
