@@ -147,6 +147,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         prepare_store(local, name, kwargs["artifact_location"])
     if plan.run_id is None and not lcfg.get("run_name"):  # MLflow's random name repeats under a fixed seed
         kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"), tags.get("seed", 0))
+    if plan.run_id is None and plan.origin:  # another run's checkpoint: a new run that says where it came from
+        tags = {**tags, **plan.origin}
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
     if plan.run_id is None and is_rank_zero():
         try:  # the experiment's description, once (fspo/tracking/naming.py)
