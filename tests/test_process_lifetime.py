@@ -1,9 +1,10 @@
-"""No process outlives its run (issue 33, item 8): kill -9 of a trainer with ``rollout.overlap.enable=true``
-leaves none of its process tree alive.
+"""No process outlives its run, no wait lasts forever (issue 33, items 7 and 8).
 
-Owns: the end-to-end kill of a real overlap run (experiments/run.py in its own session, SIGKILLed once its
-engine process is up; every process of the session must be gone within seconds) and `die_with_parent`
-on a bare child. Leaves out: the pipeline's maths and resume (test_rollout_overlap.py).
+Owns: the end-to-end kill -9 of a real ``rollout.overlap.enable=true`` run (experiments/run.py in its own
+session, SIGKILLed once its engine answered; every process of the session must be gone within seconds),
+`die_with_parent` on a bare child, a SIGSTOPped engine (the wait ends after ``timeout_s`` with
+`EngineUnresponsive`, the child killed), and SIGTERM to a trainer waiting on a stopped engine (checkpoint,
+exit 0, and resume=auto finishes the run). Leaves out: the pipeline's maths (test_rollout_overlap.py).
 """
 from __future__ import annotations
 
@@ -92,3 +93,82 @@ def test_kill_9_of_an_overlap_trainer_leaves_no_process_alive(tmp_path):
     finally:
         for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def _overlap_run(tmp_path, steps: int, extra=(), resume=False) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    args = [o for o in SMALL if not o.startswith("steps")] + [f"steps={steps}", "val.size=0",
+                                                               "rollout.overlap.enable=true", "ppo.old_log_probs=engine",
+                                                               "checkpoint.every_n_steps=100", *extra]
+    log = open(tmp_path / f"run{int(resume)}.log", "w")
+    return subprocess.Popen([sys.executable, str(REPO / "experiments" / "run.py"), *args,
+                             f"output_dir={tmp_path / 'out'}", f"logger.tracking_uri=sqlite:///{tmp_path}/m.db",
+                             f"hydra.run.dir={tmp_path / 'h'}", *(["resume=auto"] if resume else [])],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _engine_pid(sid: int) -> int:
+    return next(p for p in session_pids(sid) if "spawn_main" in _cmdline(p))
+
+
+def test_a_stopped_engine_ends_the_wait_with_a_clear_error():
+    from fspo.models.tiny import build_tiny_model, build_tokenizer
+    from fspo.rollout.async_engine import AsyncEngine, EngineUnresponsive
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.hf import HFEngine
+
+    eng = AsyncEngine(HFEngine(batch_size=4), slots=1)
+    model = build_tiny_model(seed=0)
+    eng.start(model, build_tokenizer())
+    eng.timeout_s = 3  # after the start: building the child's model takes longer on a loaded machine
+    try:
+        pid = eng.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        eng.push(model, 0)
+        eng.submit(0, [[5, 6, 7]], SamplingConfig(n=1, max_new_tokens=4, seed=0))
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnresponsive, match=rf"pid {pid}\) sent nothing for 3 s.*resume=auto"):
+            eng.result()
+        assert time.monotonic() - t0 < 20
+        assert eng.proc is None and wait_gone_pid(pid, 10)
+    finally:
+        eng.close()
+
+
+def wait_gone_pid(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_on_a_stopped_engine_checkpoints_and_exits_0(tmp_path):
+    from fspo.runtime.checkpoint_files import list_checkpoints
+
+    proc = _overlap_run(tmp_path, steps=6)
+    try:
+        deadline = time.monotonic() + 400
+        while last_train_step(tmp_path / "m.db") < 1 and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "run0.log").read_text()[-3000:]
+            time.sleep(0.3)
+        os.kill(_engine_pid(proc.pid), signal.SIGSTOP)  # the trainer now waits on an engine that never answers
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        assert rc == 0, (tmp_path / "run0.log").read_text()[-3000:]
+        ckpts = list_checkpoints(tmp_path / "out" / "checkpoints")
+        assert ckpts, (tmp_path / "run0.log").read_text()[-3000:]
+        assert wait_gone(proc.pid, 15) == []
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    again = _overlap_run(tmp_path, steps=6, resume=True)
+    assert again.wait(timeout=600) == 0, (tmp_path / "run1.log").read_text()[-3000:]
+    assert last_train_step(tmp_path / "m.db") == 5

@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rewards.base import RewardOutput
@@ -172,6 +173,7 @@ class RolloutCallback(L.Callback):
         if sampler is None or not hasattr(sampler, "step_prompts"):
             raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
                                "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
+        self.pipeline.engine.should_stop = lambda: bool(trainer.received_sigterm)  # SIGTERM ends a wait
         self.pipeline.start(pl_module.policy, self.tokenizer)
 
         def request(s: int):
@@ -181,9 +183,18 @@ class RolloutCallback(L.Callback):
         ahead = [dm.train_source[i].prompt for i in sampler.step_prompts(step)]
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
-        return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+        try:
+            return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+        except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
+            sampler.position = step  # checkpoint written now (fspo/runtime/checkpointing.py) resumes at it
+            raise
 
     def teardown(self, trainer, pl_module, stage):
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        # Lightning skips `teardown` hooks when fit raises (a signal stop included): stop the engine here
         if self.pipeline is not None:
             self.pipeline.close()
 
