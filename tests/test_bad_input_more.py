@@ -1,7 +1,7 @@
 """Bad input from issue 33 that ended in a traceback, a hang or circular advice: one line each, early.
 
 Owns: ``cpu_threads`` above the usable cores (refused by the config check), ``<output_dir>/checkpoints``
-being a file (refused before anything is written), W&B chosen without an API key and not offline (one
+being a file (refused before anything is written), a malformed model config (config.json, model.arch), W&B chosen without an API key and not offline (one
 line at start-up, through experiments/run.py), and prompts longer than the context (the advice names a
 value, and that value works on the real engine). Leaves out: the other bad-input cases (test_bad_input.py,
 test_config_check.py) and crafted checkpoints (test_untrusted_files.py).
@@ -97,3 +97,18 @@ def test_context_advice_offers_a_value_that_works(prompt_len):
         assert "data.max_prompt_len" not in msg  # lowering it would not shorten the prompt: no circular advice
     else:
         assert m is None and "the prompt alone does not fit" in msg and "remove prompts over" in msg
+
+
+def test_malformed_model_config_gets_one_line(tmp_path):
+    from fspo.models.loading import load_policy
+    from fspo.runtime.errors import user_error
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
+    with pytest.raises(ValueError) as e:
+        load_policy(source="pretrained", path=str(tmp_path))
+    msg = user_error(e.value)
+    assert msg and "config.json is malformed" in msg and str(tmp_path) in msg and "\n" not in msg
+    with pytest.raises(ValueError) as e:
+        load_policy(source="random", arch={"hidden_size": -3})
+    msg = user_error(e.value)
+    assert msg and "model.arch=" in msg and "does not build a model" in msg and "\n" not in msg
