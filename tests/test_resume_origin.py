@@ -44,3 +44,31 @@ def test_resume_into_a_new_output_dir_starts_its_own_tagged_run(compose_cfg, tmp
     assert tags["fspo.resumed_from.run_id"] == a_id and tags["fspo.resumed_from.step"] == "1"
     assert tags["fspo.resumed_from.checkpoint"] == str(ckpt.resolve())
     assert [m.step for m in client.get_metric_history(b_id, "train/loss")] == [1]
+
+
+def _history(client, rid, key="m"):
+    return sorted((m.step, m.value) for m in client.get_metric_history(rid, key))
+
+
+def test_overlap_resume_replaces_the_rerun_steps_values(compose_cfg, tmp_path):
+    """Issue 33 item 12: with rollout.overlap the steps a resume re-runs log new values; they replace the
+    killed attempt's (a synchronous resume keeps the first values: they are identical)."""
+    from mlflow.tracking import MlflowClient
+
+    from fspo.runtime.resume import ResumePlan
+    from fspo.tracking.logger import build_logger
+
+    for overlap, want in ((True, [(0, 0.0), (1, 1.0), (2, 20.0), (3, 30.0)]),
+                          (False, [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)])):
+        cfg = compose_cfg(SMALL + [f"rollout.overlap.enable={str(overlap).lower()}", "ppo.old_log_probs=engine"])
+        client = MlflowClient(cfg.logger.tracking_uri)
+        exp = client.get_experiment_by_name(cfg.logger.experiment_name) or \
+            client.get_experiment(client.create_experiment(cfg.logger.experiment_name))
+        rid = client.create_run(exp.experiment_id).info.run_id
+        for s in range(4):  # the killed attempt logged steps 0..3; its checkpoint is at step 2
+            client.log_metric(rid, "m", float(s), step=s)
+        logger = build_logger(cfg, {}, tmp_path, ResumePlan(ckpt_path="x", step=2, run_id=rid))[0]
+        for s in (2, 3):
+            logger.log_metrics({"m": 10.0 * s}, step=s)
+        assert _history(client, rid) == want, overlap
+        assert client.get_run(rid).data.metrics["m"] == want[-1][1]

@@ -165,8 +165,38 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         client.update_run(plan.run_id, status="RUNNING")
         for key, change in plan.overrides.items():  # allowed config changes of this launch (params are immutable)
             client.set_tag(plan.run_id, f"fspo.resume.step_{plan.step}.{key}", change[:5000])
-        _skip_logged(logger, plan.step)
+        if not (OmegaConf.select(cfg, "rollout.overlap.enable", default=False)
+                and drop_logged_steps(logger._tracking_uri, plan.run_id, plan.step)):
+            _skip_logged(logger, plan.step)  # a synchronous resume re-logs identical values: keep the first
     return logger
+
+
+def drop_logged_steps(uri: str, run_id: str, from_step: int) -> bool:
+    """Delete run ``run_id``'s metric values at steps >= ``from_step`` from a SQLite store (and rebuild its
+    latest values), so that the steps a resume re-runs log their new values in place of the killed
+    attempt's; pipelined rollouts (rollout.overlap) re-run those steps with other rollouts, so their
+    values differ. True when done; False for other stores (MLflow has no API to delete metric values:
+    the killed attempt's values are kept there, with a warning)."""
+    import sqlite3
+
+    from fspo.runtime.store_check import _sqlite_path
+
+    path = _sqlite_path(uri) if urlparse(str(uri)).scheme == "sqlite" else None
+    if path is None:
+        log.warning("resume: %s cannot delete metric values: steps >= %d keep the killed attempt's values", uri,
+                    from_step)
+        return False
+    with sqlite3.connect(path, timeout=60) as con:
+        n = con.execute("DELETE FROM metrics WHERE run_uuid = ? AND step >= ?", (run_id, int(from_step))).rowcount
+        con.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (run_id,))
+        con.execute("INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) "
+                    "SELECT key, value, timestamp, step, is_nan, run_uuid FROM (SELECT *, ROW_NUMBER() OVER "
+                    "(PARTITION BY key ORDER BY step DESC, timestamp DESC, value DESC) AS rn FROM metrics "
+                    "WHERE run_uuid = ?) WHERE rn = 1", (run_id,))
+    if n:
+        log.info("resume: dropped %d metric values of steps >= %d of run %s: the re-run steps log theirs", n,
+                 from_step, run_id)
+    return True
 
 
 def as_list(loggers) -> List[Any]:
