@@ -1,7 +1,7 @@
 """Bad input from issue 33 that ended in a traceback, a hang or circular advice: one line each, early.
 
 Owns: ``cpu_threads`` above the usable cores (refused by the config check), ``<output_dir>/checkpoints``
-being a file (refused before anything is written), a malformed model config (config.json, model.arch), W&B chosen without an API key and not offline (one
+being a file (refused before anything is written), a malformed model config (config.json, model.arch), fp16 on the CPU, W&B chosen without an API key and not offline (one
 line at start-up, through experiments/run.py), and prompts longer than the context (the advice names a
 value, and that value works on the real engine). Leaves out: the other bad-input cases (test_bad_input.py,
 test_config_check.py) and crafted checkpoints (test_untrusted_files.py).
@@ -112,3 +112,10 @@ def test_malformed_model_config_gets_one_line(tmp_path):
         load_policy(source="random", arch={"hidden_size": -3})
     msg = user_error(e.value)
     assert msg and "model.arch=" in msg and "does not build a model" in msg and "\n" not in msg
+
+
+def test_fp16_on_cpu_is_refused_by_the_config_check(compose_cfg):
+    from fspo.runtime.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match="model.dtype=float16: .*CPU.*set model.dtype=float32"):
+        check_config(compose_cfg(SMALL + ["model.dtype=float16"]))

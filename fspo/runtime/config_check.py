@@ -212,6 +212,10 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         raise _fail("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch threads "
                     f"than cores run many times slower; thousands hang)", f"set cpu_threads={cores} or less "
                     f"(1 is as fast for small models)")
+    if _get(cfg, "model.dtype") == "float16" and str(_get(cfg, "trainer.accelerator")) == "cpu":
+        raise _fail("model.dtype", "float16", "float16 training on the CPU (trainer.accelerator=cpu) is not "
+                    "supported (no fp16 loss scaling there; CPU half kernels fail or crawl)",
+                    "set model.dtype=float32 (or bfloat16) on CPU, or train on GPUs")
     reward = _get(cfg, "reward")
     for k, v in (reward.items() if isinstance(reward, DictConfig) else ()):  # a NaN reward weight trains on nothing
         if isinstance(v, float) and not math.isfinite(v):
