@@ -76,6 +76,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     from mlflow import MlflowClient
 
     from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.stored_config import check_stored_targets
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
     run_cfg, run_dir = _mlflow_run_config(str(rid), uri) if rid else (None, None)
@@ -95,6 +96,9 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
             log.info("MLflow run %s (from the checkpoint path) not usable in %s: %s", rid, uri, e)
             rid = None
         log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
+    if run_cfg is not None:  # read from a file: only allow-listed _target_s in what evaluate builds from it
+        check_stored_targets(OmegaConf.masked_copy(run_cfg, [k for k in ("data", "model") if k in run_cfg]),
+                             "the training run's config", trusted=cfg)  # (fspo/runtime/stored_config.py)
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 
@@ -114,6 +118,10 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.hf import HFEngine
 
+    from fspo.tracking.logger import check_tracking_uri
+
+    # an http(s) tracking server must answer now (<= 2 x 5 s), not after MLflow's minutes of retries
+    check_tracking_uri(str(cfg.mlflow.tracking_uri), key="mlflow.tracking_uri", fallback=False)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_cfg, ckpts, train_run_id = _training_run(cfg)

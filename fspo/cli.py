@@ -9,6 +9,7 @@ Owns:
 - `unknown_key_error`: a top-level key the config does not have (``stpes=5``, ``+stpes=5``) is refused
   before Hydra starts, with the closest known key (Hydra itself rejects ``stpes=5`` but suggests
   ``+stpes=5``, which it then accepts silently and the default run starts).
+- the ``fspo_launch_id`` resolver (`launch_id`): the default run folder's suffix, unique per launch.
 - the ``fspo_help_groups`` resolver used by each app's ``hydra.help.template``: the config groups that
   app reads, with their options (run.py does not list eval_data/, evaluate.py lists only its groups).
 - the console scripts of pyproject.toml: ``fspo-train``, ``fspo-eval`` and ``fspo-report`` run
@@ -220,6 +221,33 @@ def help_groups(app: str) -> str:
 
 if not OmegaConf.has_resolver("fspo_help_groups"):
     OmegaConf.register_new_resolver("fspo_help_groups", help_groups)
+
+
+# -- default run folders ------------------------------------------------------------------------
+_LAUNCH_ID: List[str] = []
+
+
+def launch_id() -> str:
+    """A short id of this launch, the same on every rank of one launch, for the default run folders
+    (``outputs/<date>/<time>-<id>``, conf/config.yaml) so that two runs started in the same second get
+    two folders: the SLURM job id, else torchrun's rendezvous id (``--rdzv-id``), else, under torchrun
+    on one node, the launcher's pid (every local rank's parent), else 6 random hex digits. Fixed
+    for the life of the process (Hydra resolves the run folder more than once)."""
+    import os
+    import secrets
+
+    if not _LAUNCH_ID:
+        env = os.environ
+        rdzv = env.get("TORCHELASTIC_RUN_ID", "")
+        _LAUNCH_ID.append(f"j{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else
+                          rdzv if rdzv and rdzv != "none" else
+                          f"p{os.getppid()}" if "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env else
+                          secrets.token_hex(3))
+    return _LAUNCH_ID[0]
+
+
+if not OmegaConf.has_resolver("fspo_launch_id"):
+    OmegaConf.register_new_resolver("fspo_launch_id", launch_id)
 
 
 # -- console scripts ----------------------------------------------------------------------------

@@ -117,7 +117,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed),
                               group_filter=instantiate(ds) if (ds := OmegaConf.select(cfg, "rollout.dynamic_sampling"))
                               is not None else None,  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
-                              pipeline=build_pipeline(cfg))  # rollout.overlap (fspo/rollout/pipeline.py)
+                              pipeline=build_pipeline(cfg),  # rollout.overlap (fspo/rollout/pipeline.py)
+                              max_reward_error_frac=float(OmegaConf.select(cfg, "reward_guard.max_error_frac",
+                                                                           default=0.0) or 0.0))
 
     # logging and checkpoints
     log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))

@@ -1,5 +1,5 @@
 """Guarded numerics and logging start-up: nothing non-finite reaches the optimizer, one bad reward
-sample never ends a run, and an unreachable MLflow server fails fast (or falls back when asked).
+sample is scored 0 and counted (a NaN or an always-failing reward stops the run: test_reward_guard.py), and an unreachable MLflow server fails fast (or falls back when asked).
 
 Owns: NaN log-probs injected at one step (skipped and counted with ``ppo.nonfinite=skip``; a clear
 error with the previous checkpoint intact with ``raise``), ``guarded_reward`` (a raising or NaN
@@ -140,17 +140,18 @@ def test_bad_reward_samples_are_logged_and_training_goes_on(compose_cfg, monkeyp
     from fspo.data.sampler import PromptStepSampler
     from fspo.train import train
 
-    cfg = compose_cfg(BASE + ["steps=1", "val.size=0", f"reward._target_={__name__}.PoisonReward"])
+    cfg = compose_cfg(BASE + ["steps=1", "val.size=0", f"reward._target_={__name__}.PoisonReward",
+                              "reward_guard.max_error_frac=0.5"])  # some raising samples tolerated (test_reward_guard.py)
     source = instantiate(cfg.data.train)
     first = next(iter(PromptStepSampler(len(source), int(cfg.prompts_per_step), 1, int(cfg.seed))))
     answers = [source[i].answer for i in first]
-    bad, nan = answers[0], next(a for a in answers if a != answers[0])
+    bad = answers[0]
     monkeypatch.setattr(PoisonReward, "raise_on", {bad})
-    monkeypatch.setattr(PoisonReward, "nan_on", {nan})
     final = train(cfg)
     n = int(cfg.rollout.sampling.n)
     assert final["reward/errors"] == n * answers.count(bad)
-    assert final["reward/nonfinite"] == pytest.approx(answers.count(nan) / len(answers))
+    assert final["reward/raised"] == pytest.approx(answers.count(bad) / len(answers))
+    assert final["reward/nonfinite"] == 0  # a NaN score stops the run (test_reward_guard.py)
     assert math.isfinite(final["train/loss"]) and final["train/skipped_updates_total"] == 0
 
 

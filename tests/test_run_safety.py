@@ -225,7 +225,7 @@ def test_resume_skips_damaged_checkpoints_and_never_deletes_one(tmp_path, caplog
     caplog.clear()
     with caplog.at_level("WARNING"):
         plan = resolve_resume(OmegaConf.create({"resume": "auto"}), tmp_path)  # an older version's: unverified
-    assert Path(plan.ckpt_path) == old and "no checksum manifest" in caplog.text
+    assert Path(plan.ckpt_path) == old and "step_000002.ckpt.sha256 is MISSING" in caplog.text
     with pytest.raises(CheckpointCorrupt, match="resume=.*step_000004.ckpt.*is damaged"):
         resolve_resume(OmegaConf.create({"resume": str(ck / "damaged" / mid.name)}), tmp_path)
 
@@ -473,3 +473,17 @@ def test_resume_of_another_method_does_not_take_the_default_methods_keys(tmp_pat
     cfg = resume_config(new, ResumePlan(ckpt_path=None, step=3, run_id="r"), tmp_path, overrides=["resume=auto"])
     assert OmegaConf.to_container(cfg.clip) == {"_target_": "fspo.clipping.sapo.SAPOClip", "tau_pos": 1.0}
     assert cfg.method == "sapo" and cfg.new_key == 3  # a key the run's config lacks elsewhere: its default
+
+
+def test_a_deleted_manifest_is_named_with_what_was_and_was_not_verified(tmp_path, caplog):
+    """Issue 33 item 13: not 'written by an older version' when its neighbours have manifests."""
+    ck = tmp_path / "checkpoints"
+    _ckpt(ck, 2)
+    last = _ckpt(ck, 4)
+    (ck / (last.name + ".sha256")).unlink()
+    with caplog.at_level("WARNING"):
+        plan = resolve_resume(OmegaConf.create({"resume": "auto"}), tmp_path)
+    assert Path(plan.ckpt_path) == last
+    text = caplog.text
+    assert "step_000004.ckpt.sha256 is MISSING (deleted? 1 other checkpoints here have theirs)" in text
+    assert "bytes were NOT verified" in text and "RL step 4" in text and "older version" not in text

@@ -118,6 +118,20 @@ def _cached_snapshot(hub_id: str) -> Optional[Path]:
     return p if (p / "config.json").exists() and _has_safetensors(p) else None
 
 
+def _check_config_json(p: Path, key: str) -> None:
+    """A folder's config.json must be a JSON object (a malformed one ends in one line, not a traceback)."""
+    import json
+
+    try:
+        ok = isinstance(json.loads((p / "config.json").read_text()), dict)
+        err = "" if ok else "not a JSON object"
+    except (ValueError, UnicodeDecodeError) as e:
+        ok, err = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        raise ValueError(f"{key}={p}: its config.json is malformed ({err}): re-create the folder with "
+                         f"save_pretrained / `{download_command('<hub id>', str(p))}`, or fix the file")
+
+
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
                 dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
                 lora: dict | None = None, **_ignored):
@@ -137,13 +151,20 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer
 
-        return build_tiny_model(seed=seed, **(arch or {})).to(torch_dtype), build_tokenizer()
+        try:
+            model = build_tiny_model(seed=seed, **(arch or {}))
+        except (RuntimeError, ValueError, TypeError) as e:  # a malformed model.arch: one line, not a traceback
+            raise ValueError(f"model.arch={dict(arch or {})} does not build a model ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}): fix model.arch (sizes positive, hidden_size a "
+                             f"multiple of num_attention_heads) or drop it for the tiny default") from None
+        return model.to(torch_dtype), build_tokenizer()
     if source == "warmstart":
         p = Path(path) if path else WARMSTART_DIR
         if not (p / "config.json").exists():
             raise FileNotFoundError(
                 f"warm-start checkpoint not found at {p}: run `python experiments/warmstart.py --out {p}` "
                 f"or set model.source=random")
+        _check_config_json(p, "model.path")
         return _from_dir(p, torch_dtype, meta)
     if source != "pretrained":
         raise ValueError(f"model.source must be 'warmstart', 'random' or 'pretrained', got {source!r}")
@@ -152,6 +173,7 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model.path={p} has no config.json: point model.path at a folder made "
                                     f"by save_pretrained or `{download_command('<hub id>', str(p))}`")
+        _check_config_json(p, "model.path")
         return _from_dir(p, torch_dtype, meta)
     if not hub_id:
         raise ValueError("model.source=pretrained needs model.path (a local folder) or model.hub_id")

@@ -30,7 +30,6 @@ padded (by repeating the last prompt) to a multiple of the rank count; padding i
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,9 +37,11 @@ from typing import Callable, Dict, List, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.rewards.base import RewardOutput
+from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.engine_memory import rollout_memory
 from fspo.rollout.group_filter import GroupFilter
@@ -50,45 +51,15 @@ from fspo.types import RolloutBatch
 log = logging.getLogger(__name__)
 
 
-def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[int], overlong: List[bool],
-                   max_new_tokens: int) -> RewardOutput:
-    """``reward_fn`` on the batch, made safe for the update: if the call raises (or returns the wrong
-    number of scores) each sample is scored alone and a sample whose call raises scores 0 and counts
-    in ``errors``; a non-finite score becomes 0 and is flagged in the ``nonfinite`` component (logged
-    as ``reward/nonfinite``, the fraction of such samples)."""
-    n = len(texts)
-    try:
-        out = reward_fn(texts, refs, lengths, overlong, max_new_tokens)
-        if len(out.scores) != n:
-            raise ValueError(f"reward function returned {len(out.scores)} scores for {n} completions")
-        scores, comps, errors = [float(x) for x in out.scores], dict(out.components), int(out.errors)
-    except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
-        log.warning("reward function failed on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
-        scores, rows, errors = [], [], 0
-        for i in range(n):
-            try:
-                o = reward_fn(texts[i:i + 1], refs[i:i + 1], lengths[i:i + 1], overlong[i:i + 1], max_new_tokens)
-                scores.append(float(o.scores[0]))
-                rows.append({k: float(v[0]) for k, v in o.components.items()})
-                errors += int(o.errors)
-            except Exception:  # noqa: BLE001
-                scores.append(0.0)
-                rows.append({})
-                errors += 1
-        comps = {k: [r.get(k, 0.0) for r in rows] for k in sorted({k for r in rows for k in r})}
-    bad = [not math.isfinite(x) for x in scores]
-    comps["nonfinite"] = [float(b) for b in bad]
-    return RewardOutput(scores=[0.0 if b else x for x, b in zip(scores, bad)], components=comps, errors=errors)
-
-
 class RolloutCallback(L.Callback):
     """Drives the rollout engine; see the module docstring. ``max_prompt_len`` bounds prompt tokens."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
                  seed: int = 0, group_filter: Optional[GroupFilter] = None,
-                 pipeline: Optional[RolloutPipeline] = None):
+                 pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0):
         self.engine = engine
+        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac (fspo/rewards/guard.py)
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
@@ -119,9 +90,18 @@ class RolloutCallback(L.Callback):
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         longest = max((len(x) for x in ids), default=0)
         if longest > self.max_prompt_len:
-            raise ValueError(
-                f"a prompt has {longest} tokens but data.max_prompt_len is {self.max_prompt_len}: raise "
-                f"data.max_prompt_len or filter long prompts")
+            new = self.sampling.max_new_tokens
+            ctx = getattr(getattr(getattr(self.engine, "model", None), "config", None), "max_position_embeddings", None)
+            head = f"a prompt has {longest} tokens but data.max_prompt_len is {self.max_prompt_len}: "
+            if isinstance(ctx, int) and longest + new > ctx:  # raising max_prompt_len alone would not fit
+                raise ValueError(head + (f"set data.max_prompt_len={longest} and rollout.sampling.max_new_tokens="
+                                         f"{ctx - longest} (the model's context is {ctx} tokens)" if ctx - longest >= 1
+                                         else f"the prompt alone exceeds the model's context of {ctx} tokens")
+                                 + f", or remove prompts over {min(self.max_prompt_len, max(ctx - new, 1))} tokens "
+                                   f"from the data")
+            raise ValueError(head + f"set data.max_prompt_len={longest}"
+                             + (f" (it fits the model's context: {longest} + {new} new tokens <= {ctx})" if ctx else
+                                f", or remove prompts over {self.max_prompt_len} tokens from the data"))
         return ids
 
     def _generate(self, pl_module, prompts: List[str], params: SamplingConfig,
@@ -181,6 +161,9 @@ class RolloutCallback(L.Callback):
         metrics: Dict[str, float] = {"reward/mean": sums[0] / max(sums[1], 1), "reward/errors": sums[2]}
         for i, name in enumerate(names):
             metrics[f"reward/{name}"] = sums[5 + 2 * i] / max(sums[6 + 2 * i], 1)
+        total = {name: sums[5 + 2 * i] for i, name in enumerate(names)}  # the same on every rank: all stop together
+        check_reward_health(reward_name(self.reward_fn), step, sums[1], total.get("nonfinite", 0.0),
+                            total.get("raised", 0.0), sums[2], self.max_reward_error_frac)
         if sums[4]:
             metrics["reward/zero_adv_group_frac"] = sums[3] / sums[4]
         if self.group_filter is not None:  # dynamic sampling: the kept groups, their advantages
@@ -200,6 +183,7 @@ class RolloutCallback(L.Callback):
         if sampler is None or not hasattr(sampler, "step_prompts"):
             raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
                                "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
+        self.pipeline.engine.should_stop = lambda: bool(trainer.received_sigterm)  # SIGTERM ends a wait
         self.pipeline.start(pl_module.policy, self.tokenizer)
         rank, world = dp_rank_size(pl_module)
 
@@ -215,9 +199,18 @@ class RolloutCallback(L.Callback):
         ahead = [dm.train_source[i].prompt for i in mine(step)]
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
-        return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+        try:
+            return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+        except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
+            sampler.position = step  # checkpoint written now (fspo/runtime/checkpointing.py) resumes at it
+            raise
 
     def teardown(self, trainer, pl_module, stage):
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        # Lightning skips `teardown` hooks when fit raises (a signal stop included): stop the engine here
         if self.pipeline is not None:
             self.pipeline.close()
 

@@ -56,6 +56,19 @@ def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def context_advice(longest: int, max_new_tokens: int, context: int) -> str:
+    """The error for a prompt of ``longest`` tokens + ``max_new_tokens`` above the model's ``context``,
+    with values that fit: fewer new tokens when the prompt leaves room, else shorter prompts."""
+    head = (f"prompt length {longest} + rollout.sampling.max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context (max_position_embeddings) of {context} tokens: ")
+    if context - longest >= 1:
+        return head + (f"set rollout.sampling.max_new_tokens={context - longest} (or less), or keep "
+                       f"{max_new_tokens} new tokens and remove prompts over {max(context - max_new_tokens, 0)} "
+                       f"tokens from the data")
+    return head + (f"the prompt alone does not fit: remove prompts over {max(context - max_new_tokens, 1)} tokens "
+                   f"from the data, or use a model with a longer context")
+
+
 class HFEngine(RolloutEngine):
     """Engine on the policy module; ``batch_size`` caps sequences per decode call (memory),
     ``compact`` drops finished rows while decoding (see the module docstring)."""
@@ -73,9 +86,7 @@ class HFEngine(RolloutEngine):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         longest = max((len(p) for p in prompt_token_ids), default=0)
         if max_pos is not None and longest + params.max_new_tokens > max_pos:
-            raise ValueError(
-                f"prompt length {longest} + rollout.sampling.max_new_tokens {params.max_new_tokens} exceeds "
-                f"the model's max_position_embeddings {max_pos}: lower max_new_tokens or data.max_prompt_len")
+            raise ValueError(context_advice(longest, params.max_new_tokens, max_pos))
         expanded = [p for p in prompt_token_ids for _ in range(params.n)]
         device = next(model.parameters()).device
         synced = is_sharded(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1

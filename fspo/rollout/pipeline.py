@@ -52,6 +52,7 @@ class OverlapConfig:
     enable: bool = False
     staleness: int = 1
     engine_threads: int = 1
+    timeout_s: float = 1800.0  # the longest wait for the engine's answer (fspo/rollout/async_engine.py)
 
     def __post_init__(self):
         if int(self.staleness) < 1:
@@ -70,7 +71,7 @@ def build_pipeline(cfg) -> Optional["RolloutPipeline"]:
     if not over.enable:
         return None
     return RolloutPipeline(AsyncEngine(instantiate(cfg.rollout.engine), slots=over.staleness,
-                                       threads=over.engine_threads), over.staleness)
+                                       threads=over.engine_threads, timeout_s=over.timeout_s), over.staleness)
 
 
 class RolloutPipeline:

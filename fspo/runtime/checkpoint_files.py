@@ -13,14 +13,14 @@ integrity (fspo/runtime/checkpoint_integrity.py).
 from __future__ import annotations
 
 import glob
-import logging
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from fspo.runtime.safe_load import safe_dcp_reader, safe_torch_load
+
 CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
 META_KEY = "fspo_resume"
 RUN_ID_FILE = "mlflow_run_id"  # <output_dir>/mlflow_run_id: the MLflow run of the training run
@@ -109,23 +109,21 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- policy weights
 def _torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # Lightning stores plain Python objects too; the file is the user's own run
-        log.info("weights_only load of %s failed (%s): loading it as a full pickle", path, type(e).__name__)
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/safe_load.py)
 
 
 def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
     """The policy weights of a distributed checkpoint folder (Lightning's ModelParallelStrategy), and its
     ``rl_step``, as ``{"state_dict": ...}`` plus ``meta.pt``: only the tensors of ``state_dict.<prefix>*``
     and ``state_dict.rl_step`` are read (``torch.distributed.checkpoint`` loads the entries asked for), never
-    the optimizer's state (AdamW: twice the weights again)."""
+    the optimizer's state (AdamW: twice the weights again). Its ``.metadata`` is read through the allow-list
+    of fspo/runtime/safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
+    loaded (no pickled byte items)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     head = "state_dict."
-    reader = dcp.FileSystemReader(str(path))
+    reader = safe_dcp_reader(path)
     wanted = {k[len(head):]: m for k, m in reader.read_metadata().state_dict_metadata.items()
               if k.startswith(head + prefix) or k == head + "rl_step"}
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in wanted.items()

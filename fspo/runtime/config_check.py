@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -157,6 +158,8 @@ RULES: Tuple[Rule, ...] = (
     _pos("guard.max_grad_norm", "divergence limit on the gradient norm before clipping", 1e4, nullable=True),
     _pos("guard.max_loss", "divergence limit on the mini-batch's mean token loss", 1e3, nullable=True),
     _pos("guard.max_kl", "divergence limit on the mean KL(old || current) per token", 1.0, nullable=True),
+    Rule("reward_guard.max_error_frac", "number", lo=0, hi=1, meaning="the fraction of a step's samples the reward "
+         "may raise on before the run stops", example=0.0),
 )
 
 
@@ -195,6 +198,14 @@ def _check_rule(rule: Rule, value: Any) -> None:
         raise bad
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a SLURM or cgroup limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     """Settings that are each valid but cannot train together (errors) or probably should not (warnings)."""
     n = _get(cfg, "rollout.sampling.n")
@@ -206,6 +217,20 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if lo_new is not _ABSENT and hi_new is not _ABSENT and lo_new > hi_new:
         raise _fail("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
                     "lower it or raise rollout.sampling.max_new_tokens")
+    threads, cores = _get(cfg, "cpu_threads"), usable_cores()
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
+        raise _fail("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch threads "
+                    f"than cores run many times slower; thousands hang)", f"set cpu_threads={cores} or less "
+                    f"(1 is as fast for small models)")
+    if _get(cfg, "model.dtype") == "float16" and str(_get(cfg, "trainer.accelerator")) == "cpu":
+        raise _fail("model.dtype", "float16", "float16 training on the CPU (trainer.accelerator=cpu) is not "
+                    "supported (no fp16 loss scaling there; CPU half kernels fail or crawl)",
+                    "set model.dtype=float32 (or bfloat16) on CPU, or train on GPUs")
+    reward = _get(cfg, "reward")
+    for k, v in (reward.items() if isinstance(reward, DictConfig) else ()):  # a NaN reward weight trains on nothing
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _fail(f"reward.{k}", v, "must be a finite number (a non-finite reward gives no learning signal)",
+                        f"set reward.{k} to a finite number, e.g. reward.{k}=1.0")
     strategy = str(_get(cfg, "trainer.strategy._target_"))
     engine_target = str(_get(cfg, "rollout.engine._target_"))
     installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None

@@ -6,7 +6,10 @@ writing checkpoints and signals (fspo/runtime/checkpointing.py), the config a co
 (fspo/runtime/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
 
 The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
-(`fspo.runtime.checkpoint_files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py).
+(`fspo.runtime.checkpoint_files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py). A checkpoint
+of ANOTHER run folder (``resume=<path>`` outside ``<output_dir>/checkpoints``) continues in this folder's
+own MLflow run -- a new one at first, tagged ``fspo.resumed_from.{checkpoint,run_id,step}`` -- and never
+writes into the run that made the checkpoint.
 
 Damaged checkpoints (fspo/runtime/checkpoint_integrity.py): ``auto`` takes the newest checkpoint that passes
 its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
@@ -23,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, quarantine, verify
+from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, manifest_path, quarantine, verify
 from fspo.runtime.checkpoint_files import RUN_ID_FILE, checkpoint_dir, list_checkpoints, read_resume_meta
 from fspo.runtime.rank_zero import launch_rank
 
@@ -40,6 +43,7 @@ class ResumePlan:
     step: int = 0
     run_id: Optional[str] = None
     overrides: Dict[str, str] = field(default_factory=dict)
+    origin: Dict[str, str] = field(default_factory=dict)  # another run's checkpoint: where it came from (MLflow tags)
 
     @property
     def resuming(self) -> bool:
@@ -49,11 +53,19 @@ class ResumePlan:
 
 def check_checkpoint(path) -> None:
     """Raise unless ``path`` matches its checksum manifest and its resume metadata reads; a checkpoint
-    without manifest (an older version's) passes with a warning that it is unverified."""
-    if not verify(path):
-        log.warning("checkpoint %s has no checksum manifest (written by an older version): loading it unverified",
-                    path)
-    read_resume_meta(path)
+    without manifest passes with a warning that names the missing file, says that its bytes were not
+    verified and what was checked (it reads as a checkpoint, its step)."""
+    manifest = verify(path)
+    meta = read_resume_meta(path)
+    if not manifest:
+        man = manifest_path(path)
+        others = [p.name for p in Path(path).parent.glob("step_*.ckpt" + man.suffix) if p != man]
+        log.warning("checkpoint %s: its checksum manifest %s is MISSING (%s), so its bytes were NOT verified; "
+                    "checked: it loads as a checkpoint with resume metadata (RL step %s). Loading it unverified -- "
+                    "if you did not expect this, stop and use an earlier checkpoint (resume=<path>)", path, man.name,
+                    f"deleted? {len(others)} other checkpoints here have theirs" if others
+                    else "none of the checkpoints here has one: written before manifests existed, or all deleted",
+                    meta.get("rl_step", "?"))
 
 
 def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
@@ -95,6 +107,9 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
     a path continues from that checkpoint (an error if it is damaged)."""
     mode = OmegaConf.select(cfg, "resume", default=None)
     out = Path(output_dir)
+    if checkpoint_dir(out).exists() and not checkpoint_dir(out).is_dir():
+        raise ValueError(f"{checkpoint_dir(out)} is a file, but the run keeps its checkpoints in that folder: "
+                              f"move or rename the file, or choose another output_dir")
     id_file = out / RUN_ID_FILE
     if mode is None:
         found = list_checkpoints(checkpoint_dir(out))
@@ -132,7 +147,18 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
                                     f"{str(e).splitlines()[0][:200]}); use resume=auto to take the newest good one "
                                     f"in {checkpoint_dir(out)}, or name an earlier one") from None
     meta: Dict[str, Any] = read_resume_meta(ckpt) if ckpt is not None else {}
-    run_id = meta.get("mlflow_run_id") or (id_file.read_text().strip() if id_file.is_file() else None)
-    plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None)
+    own = id_file.read_text().strip() if id_file.is_file() else None
+    origin: Dict[str, str] = {}
+    if ckpt is not None and ckpt.resolve().parent not in (checkpoint_dir(out).resolve(),
+                                                           (checkpoint_dir(out) / "damaged").resolve()):
+        # another run's checkpoint continued in this output_dir: this folder's own MLflow run (a new one on
+        # its first launch), tagged with where it came from; the other run's record is left untouched
+        run_id = own
+        origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()), "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
+                  "fspo.resumed_from.run_id": str(meta.get("mlflow_run_id") or "unknown")}
+    else:
+        run_id = meta.get("mlflow_run_id") or own
+    plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None,
+                      origin=origin)
     log.info("resume=%s: %s", mode, f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
     return plan

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from fspo.runtime.checkpoint_files import read_resume_meta
 from fspo.runtime.rank_zero import launch_rank
+from fspo.runtime.stored_config import check_stored_targets
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
@@ -155,6 +156,7 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
     saved = OmegaConf.create(text)
     if upgrade_legacy_targets(saved):
         log.info("resume: the saved config names classes by their paths before fspo/ was regrouped; read as the new ones")
+    check_stored_targets(saved, source, trusted=cfg)  # a stored _target_ builds only allow-listed classes
     old = _flatten(OmegaConf.to_container(saved, resolve=False))
     new = _flatten(OmegaConf.to_container(cfg, resolve=False))
     explicit = None if overrides is None else _override_paths(overrides)

@@ -12,6 +12,7 @@ At start-up, within seconds and before anything is written:
     missing permission or a full disk fail there, named, instead of after MLflow's 100 s of retries
     or mid-run;
   - an existing SQLite store is opened for writing (``BEGIN IMMEDIATE``) to catch a read-only file;
+  - a missing SQLite store is created atomically, a half-created one repaired (fspo/runtime/sqlite_store.py);
   - a SQLite store is opened (schema created or upgraded) and the experiment created while holding an
     exclusive lock on the store's folder, so runs starting together on one fresh store wait for each
     other instead of racing on the schema (MLflow's tracking store creates tables unlocked); an
@@ -38,6 +39,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, List, Optional
+
+from fspo.runtime.sqlite_store import ensure_sqlite_store
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 64 * 1024
@@ -230,6 +233,7 @@ def prepare_store(uri: Optional[str], experiment_name: Optional[str] = None,
             check_writable(path.parent, f"the folder of the MLflow store {uri}", STORE_KEY)
             _check_sqlite_file(path, str(uri))
             with folder_lock(path.parent):
+                ensure_sqlite_store(path, str(uri))  # created atomically; an interrupted creation repaired
                 exp = _ensure_experiment(str(uri), experiment_name, artifact_location) if experiment_name else None
             _check_artifacts(exp, artifact_location)
             return

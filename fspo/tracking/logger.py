@@ -44,10 +44,12 @@ class TrackingURIUnreachable(ValueError):
     """The MLflow tracking server did not answer at start-up (a bad ``logger.tracking_uri`` or a server down)."""
 
 
-def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2) -> None:
+def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2,
+                       key: str = "logger.tracking_uri", fallback: bool = True) -> None:
     """Raise `TrackingURIUnreachable` unless an http(s) tracking server answers ``GET /health``
     (any HTTP status counts as an answer) within ``attempts`` tries of ``timeout_s``. Other URIs
-    (sqlite, file, databricks) are not probed."""
+    (sqlite, file, databricks) are not probed. ``key`` names the setting in the message; ``fallback``:
+    mention ``logger_fallback=local`` (training runs only)."""
     if not uri or urlparse(str(uri)).scheme not in ("http", "https"):
         return
     url, reason = str(uri).rstrip("/") + "/health", ""
@@ -62,8 +64,9 @@ def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int
             if i + 1 < attempts:
                 time.sleep(1.0)
     raise TrackingURIUnreachable(
-        f"MLflow tracking server {uri} did not answer ({reason}): start it, fix logger.tracking_uri, or "
-        f"set logger_fallback=local to log to a SQLite store in the output folder")
+        f"MLflow tracking server {uri} did not answer ({reason}): start it, fix {key}"
+        + (", or set logger_fallback=local to log to a SQLite store in the output folder" if fallback else
+           " (or MLFLOW_TRACKING_URI), or point it at a local store (sqlite:///mlflow.db)"))
 
 
 def _is_mlflow(lcfg) -> bool:
@@ -88,6 +91,27 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
             for lc in lcfgs]
 
 
+def check_wandb_login(offline: bool) -> None:
+    """Raise ValueError (one line) when W&B would need a login it does not have: online mode, no
+    ``WANDB_API_KEY`` and no ``wandb login`` entry in ~/.netrc for ``WANDB_BASE_URL``'s host."""
+    import netrc
+    import os
+    import urllib.parse
+
+    if offline or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ValueError(f"the W&B logger has no API key (WANDB_API_KEY is unset and ~/.netrc has no `wandb login` entry "
+                     f"for {host}): set WANDB_API_KEY or run `wandb login`, or log locally with offline=true on the "
+                     f"W&B logger (logger.offline=true or extra_loggers.wandb.offline=true; WANDB_MODE=offline) and "
+                     f"upload later with `wandb sync`")
+
+
 def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
     """A non-MLflow logger: ``save_dir: null`` -> the run's output_dir; W&B gets the tags as ``key=value``
     strings (CSV and TensorBoard take none)."""
@@ -96,6 +120,7 @@ def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
         kwargs["save_dir"] = str(Path(output_dir))
     target = str(lcfg.get("_target_", ""))
     if target.endswith("WandbLogger"):
+        check_wandb_login(bool(lcfg.get("offline", False)))  # now, not at the first metric mid-run
         kwargs["tags"] = [f"{k}={v}"[:64] for k, v in tags.items()]  # W&B: a list, 64 characters each
     try:
         return instantiate(lcfg, **kwargs)
@@ -122,6 +147,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         prepare_store(local, name, kwargs["artifact_location"])
     if plan.run_id is None and not lcfg.get("run_name"):  # MLflow's random name repeats under a fixed seed
         kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"), tags.get("seed", 0))
+    if plan.run_id is None and plan.origin:  # another run's checkpoint: a new run that says where it came from
+        tags = {**tags, **plan.origin}
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
     if plan.run_id is None and is_rank_zero():
         try:  # the experiment's description, once (fspo/tracking/naming.py)
@@ -138,8 +165,38 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         client.update_run(plan.run_id, status="RUNNING")
         for key, change in plan.overrides.items():  # allowed config changes of this launch (params are immutable)
             client.set_tag(plan.run_id, f"fspo.resume.step_{plan.step}.{key}", change[:5000])
-        _skip_logged(logger, plan.step)
+        if not (OmegaConf.select(cfg, "rollout.overlap.enable", default=False)
+                and drop_logged_steps(logger._tracking_uri, plan.run_id, plan.step)):
+            _skip_logged(logger, plan.step)  # a synchronous resume re-logs identical values: keep the first
     return logger
+
+
+def drop_logged_steps(uri: str, run_id: str, from_step: int) -> bool:
+    """Delete run ``run_id``'s metric values at steps >= ``from_step`` from a SQLite store (and rebuild its
+    latest values), so that the steps a resume re-runs log their new values in place of the killed
+    attempt's; pipelined rollouts (rollout.overlap) re-run those steps with other rollouts, so their
+    values differ. True when done; False for other stores (MLflow has no API to delete metric values:
+    the killed attempt's values are kept there, with a warning)."""
+    import sqlite3
+
+    from fspo.runtime.store_check import _sqlite_path
+
+    path = _sqlite_path(uri) if urlparse(str(uri)).scheme == "sqlite" else None
+    if path is None:
+        log.warning("resume: %s cannot delete metric values: steps >= %d keep the killed attempt's values", uri,
+                    from_step)
+        return False
+    with sqlite3.connect(path, timeout=60) as con:
+        n = con.execute("DELETE FROM metrics WHERE run_uuid = ? AND step >= ?", (run_id, int(from_step))).rowcount
+        con.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (run_id,))
+        con.execute("INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) "
+                    "SELECT key, value, timestamp, step, is_nan, run_uuid FROM (SELECT *, ROW_NUMBER() OVER "
+                    "(PARTITION BY key ORDER BY step DESC, timestamp DESC, value DESC) AS rn FROM metrics "
+                    "WHERE run_uuid = ?) WHERE rn = 1", (run_id,))
+    if n:
+        log.info("resume: dropped %d metric values of steps >= %d of run %s: the re-run steps log theirs", n,
+                 from_step, run_id)
+    return True
 
 
 def as_list(loggers) -> List[Any]:

@@ -109,6 +109,7 @@ class MLflowSweepParent(Callback):
         from mlflow.tracking import MlflowClient
 
         from fspo.runtime.console import quiet_mlflow
+        from fspo.runtime.store_check import prepare_store
 
         quiet_mlflow()  # no schema-creation lines when the parent run creates the store (fspo/runtime/console.py)
         uri = _select(config, "logger.tracking_uri")
@@ -124,8 +125,11 @@ class MLflowSweepParent(Callback):
                 "sweep.grid": grid[:5000], "sweep.overrides": overrides[:5000],
                 "mlflow.note.content": f"Parent run of sweep {sweep}; the jobs are its child runs.\n"
                                        f"grid: {grid}\noverrides: {overrides}"}
-        self.client = MlflowClient(tracking_uri=str(uri))
         art = _select(config, "logger.artifact_location")  # as the jobs' MLFlowLogger would create it
+        # the store and experiment under the store folder's lock, as a run's start does: two sweeps
+        # started together on a fresh store wait for each other (fspo/runtime/store_check.py)
+        prepare_store(str(uri), str(exp_name), None if art is None else str(art))
+        self.client = MlflowClient(tracking_uri=str(uri))
         exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))
         run = self.client.create_run(exp_id, run_name=f"{sweep}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
         self.run_id = run.info.run_id

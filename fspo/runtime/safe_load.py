@@ -1,0 +1,138 @@
+"""Loading checkpoint files without running code from them.
+
+Owns: `safe_torch_load` (a ``torch.save`` zip file, loaded with ``weights_only=True`` only: tensors and
+plain Python values, never an arbitrary object), `safe_dcp_load` (a torch.distributed.checkpoint folder:
+its ``.metadata`` read by an unpickler that allows only the checkpoint-metadata classes of
+torch.distributed.checkpoint, its byte items with ``weights_only=True``), `METADATA_GLOBALS` (that
+allow-list) and `UnsafeCheckpoint`. Leaves out: where checkpoints are and what they must hold
+(fspo/runtime/checkpoint_files.py) and their checksums (fspo/runtime/checkpoint_integrity.py).
+
+Contract: a file holding anything else (a pickled object whose ``__reduce__`` would call a
+function, an ``nn.Module``, ...) is refused with one line naming the file and what it holds; nothing
+in it is called. Checkpoints written by fspo (Lightning ``.ckpt`` files and shard folders) hold only
+tensors, numbers, strings, lists and dicts (fspo/runtime/resume_state.py), so they always load.
+A legacy (pre-zip, torch < 1.6) file is refused with its own line: re-save it with a current torch.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+# (module, name) pairs a torch.distributed.checkpoint ``.metadata`` pickle may name: the metadata
+# dataclasses, the tensor descriptions they hold (dtype, layout, memory format, size) and paths
+_DCP_META = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = {
+    (_DCP_META, n) for n in ("Metadata", "StorageMeta", "MetadataIndex", "TensorProperties", "ChunkStorageMetadata",
+                             "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
+    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file that holds something other than tensors and plain values (never unpickled)."""
+
+
+def _refusal(path, what: str) -> UnsafeCheckpoint:
+    return UnsafeCheckpoint(f"refused to load {path}: it holds {what}, which could run code when unpickled; fspo's "
+                            f"checkpoints hold only tensors and plain values -- load only checkpoints written by "
+                            f"a training run you trust")
+
+
+def safe_torch_load(path, mmap: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; `UnsafeCheckpoint` (one line naming the
+    file) for a file holding other objects, ValueError for a legacy or non-torch file."""
+    p = Path(path)
+    if p.is_file() and not zipfile.is_zipfile(p):
+        raise ValueError(f"{p} is not a torch zip checkpoint (a legacy pre-1.6 torch file or another format): "
+                         f"fspo reads only files written by torch.save of torch >= 1.6; re-save it with a current "
+                         f"torch (torch.save(torch.load(f, weights_only=True), f)) if you trust it")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:  # weights_only refused a global: report what, never retry unsafely
+        raise _refusal(p, f"Python objects ({_global_of(e)})") from None
+
+
+def _global_of(e: Exception) -> str:
+    """The line of a weights_only refusal that names the global, e.g. 'Unsupported global: GLOBAL posix.system'."""
+    line = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")
+    return line[:160] or type(e).__name__
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   (torch.dtype, torch.layout,
+                                                                                    torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_dcp_metadata(path):
+    """The ``.metadata`` of a torch.distributed.checkpoint folder, unpickled with `METADATA_GLOBALS` only."""
+    f = Path(path) / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            return _MetadataUnpickler(fh).load()
+    except pickle.UnpicklingError as e:
+        raise _refusal(f, f"the global {e} (not checkpoint metadata)") from None
+    except (EOFError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{f} is not readable checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def safe_dcp_reader(path):
+    """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``.metadata`` is the one
+    `read_dcp_metadata` checked (refused here, before torch.distributed.checkpoint wraps the error)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checked = read_dcp_metadata(Path(path))
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            meta = checked
+            if getattr(meta, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return Reader(str(path))
+
+
+def safe_dcp_load(path) -> Dict[str, Any]:
+    """A distributed-checkpoint folder as one dict, with the checks of the module docstring."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    p = Path(path)
+    reader = safe_dcp_reader(p)
+    refused = []
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                refused.append(_refusal(p, f"a Python object in {read_item.dest_index.fqn!r} ({_global_of(e)})"))
+                raise refused[-1] from None
+            if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, with the checked object
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    sd: Dict[str, Any] = {}
+    try:
+        _load_state_dict(sd, storage_reader=reader, planner=Planner(), no_dist=True)
+    except BaseException:  # CheckpointException (a BaseException) wraps errors per rank: report ours as one line
+        if refused:
+            raise refused[0] from None
+        raise
+    return sd
