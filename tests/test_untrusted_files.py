@@ -70,10 +70,15 @@ def test_clean_distributed_checkpoint_loads_and_crafted_ones_are_refused(tmp_pat
     (meta / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(UnsafeCheckpoint, match=r"\.metadata.*posix\.system|\.metadata.*os\.system"):
         load_checkpoint(meta)
-    item = tmp_path / "item"
-    dcp.save({**sd, "extra": Payload(marker)}, checkpoint_id=str(item), no_dist=True)
-    with pytest.raises(UnsafeCheckpoint, match="'extra'"):
-        load_checkpoint(item)
+    item = tmp_path / "item"  # a crafted byte item is never unpickled: only the policy's tensors are read
+    dcp.save({**sd, "extra": Payload(marker), "state_dict": {**sd["state_dict"], "policy.x": Payload(marker)}},
+             checkpoint_id=str(item), no_dist=True)
+    policy, step = load_checkpoint(item)
+    assert set(policy) == {"w"} and step == 3
+    assert not marker.exists()
+    from fspo.runtime.safe_load import safe_dcp_load  # the whole-folder loader refuses it
+    with pytest.raises(UnsafeCheckpoint, match="'(extra|state_dict.policy.x)'"):
+        safe_dcp_load(item)
     assert not marker.exists()
 
 
