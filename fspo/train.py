@@ -123,8 +123,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
 
     # logging and checkpoints
     log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
-    for lg in loggers:  # every run, LoRA or not: model/trainable_params, model/total_params (fspo/models/lora.py)
-        lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)
+    for lg in loggers if plan.ckpt_path is None else ():  # every run, once (a resume logged them already)
+        lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)  # fspo/models/lora.py
     record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))

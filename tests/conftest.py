@@ -37,6 +37,21 @@ SMALL = [
 torch.set_num_threads(1)
 
 
+def torchrun_two_ranks(worker: Path, out: Path, scenarios: str, timeout: int = 840) -> Path:
+    """Run ``worker out scenarios`` on 2 gloo ranks with torchrun (one thread each); fail the test with the
+    tail of both logs when it exits non-zero. Returns ``out``."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(out), scenarios]
+    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return out
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a test's own process group (gloo / vLLM rendezvous)."""
     with socket.socket() as s:

@@ -298,7 +298,9 @@ def test_fsdp_two_ranks_train_on_the_same_number_of_groups(tmp_path):
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    hist = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+    from fspo.diagnostics.metric_keys import display_key  # counts are shown in the last chart section
+
+    hist = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, display_key(k))}
             for k in ("dynamic_sampling/groups", "dynamic_sampling/rounds", "dynamic_sampling/short",
                       "rollout/n_responses")}
     assert set(hist["dynamic_sampling/groups"]) == {0, 1, 2}

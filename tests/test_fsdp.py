@@ -22,14 +22,12 @@ Plus fast single-process checks of the rank arithmetic and the configs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, compose_config
+from conftest import REPO, compose_config, torchrun_two_ranks
 from fspo.runtime.distributed import FSDP2Strategy, find_layers, gather_rollout, pad_slice, rank_slice, share
 
 WORKER = REPO / "tests" / "fsdp_worker.py"
@@ -40,12 +38,7 @@ SKIP_TIMING = ("time/", "perf/")
 def two_ranks(tmp_path_factory):
     """Run every worker scenario on 2 processes; returns the output folder."""
     out = tmp_path_factory.mktemp("fsdp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(out), "step,step_ac,resume,e2e,decode"]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return out
+    return torchrun_two_ranks(WORKER, out, "step,step_ac,resume,e2e,decode")
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,11 @@ The layouts that cannot work are refused in tests/test_rollout_overlap.py.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, torchrun_two_ranks
 
 WORKER = REPO / "tests" / "fsdp_overlap_worker.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -28,12 +25,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_overlap")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(out), "push,e2e"]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return out
+    return torchrun_two_ranks(WORKER, out, "push,e2e")
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -23,8 +23,9 @@ NAME_RE = re.compile(r"^fspo-tiny-s42-\d{4}-\d{6}$")
 # one section per top-level family of the default run: band clip fairness guard logratio perf reward
 # rollout run time train val (12; before this layout 36, each per-bin family and each run/ family its
 # own); optional features add their family (rollout_corr/, dynamic_sampling/), one section each
-# + "Headline" (first: copies of held-out accuracy, LRE, out-of-band by length) and "zz counts" (last)
-MAX_SECTIONS = 14
+# + "Headline" (first: copies of held-out accuracy, LRE, out-of-band by length), "zz counts" (last) and
+# "model" (model/trainable_params, model/total_params, logged once)
+MAX_SECTIONS = 15
 CONSTANT_SETTINGS = ("clip/c_upper", "clip/c_lower", "clip/c_dual", "train/lr")  # fixed band, no warmup
 
 

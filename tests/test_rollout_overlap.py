@@ -164,5 +164,7 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
     assert gap[0] < 1e-5 < min(gap[1], gap[2])  # float32 noise at step 0; a policy lag after
     # issue 30 (the stale first batch): a stale step measures all 4 mini-batches of 8 (32 sequences), a step
     # whose request used the current weights (0, and 3: the resumed pipeline starts over) only the last 3
-    n = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "logratio/n")}
+    from fspo.diagnostics.metric_keys import display_key  # counts are shown in the last chart section
+
+    n = {m.step: m.value for m in client.get_metric_history(run.info.run_id, display_key("logratio/n"))}
     assert all(n[s] > 24 for s in (1, 2, 4)) and all(n[s] <= 24 for s in (0, 3)), n

@@ -390,14 +390,20 @@ def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
     assert len(stopped) == 1 and int(stopped[0].stem.split("_")[1]) < 8
     rows = metric_rows(db)
 
-    rc, log = run(tmp_path, out, "refused.log", ["resume=auto", "prompts_per_step=16", "seed=5", "steps=10"])
+    # the run's reward is this test module's class, not fspo's: a stored config may only instantiate it when
+    # the command line names it again (issue 33 item 5); without that, one line says so and nothing is touched
+    rc, log = run(tmp_path, out, "untrusted.log", ["resume=auto"])
+    assert rc == 2 and log.strip().splitlines()[-1].startswith("error: UntrustedTarget: reward._target_="), log[-3000:]
+    assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == stopped
+    trust = [a for a in BASE if a.startswith("reward._target_=")]
+    rc, log = run(tmp_path, out, "refused.log", ["resume=auto", "prompts_per_step=16", "seed=5", "steps=10", *trust])
     assert rc == 2, log[-3000:]
     last = log.strip().splitlines()[-1]
     assert last.startswith("error: ConfigChangedOnResume: resume: this command line changes the run's saved config")
     assert "prompts_per_step 4 -> 16" in last and "seed 3 -> 5" in last and "steps 8 -> 10" not in last
     assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == stopped  # nothing touched
 
-    run_ok(tmp_path, out, "resume.log", ["resume=auto"])
+    run_ok(tmp_path, out, "resume.log", ["resume=auto", *trust])
     run_id = (out / "mlflow_run_id").read_text().strip()
     with sqlite3.connect(db) as con:
         params = dict(con.execute("SELECT key, value FROM params WHERE run_uuid=?", (run_id,)).fetchall())
@@ -408,7 +414,7 @@ def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
     assert vals == [0, 3, 6, 8]  # val.every_n_steps=3 restored; the run ended at its own step 8, not 60
     assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "step_000008.ckpt"
 
-    run_ok(tmp_path, out, "extend.log", ["resume=auto", "steps=9"])  # allowed: recorded in MLflow
+    run_ok(tmp_path, out, "extend.log", ["resume=auto", "steps=9", *trust])  # allowed: recorded in MLflow
     with sqlite3.connect(db) as con:
         tags = dict(con.execute("SELECT key, value FROM tags WHERE run_uuid=?", (run_id,)).fetchall())
     assert tags["fspo.resume.step_8.steps"] == "8 -> 9"
