@@ -44,14 +44,15 @@ def test_plan_two_ranks_bf16_compute_by_hand():
     # shards 552*4/2 = 1104, + gathered root and 2 layers (552 - 3*156 + 2*156) * 2 = 792
     assert p.weights == 1104 and p.compute_weights == 792
     assert p.grads == 1104 and p.optimizer == 2208 and p.update_snapshot == 1104
-    # per layer 3 tokens * 2 B * (4H 16 + 2q 8 + 2kv 4 + 4I 32) = 360; x 3 layers
-    assert p.activations == 360 * 3
-    assert p.logits == 3 * 10 * (2 + 4 + 4)  # bf16 logits, their float32 copy, the softmax for backward
+    # per layer 3 tokens * (2 B * (6H 24 + 4q 16 + 4kv 8 + 4I 32) + norms' scales 4 (2 + 2 heads + kv_heads) 28)
+    # = 564; x 3 layers
+    assert p.activations == 564 * 3
+    assert p.logits == 3 * 10 * (20 + 2)  # float32 logits saved 4 + backward temporaries 16 + the bf16 output 2
     # 2 (K, V) * 3 layers * kv 2 * 2 B * 5 rows * 7 positions
     assert p.kv_cache == 840 and p.engine_weights == 0
-    resident, train, generate = 1104 + 1104 + 2208, 792 + 1104 + 1080 + 300, 840
+    resident, train, generate = 1104 + 1104 + 2208, 792 + 1104 + 1692 + 660, 840
     assert (p.phase_total("resident"), p.phase_total("train"), p.phase_total("generate")) == (resident, train, generate)
-    assert p.peak == p.total == resident + max(train, generate) == 7692
+    assert p.peak == p.total == resident + max(train, generate) == 8664
 
 
 def test_plan_one_rank_checkpointing_chunked_head_and_a_sleeping_vllm():
@@ -59,18 +60,20 @@ def test_plan_one_rank_checkpointing_chunked_head_and_a_sleeping_vllm():
                engine="vllm", engine_bytes=2, engine_reserved=3000, engine_sleeps=True)
     p = plan_memory(SMALL, x)
     assert (p.weights, p.compute_weights, p.grads, p.optimizer) == (2208, 0, 2208, 4416)  # nothing gathered
-    # layer inputs 3*4*4 per layer x 3 = 144, one layer's full set 3*4*60 = 720
-    assert p.activations == 144 + 720 and p.logits == 3 * 10 * 12
+    # layer inputs 3*4*4 per layer x 3 = 144, one layer's full set 3 tokens * (4 B * (24 + 16 + 8 + 32) + 28) = 1044
+    assert p.activations == 144 + 1044 and p.logits == 3 * 10 * 20
     # vLLM: its own bf16 weights 552*2, the rest of its reservation is KV cache; both only while generating
     assert p.engine_weights == 1104 and p.kv_cache == 3000 - 1104
     assert p.phases["engine_weights"] == p.phases["kv_cache"] == "generate"
-    assert p.peak == (2208 + 2208 + 4416) + max(2208 + 864 + 360, 3000) == 12264
+    assert p.peak == (2208 + 2208 + 4416) + max(2208 + 1188 + 600, 3000) == 12828
     awake = plan_memory(SMALL, replace(x, engine_sleeps=False))  # no sleep mode: held throughout
-    assert awake.peak == 2208 + 2208 + 4416 + 3000 + 2208 + 864 + 360
+    assert awake.peak == 2208 + 2208 + 4416 + 3000 + 2208 + 1188 + 600
     chunked = plan_memory(SMALL, replace(x, head_chunk_rows=2))
     assert chunked.logits == min(3, 2) * 10 * 4 * 2  # one chunk's float32 logits and its softmax/gradient
-    autocast = plan_memory(SMALL, replace(x, compute_bytes=2))
+    autocast = plan_memory(SMALL, replace(x, compute_bytes=2, autocast=True, activation_checkpointing=False))
     assert autocast.compute_weights == 552 * 2  # autocast's bf16 copies of the float32 weights
+    # per token and layer: float32 4 (6H 24 + 2q 8 + 2kv 4) = 144, bf16 2 (7H 28 + 2q 8 + 2kv 4 + 6I 48) = 176, norms 28
+    assert autocast.activations == 3 * (144 + 176 + 28) * 3 and autocast.logits == 3 * 10 * 22
     assert plan_memory(SMALL, replace(x, update_snapshot=False)).update_snapshot == 0
     lora = plan_memory(SMALL, replace(x, trainable_params=10))  # an adapter: state for its parameters only
     assert (lora.grads, lora.optimizer, lora.weights) == (40, 80, 2208)
@@ -92,11 +95,12 @@ def test_check_refuses_a_layout_that_cannot_fit():
     with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 0.50 GiB available per rank .*would fit with neither "
                        r"FSDP up to 256 GPUs nor LoRA r 64"):
         check_memory_plan(cfg, available=2 ** 29)  # activations of 8192 tokens alone: no rank count helps
-    # 4 GiB: 2 ranks with checkpointing need 0.75 resident + 0.14 gathered + 0.19 snapshot + 0.34 activations
-    # + 2.44 logits (8192 x 32000 x 10 B) = 3.87 GiB > 3.6; 4 ranks 3.39 GiB
-    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 4.00 GiB .*would fit with FSDP over 4 GPUs \(trainer=fsdp "
-                       r"trainer.devices=4 trainer.strategy.activation_checkpointing=true\)"):
-        check_memory_plan(cfg, available=2 ** 32)
+    # 8 GiB (7.2 usable): 2 ranks with checkpointing need 0.75 resident + 0.14 gathered + 0.19 snapshot + 0.40
+    # activations (8192 x 2 B x 768 x 12 layer inputs + one layer 8192 x 2 x 16,896) + 5.37 logits
+    # (8192 x 32000 x 22 B) = 6.85 GiB; without checkpointing 6.19 GiB of activations alone
+    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 8.00 GiB .*would fit with FSDP over 2 GPUs \(trainer=fsdp "
+                       r"trainer.devices=2 trainer.strategy.activation_checkpointing=true\)"):
+        check_memory_plan(cfg, available=2 ** 33)
     plan = check_memory_plan(cfg, available=2 ** 40)
     assert plan.ranks == 2 and plan.grads == model_shape(cfg.model).params * 4 // 2
     off = compose_config(["+model=qwen3_100m", "memory_plan.check=false"])
@@ -185,10 +189,12 @@ def test_paper_8xh200_plan_by_hand():
     n = QWEN3_8B.params
     assert p.weights == p.grads == p.update_snapshot == 4 * n // 8 and p.optimizer == 8 * n // 8
     assert p.engine_weights == 2 * n and p.kv_cache == int(0.5 * 141 * 2 ** 30) - 2 * n
-    # activation checkpointing at 20,480 tokens: layer inputs T 2 H x 36 + one layer (4H + 2q + 2kv + 4I = 75,776)
-    assert p.activations == 20480 * 2 * 4096 * 36 + 20480 * 2 * 75776
-    assert p.logits == 20480 * 151936 * 10
-    assert p.peak == p.phase_total("resident") + p.phase_total("generate") < 0.9 * 141 * 2 ** 30
+    # activation checkpointing at 20,480 tokens: layer inputs T 2 H x 36 + one layer (2 B (6H + 4q + 4kv + 4I = 94,208)
+    # + the norms' scales 4 (2 + 2 x 32 heads + 8 kv heads) = 296)
+    assert p.activations == 20480 * 2 * 4096 * 36 + 20480 * (2 * 94208 + 296)
+    assert p.logits == 20480 * 151936 * 22
+    # the update (a dense head over 20,480 tokens: 63.7 GiB of logits) now outweighs vLLM's share
+    assert p.peak == p.phase_total("resident") + p.phase_total("train") < 0.9 * 141 * 2 ** 30
 
 
 def test_what_would_fit_is_the_fewest_ranks():
@@ -247,11 +253,11 @@ def test_dry_run_8b_lora_on_one_80gb_gpu(tmp_path):
     """Issue 32: Qwen3-8B with LoRA r 64 on one 80 GiB GPU. A float32 base does not fit (131 GiB); the refusal
     names the recipe that does (bf16 frozen base, chunked head), and that recipe's dry run exits 0."""
     proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.device_gib=80"], tmp_path)
-    assert proc.returncode == 2 and "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024 (61.78 GiB" in proc.stderr
+    assert proc.returncode == 2 and "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024 (71.99 GiB" in proc.stderr
     proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "model.dtype=bfloat16",
                  "ppo.lm_head_chunk_rows=1024", "memory_plan.device_gib=80"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "\n  adapters " in proc.stdout and "fits: peak 61.78 GiB <= 72.00 GiB" in proc.stdout
+    assert "\n  adapters " in proc.stdout and "fits: peak 71.99 GiB <= 72.00 GiB" in proc.stdout
 
 
 def test_dry_run_and_device_gib_are_checked_up_front():
@@ -277,4 +283,14 @@ def test_dry_run_prints_every_component_in_process(capsys):
     for name, size in plan.parts.items():  # a line per component: name, phase, GiB
         assert f"  {name:<16} {plan.phases[name]:<9} {size / 2 ** 30:>9.2f}" in text
     with pytest.raises(MemoryPlanError, match="would fit with FSDP over"):
-        dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=20"]), out=lines.append)
+        dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=80"]), out=lines.append)
+
+
+def test_a_real_models_arch_builds_with_random_weights():
+    """``+model=qwen3_1_7b model.source=random`` (a GPU smoke run without the hub): its ``arch:`` block names
+    ``tie_word_embeddings``, which the random builder used to pass twice (a TypeError before any work)."""
+    from fspo.models.tiny import tiny_qwen3_config
+
+    cfg = compose_config(["+model=qwen3_1_7b", "model.source=random"])
+    assert model_shape(cfg.model).params == 1_720_574_976
+    assert tiny_qwen3_config(hidden_size=64, num_attention_heads=2, head_dim=32, tie_word_embeddings=False).tie_word_embeddings is False

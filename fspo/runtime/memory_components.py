@@ -21,11 +21,23 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
   optimizer       = 2 P b_t / W  (AdamW exp_avg, exp_avg_sq) resident
   update_snapshot = P b_t / W  (train/update_ratio's copy; fspo/update/update_ratio.py)   train
   adapter_activations = LoRA: T 4 r x (adapted linears) x layers (each adapter's A x)     train
-  activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens:                train
-                    T b_c (4 H + 2 q + 2 kv + 4 I) x layers  (norm inputs, q/k/v, attention output, MLP);
-                    activation checkpointing: T b_c H x layers + one layer's full set
-  logits          = dense: T V (b_c + 4 + 4) (the head's logits, their float32 copy, the softmax saved
-                    for backward); chunked (ppo.lm_head_chunk_rows = c > 0): min(T, c) V 4 x 2  train
+  activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens, per token and layer:  train
+                    one dtype (no autocast): b_c (6 H + 4 q + 4 kv + 4 I) + n;
+                    ppo.autocast=bf16 (float32 weights, bf16 compute on one device): 4 (6 H + 2 q + 2 kv)
+                    + 2 (7 H + 2 q + 2 kv + 6 I) + n (the float32 residual stream and RMSNorms, and a bf16
+                    copy of its input for each linear); n = 4 (2 + 2 heads + kv_heads), the norms' scales;
+                    x T x layers; activation checkpointing: T b_r H x layers + one layer's full set
+                    (b_r: 4 under autocast, the float32 residual, else b_c)
+  logits          = dense: T V (20 + b_c if b_c < 4 else 20) (the float32 logits saved for backward, 4,
+                    and 16 of temporaries in the log-softmax's backward; + the head's bf16 output);
+                    chunked (ppo.lm_head_chunk_rows = c > 0): min(T, c) V 4 x 2  train
+                    Measured, not derived (tests/test_memory_measured.py), on the real forward + backward
+                    of fspo/update/logprobs.py over Qwen3 layers on CPU, shapes varied one at a time: the
+                    tensors saved for backward per token and layer (float32: the formula, to the byte;
+                    autocast: the formula is 9-19 % above), and the head's saved plus temporary bytes at
+                    the peak (torch's MemTracker): 20 (float32) and 21 (autocast) per element. The earlier formula (b_c (4 H + 2 q + 2 kv + 4 I), T V (b_c + 8)) was about half:
+                    on an H100 a Qwen3-1.7B-shaped step it planned at 63.5 GiB ran out of memory at 79 GiB
+                    (docs/memory.md, "Measured on a GPU").
   engine_weights  = vLLM: N b_e / tp (its own copy, b_e its dtype); HF engine: 0 (it runs the policy)
   kv_cache        = vLLM on a GPU: reserved - engine_weights (reserved = gpu_memory_utilization x device
                     memory, which covers weights and KV cache); vLLM on CPU: its kv_cache_space;
@@ -69,6 +81,7 @@ class Layout:
     ranks: int = 1                    # W
     dtype_bytes: int = 4              # b: trainable (master) weights, grads and AdamW state
     compute_bytes: int = 4            # b_c
+    autocast: bool = False            # ppo.autocast=bf16 on one device: float32 weights, bf16 compute
     micro_tokens: int = 8192          # T
     activation_checkpointing: bool = False
     head_chunk_rows: int = 0          # c; 0: dense head
@@ -144,18 +157,26 @@ def adapter_activations(s: ModelShape, x: Layout) -> int:
     return x.micro_tokens * 4 * x.lora_rank * len(_adapted(s, x)) * s.layers if x.lora_rank > 0 else 0
 
 
+def activation_bytes_per_token(s: ModelShape, x: Layout) -> int:
+    """Bytes one token leaves saved for backward in one decoder layer (module docstring, measured)."""
+    h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+    norms = 4 * (2 + 2 * s.heads + s.kv_heads)  # float32 RMSNorm scales: 2 per token, q/k norms per head
+    if x.autocast:
+        return 4 * (6 * h + 2 * q + 2 * kv) + 2 * (7 * h + 2 * q + 2 * kv + 6 * i) + norms
+    return x.compute_bytes * (6 * h + 4 * q + 4 * kv + 4 * i) + norms
+
+
 def activations(s: ModelShape, x: Layout) -> int:
-    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_layer = x.micro_tokens * x.compute_bytes * (4 * h + 2 * q + 2 * kv + 4 * s.intermediate)
+    per_layer = x.micro_tokens * activation_bytes_per_token(s, x)
     if x.activation_checkpointing:
-        return x.micro_tokens * x.compute_bytes * h * s.layers + per_layer
+        return x.micro_tokens * (4 if x.autocast else x.compute_bytes) * s.hidden * s.layers + per_layer
     return per_layer * s.layers
 
 
 def logits(s: ModelShape, x: Layout) -> int:
     if x.head_chunk_rows > 0:
         return min(x.micro_tokens, x.head_chunk_rows) * s.vocab * 4 * 2
-    return x.micro_tokens * s.vocab * (x.compute_bytes + 4 + 4)
+    return x.micro_tokens * s.vocab * (20 + (x.compute_bytes if x.compute_bytes < 4 else 0))
 
 
 def engine_weights(s: ModelShape, x: Layout) -> int:

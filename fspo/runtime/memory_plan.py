@@ -126,7 +126,8 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
         b_c = 2 if _select(cfg, "ppo.autocast") == "bf16" else b
     n = int(_select(cfg, "rollout.sampling.n", 1))
     rows = max(int(cfg.prompts_per_step) // ranks * n,
-               int(_select(cfg, "val.batch_size", 0)) // ranks * int(_select(cfg, "val.sampling.n", 1)))
+               min(int(_select(cfg, "val.batch_size", 0)), int(_select(cfg, "val.size", 0)))  # no validation: 0
+               // ranks * int(_select(cfg, "val.sampling.n", 1)))
     rows = min(rows, int(_select(cfg, "rollout.engine.batch_size", rows)))
     vllm = str(_select(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine")
     e_dtype = engine_dtype(str(_select(cfg, "rollout.engine.dtype", "auto")), str(cfg.model.get("dtype", "float32")), gpu)
@@ -138,7 +139,9 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
         reserved = int(float(_select(cfg, "rollout.engine.kv_cache_space", 1.0)) * GIB) \
             + shape.params * _BYTES.get(e_dtype, 4) // tp
     return Layout(
-        ranks=ranks, dtype_bytes=b, compute_bytes=b_c, micro_tokens=int(_select(cfg, "ppo.micro_batch_max_tokens", 0)),
+        ranks=ranks, dtype_bytes=b, compute_bytes=b_c,
+        autocast=ranks == 1 and str(_select(cfg, "trainer.strategy._target_", "")) != FSDP and b_c < b,
+        micro_tokens=int(_select(cfg, "ppo.micro_batch_max_tokens", 0)),
         activation_checkpointing=bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)),
         head_chunk_rows=int(_select(cfg, "ppo.lm_head_chunk_rows", 0)),
         update_snapshot=bool(_select(cfg, "ppo.update_ratio", True)),
@@ -157,7 +160,7 @@ def what_would_fit(shape: ModelShape, layout: Layout, budget: float) -> Optional
     w = max(2, layout.ranks)
     while w <= MAX_RANKS:
         for ac in sorted({layout.activation_checkpointing, True}):
-            x = replace(layout, ranks=w, compute_bytes=2, activation_checkpointing=ac, kv_bytes=2,
+            x = replace(layout, ranks=w, compute_bytes=2, autocast=False, activation_checkpointing=ac, kv_bytes=2,
                         kv_rows=max(1, layout.kv_rows * layout.ranks // w))
             if plan_memory(shape, x).peak <= budget:
                 nodes = "" if w <= 8 else f" trainer.num_nodes={w // 8}"
@@ -209,7 +212,7 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
         lora = None  # on these ranks: LoRA r 64 (fspo/models/lora.py), a bf16 frozen base, the chunked head
         r = layout.lora_rank or 64
         pre = "" if layout.lora_rank else "model.lora.rank=64 "
-        bf16 = dict(dtype_bytes=2, compute_bytes=2, kv_bytes=2)
+        bf16 = dict(dtype_bytes=2, compute_bytes=2, kv_bytes=2, autocast=False)
         for over, kw in ((pre, {}), (pre + "model.dtype=bfloat16", bf16),
                          (pre + "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024", {**bf16, "head_chunk_rows": 1024})):
             if over and (peak := plan_memory(shape, replace(layout, lora_rank=r, **kw)).peak) <= headroom * avail:
