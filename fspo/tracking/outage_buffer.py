@@ -114,6 +114,7 @@ class BufferedClient:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._runs: Dict[str, Any] = {}
+        self._flushing = threading.Lock()
         if buffer.rows():  # left by an earlier attempt in this folder: those go first
             self._start_outage()
 
@@ -208,6 +209,10 @@ class BufferedClient:
         """Replay the buffered rows into the server; True when the buffer is empty and the outage over."""
         from fspo.tracking.replay import replay_rows
 
+        with self._flushing:  # one flush at a time (the thread's and the end of run's)
+            return self._flush(replay_rows)
+
+    def _flush(self, replay_rows) -> bool:
         try:
             while True:
                 with self._buffer.lock:
