@@ -38,6 +38,7 @@ from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.runtime.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
+from fspo.tracking.outage_buffer import flush_or_report
 from fspo.tracking.progress import make_progress
 from fspo.runtime.run_config import resume_config
 from fspo.runtime.memory_plan import check_memory_plan, dry_run
@@ -146,12 +147,14 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
     except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
         mark_preempted(loggers, int(module.rl_step))
+        flush_or_report(logger)
         raise
     if val_source is not None and cfg.steps % val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     log_final_artifacts(loggers, module, trainer, cfg)
+    flush_or_report(logger)  # metrics buffered while the MLflow server was down: sent, or where they are
     log.info("run %s finished: %s", getattr(logger, "run_id", None),
              {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)

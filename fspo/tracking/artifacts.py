@@ -4,7 +4,8 @@ Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long val
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
 clip rule's theory curve as ``plots/<name>.png``, and the resolved config as ``config.yaml``, to every
 logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
-each kind of logger stores a figure or a file (fspo/tracking/sinks.py).
+each kind of logger stores a figure or a file (fspo/tracking/sinks.py). With the MLflow server down
+(fspo/tracking/outage_buffer.py) the run metrics are buffered and the figures/config skipped for MLflow, in one warning line.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from fspo.diagnostics.metric_keys import display_key
 from fspo.tracking import sinks
 from fspo.tracking.logger import as_list, mlflow_logger
+from fspo.tracking.outage_buffer import TrackingServerDown
 
 log = logging.getLogger(__name__)
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -56,16 +58,31 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
 
     from fspo.tracking.run_figures import run_figures  # LRE and clip fractions by step, from MLflow's history
 
-    ml = mlflow_logger(loggers)
-    by_step = run_figures(ml.experiment, ml.run_id) if ml is not None and ml.run_id is not None else {}
+    ml, down = mlflow_logger(loggers), []
+    try:
+        by_step = run_figures(ml.experiment, ml.run_id) if ml is not None and ml.run_id is not None else {}
+    except TrackingServerDown:
+        by_step = {}
+        down.append("the by-step figures")
     for name, fig in {**diag.figures(theory=theory), **by_step}.items():
         for lg in loggers:
-            sinks.log_figure(lg, f"plots/{name}.png", fig, step)
+            _unless_down(down, f"plots/{name}.png", sinks.log_figure, lg, f"plots/{name}.png", fig, step)
         plt.close(fig)
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "config.yaml"
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         for lg in loggers:
-            sinks.log_file(lg, p, step)
+            _unless_down(down, "config.yaml", sinks.log_file, lg, p, step)
+    if down:  # one line; the same files are in the output folder's other loggers / run_config.yaml
+        log.warning("MLflow server is down: not logged to the MLflow run: %s", ", ".join(down))
     for lg in loggers:
         sinks.finish(lg)
+
+
+def _unless_down(down: list, what: str, fn, *args) -> None:
+    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, fspo/tracking/outage_buffer.py) adds ``what``
+    to ``down`` instead of ending the run."""
+    try:
+        fn(*args)
+    except TrackingServerDown:
+        down.append(what)

@@ -10,7 +10,7 @@ store; a new run named by `default_run_name` unless ``run_name`` is set, its exp
 fspo/tracking/naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
 `check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
 (fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
-fspo/tracking/sinks.py).
+fspo/tracking/sinks.py) and what happens when an http server dies mid-run (fspo/tracking/outage_buffer.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
 run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
@@ -35,6 +35,7 @@ from fspo.runtime.checkpoint_files import RUN_ID_FILE
 from fspo.runtime.rank_zero import is_rank_zero
 from fspo.runtime.resume import ResumePlan
 from fspo.runtime.store_check import NotAnMLflowServer, prepare_store
+from fspo.tracking.outage_buffer import install as install_buffer
 from fspo.tracking.naming import default_run_name, describe_experiment
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
     if plan.run_id is None and plan.origin:  # another run's checkpoint: a new run that says where it came from
         tags = {**tags, **plan.origin}
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
+    if is_rank_zero():  # an http server that dies mid-run: writes buffered, training goes on (outage_buffer.py)
+        install_buffer(logger, output_dir)
     if plan.run_id is None and is_rank_zero():
         try:  # the experiment's description, once (fspo/tracking/naming.py)
             describe_experiment(logger._tracking_uri, logger._experiment_name)  # before the run exists

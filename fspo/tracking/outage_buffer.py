@@ -1,0 +1,266 @@
+"""Keeping an MLflow run's writes while its tracking server is down mid-run (issue 33, item 6).
+
+Owns: `OutageBuffer` (a bounded JSONL file of the writes a run could not send, in order),
+`BufferedClient` (wraps the MlflowClient of Lightning's MLFlowLogger for an http(s) server: a write that
+fails while the server does not answer ``/health`` goes to the buffer, and so does every later write
+until a background thread, probing with backoff, has replayed the buffer into the run; calls that
+cannot be buffered (reads, artifacts) raise `TrackingServerDown` at once during an outage, except
+``get_run`` of a run seen before, which answers as last seen),
+`install` (put one on a logger; short in-line HTTP retries, see `SHORT_RETRIES`) and `flush_or_report`
+(end of run: flush, or one line naming the buffer and the import command). Leaves out: how rows are
+written into a run (fspo/tracking/replay.py, also the import command) and building the loggers
+(fspo/tracking/logger.py). SQLite / file stores are local: nothing is installed for them.
+
+Rows (one JSON object a line after a header ``{"op": "header", "tracking_uri": ...}``): ``{"op":
+"log_batch", "run_id", "metrics": [[key, value, timestamp_ms, step]...], "params": [[k, v]...], "tags":
+[[k, v]...]}`` and ``{"op": "set_terminated", "run_id", "status", "end_time"}``. Bound: ``max_bytes``
+(default 64 MiB); once full, newer metric rows are REFUSED and counted (the history kept is the contiguous
+start of the outage; the end-of-run line says how many were refused); status rows are always kept.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+BUFFER_FILE = "mlflow_buffer.jsonl"
+MAX_BYTES = 64 << 20
+# While the buffer takes over, MLflow's own in-line retries (7, backoff factor 2: minutes per call) only
+# stall training: a few short tries, unless the user set these variables.
+SHORT_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+class TrackingServerDown(RuntimeError):
+    """The tracking server is down and the call cannot be buffered (a read, an artifact)."""
+
+
+def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
+    """True when ``GET <uri>/health`` gets any HTTP answer within ``timeout_s``."""
+    try:
+        urllib.request.urlopen(str(uri).rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+class OutageBuffer:
+    """Append-only JSONL rows in ``path`` (header first), at most ``max_bytes``; thread-safe with `lock`."""
+
+    def __init__(self, path: Path, tracking_uri: str, max_bytes: int = MAX_BYTES):
+        self.path, self.tracking_uri, self.max_bytes = Path(path), str(tracking_uri), int(max_bytes)
+        self.lock = threading.RLock()
+        self.refused = 0
+
+    def rows(self) -> List[Dict[str, Any]]:
+        from fspo.tracking.replay import read_rows
+
+        return read_rows(self.path)[1] if self.path.exists() else []
+
+    def append(self, row: Dict[str, Any]) -> bool:
+        """Append ``row``; False (and counted) when a metric row would pass ``max_bytes``."""
+        line = json.dumps(row, separators=(",", ":")) + "\n"
+        with self.lock:
+            size = self.path.stat().st_size if self.path.exists() else 0
+            if row["op"] == "log_batch" and size + len(line) > self.max_bytes:
+                self.refused += 1
+                return False
+            with self.path.open("a") as f:
+                if size == 0:
+                    f.write(json.dumps({"op": "header", "tracking_uri": self.tracking_uri}) + "\n")
+                f.write(line)
+                f.flush()
+            return True
+
+    def drop_first(self, n: int) -> int:
+        """Remove the first ``n`` rows (they reached the server); returns how many rows remain."""
+        with self.lock:
+            rest = self.rows()[n:]
+            if not rest:
+                self.path.unlink(missing_ok=True)
+                return 0
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in
+                                   [{"op": "header", "tracking_uri": self.tracking_uri}, *rest]))
+            tmp.replace(self.path)
+            return len(rest)
+
+
+def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
+    return {"op": "log_batch", "run_id": run_id,
+            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
+            "params": [[p.key, p.value] for p in params], "tags": [[t.key, t.value] for t in tags]}
+
+
+class BufferedClient:
+    """An MlflowClient whose writes survive an outage of its http(s) server (see the module docstring)."""
+
+    WRITES = ("log_batch", "log_metric", "log_param", "set_tag", "set_terminated", "update_run")
+
+    def __init__(self, client, buffer: OutageBuffer, backoff_s=(1.0, 30.0)):
+        self._client, self._buffer, self._backoff = client, buffer, backoff_s
+        self._outage = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._runs: Dict[str, Any] = {}
+        self._flushing = threading.Lock()
+        if buffer.rows():  # left by an earlier attempt in this folder: those go first
+            self._start_outage()
+
+    @property
+    def in_outage(self) -> bool:
+        return self._outage.is_set()
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if callable(attr) and self._outage.is_set():
+            def down(*args, **kwargs):
+                raise TrackingServerDown(f"MLflow server {self._buffer.tracking_uri} is down: {name} not done")
+            return down
+        return attr
+
+    # -- the run, as last seen (Lightning's finalize asks for it before marking it terminated) ----
+    def get_run(self, run_id):
+        if self._outage.is_set() and run_id in self._runs:
+            return self._runs[run_id]  # as last seen: metrics/params/status may be stale
+        self._runs[run_id] = self.__getattr__("get_run")(run_id)
+        return self._runs[run_id]
+
+    def create_run(self, *args, **kwargs):
+        run = self._client.create_run(*args, **kwargs)
+        self._runs[run.info.run_id] = run
+        return run
+
+    # -- the writes -----------------------------------------------------------------------------
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), **kw):
+        self._write(lambda: self._client.log_batch(run_id, metrics=metrics, params=params, tags=tags, **kw),
+                    _metric_rows(run_id, metrics, params, tags))
+
+    def log_metric(self, run_id, key, value, timestamp=None, step=None, **kw):
+        from mlflow.entities import Metric
+
+        ts = int(timestamp if timestamp is not None else time.time() * 1000)
+        self.log_batch(run_id, metrics=[Metric(key, float(value), ts, int(step or 0))])
+
+    def log_param(self, run_id, key, value, **kw):
+        from mlflow.entities import Param
+
+        self.log_batch(run_id, params=[Param(key, str(value))])
+
+    def set_tag(self, run_id, key, value, **kw):
+        from mlflow.entities import RunTag
+
+        self.log_batch(run_id, tags=[RunTag(key, str(value))])
+
+    def set_terminated(self, run_id, status=None, end_time=None):
+        end = int(end_time if end_time is not None else time.time() * 1000)
+        self._write(lambda: self._client.set_terminated(run_id, status, end),
+                    {"op": "set_terminated", "run_id": run_id, "status": status or "FINISHED", "end_time": end})
+
+    def update_run(self, run_id, status=None, name=None):
+        if name is not None or not self._outage.is_set():
+            return self._write(lambda: self._client.update_run(run_id, status=status, name=name), None)
+        self._buffer.append({"op": "set_terminated", "run_id": run_id, "status": status, "end_time": None})
+
+    def _write(self, call, row: Optional[Dict[str, Any]]) -> None:
+        with self._buffer.lock:
+            if self._outage.is_set() and row is not None:
+                self._buffer.append(row)
+                return
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - only an unreachable server is buffered; anything else is raised
+            if row is None or server_answers(self._buffer.tracking_uri):
+                raise
+            log.warning("MLflow server %s stopped answering (%s): training goes on, metrics are buffered in %s and "
+                        "sent when it is back", self._buffer.tracking_uri, str(e).splitlines()[0][:160],
+                        self._buffer.path)
+            with self._buffer.lock:
+                self._buffer.append(row)
+                self._start_outage()
+
+    # -- the background retry -------------------------------------------------------------------
+    def _start_outage(self) -> None:
+        self._outage.set()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._retry, name="mlflow-buffer", daemon=True)
+            self._thread.start()
+
+    def _retry(self) -> None:
+        delay, cap = self._backoff
+        while not self._stop.is_set():
+            if server_answers(self._buffer.tracking_uri) and self.flush():
+                return
+            self._stop.wait(delay)
+            delay = min(cap, delay * 2)
+
+    def flush(self) -> bool:
+        """Replay the buffered rows into the server; True when the buffer is empty and the outage over."""
+        from fspo.tracking.replay import replay_rows
+
+        with self._flushing:  # one flush at a time (the thread's and the end of run's)
+            return self._flush(replay_rows)
+
+    def _flush(self, replay_rows) -> bool:
+        try:
+            while True:
+                with self._buffer.lock:
+                    rows = self._buffer.rows()
+                    if not rows:
+                        self._outage.clear()
+                        return True
+                replay_rows(self._client, rows)
+                with self._buffer.lock:
+                    if self._buffer.drop_first(len(rows)) == 0:
+                        self._outage.clear()
+                        log.warning("MLflow server %s is back: the buffered metrics were sent",
+                                    self._buffer.tracking_uri)
+                        return True
+        except Exception as e:  # noqa: BLE001 - still down (or down again): keep the rows, retry later
+            log.debug("flushing the MLflow buffer failed: %s", e)
+            return False
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def install(logger, output_dir, max_bytes: int = MAX_BYTES) -> Optional[BufferedClient]:
+    """Wrap ``logger``'s MLflow client in a `BufferedClient` (buffer ``<output_dir>/mlflow_buffer.jsonl``)
+    when its tracking URI is http(s); also set `SHORT_RETRIES` (unless set). Others: None, nothing changed."""
+    uri = str(getattr(logger, "_tracking_uri", "") or "")
+    if not uri.startswith(("http://", "https://")):
+        return None
+    for k, v in SHORT_RETRIES.items():
+        os.environ.setdefault(k, v)
+    client = BufferedClient(logger._mlflow_client, OutageBuffer(Path(output_dir) / BUFFER_FILE, uri, max_bytes))
+    logger._mlflow_client = client
+    return client
+
+
+def flush_or_report(logger) -> None:
+    """End of run: if ``logger``'s client holds buffered rows, flush them when the server answers, else
+    log one line naming the buffer and the command that imports it."""
+    client = getattr(logger, "_mlflow_client", None)
+    if not isinstance(client, BufferedClient):
+        return
+    client.close()
+    buf = client._buffer
+    if not client.in_outage or (server_answers(buf.tracking_uri) and client.flush()):
+        return
+    lost = f"; {buf.refused} writes were refused (buffer full at {buf.max_bytes >> 20} MiB)" if buf.refused else ""
+    log.warning("MLflow server %s is unreachable: this run's metrics since the outage are in %s%s; import them once "
+                "it is back: python -m fspo.tracking.replay %s --tracking-uri %s", buf.tracking_uri, buf.path, lost,
+                shlex.quote(str(buf.path)), shlex.quote(buf.tracking_uri))
