@@ -95,6 +95,7 @@ def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path):
         os.kill(run.pid, signal.SIGTERM)  # the launcher only, as a scheduler's preemption does
         rc = run.wait(timeout=GRACE + 60)
         took = time.monotonic() - t0
+        print(f"launcher exited {took:.2f} s after SIGTERM (grace {GRACE} s, reward sleeping {SLOW} s)")
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)

@@ -118,6 +118,7 @@ class StepCheckpoint(Checkpoint):
         self._pending: Optional[bool] = None  # a save deferred to the end of this step's validation (value: stop)
         self._in_val = False
         self._saved_step = -1
+        self._requeued = False
         self._restore: Optional[Dict[str, Any]] = None
         self._old_handlers: Dict[int, Any] = {}
         self.last_path: Optional[Path] = None
@@ -200,7 +201,8 @@ class StepCheckpoint(Checkpoint):
         if isinstance(exception, SIGTERMException):
             # Lightning stops on SIGTERM after a validation that our batch-end check did not see
             if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
-                self._save(trainer, step)
+                self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/stop_signal.py)
+            self._requeue(trainer)
             return
         if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
             return
@@ -255,8 +257,9 @@ class StepCheckpoint(Checkpoint):
 
     def _requeue(self, trainer) -> None:
         job = os.environ.get("SLURM_JOB_ID")
-        if not (self.slurm_requeue and job and trainer.is_global_zero):
+        if not (self.slurm_requeue and job and trainer.is_global_zero) or self._requeued:
             return
+        self._requeued = True
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         rc = subprocess.call(["scontrol", "requeue", job])
