@@ -5,7 +5,7 @@ launcher) leaves a complete, loadable checkpoint, exits within the launcher's gr
 and that ``resume=auto`` on the same folder completes the run. torchrun's agent forwards the SIGTERM to every
 rank and SIGKILLs them ``--shutdown-timeout`` seconds later (default 30); this test sets the grace explicitly
 (``GRACE``) and makes each step's rollout take longer than it (a slow reward), so the race with the SIGKILL
-is real. Leaves out: the single-process path (test_signals.py) and exact resume (test_resume.py).
+is real; and the same with SIGTERM to rank 1 only (the ranks must agree). Leaves out: the single-process path (test_signals.py) and exact resume (test_resume.py).
 """
 from __future__ import annotations
 
@@ -81,8 +81,22 @@ def descendants(pid: int):
     return out
 
 
+def rank_pid(pids, rank: int) -> int:
+    """The pid among ``pids`` whose environment has ``RANK=rank``."""
+    for p in pids:
+        try:
+            if f"RANK={rank}".encode() in (Path(f"/proc/{p}/environ").read_bytes().split(b"\0")):
+                return p
+        except OSError:
+            pass
+    raise AssertionError(f"no process of rank {rank} among {pids}")
+
+
 @pytest.mark.slow
-def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "rank1"])
+def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path, target):
+    """``launcher``: the scheduler's SIGTERM, forwarded by torchrun to both ranks. ``rank1``: only rank 1 gets
+    it (a rank that sees the signal late, or never): rank 0 finishes its reward and follows rank 1's decision."""
     run = launch(tmp_path, "first")
     deadline = time.monotonic() + 240
     try:  # step 1 logged and step 2's slow reward running on both ranks
@@ -92,10 +106,11 @@ def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path):
             time.sleep(0.05)
         ranks = descendants(run.pid)
         t0 = time.monotonic()
-        os.kill(run.pid, signal.SIGTERM)  # the launcher only, as a scheduler's preemption does
+        # the launcher only, as a scheduler's preemption does; or one rank only
+        os.kill(run.pid if target == "launcher" else rank_pid(ranks, 1), signal.SIGTERM)
         rc = run.wait(timeout=GRACE + 60)
         took = time.monotonic() - t0
-        print(f"launcher exited {took:.2f} s after SIGTERM (grace {GRACE} s, reward sleeping {SLOW} s)")
+        print(f"{target}: launcher exited {took:.2f} s after SIGTERM (exit {rc}, grace {GRACE} s, reward {SLOW} s)")
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
@@ -113,6 +128,7 @@ def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path):
     assert state and loaded_step == step == read_resume_meta(ck)["rl_step"]
     assert 1 <= step < STEPS and last_train_step(tmp_path / "run.db") == step - 1  # nothing logged past it
     assert "the step is abandoned" in log and "Unable to shutdown" not in log  # saved within the grace
+    assert rc == 0 or target == "launcher"  # a signalled launcher re-raises the signal; the ranks exit 0
     (tmp_path / "fast").touch()
     again = launch(tmp_path, "second", ["resume=auto"])
     assert again.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-4000:]
