@@ -117,6 +117,8 @@ def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path, target):
     log = (tmp_path / "first.log").read_text()
     alive = [p for p in ranks if Path(f"/proc/{p}").exists() and "zombie" not in
              Path(f"/proc/{p}/status").read_text().lower()]
+    for p in alive:  # leave nothing behind, then fail
+        os.kill(p, signal.SIGKILL)
     assert not alive, f"rank processes left alive: {alive}"
     assert took < GRACE + 30, f"the launcher took {took:.1f} s to exit"
     ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
