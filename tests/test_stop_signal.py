@@ -117,3 +117,54 @@ def test_sigterm_in_reward_abandons_step_and_resume_matches(tmp_path, monkeypatc
     want, got = _train_loss(mlflow_uri, tmp_path / "full"), _train_loss(mlflow_uri, tmp_path / "stopped")
     assert sorted(got) == sorted(want) == list(range(STEPS))
     assert all(abs(got[s] - want[s]) <= 1e-6 * max(1.0, abs(want[s])) for s in want), (got, want)
+
+
+def _synced_decoder(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: `decode_compact(synced=True)` (48 tokens, min 48: never ends early) inside
+    `synced_stops` with a stop recorded on rank 0 only (before the first token), then the same outside it."""
+    import json
+
+    from fspo.models.tiny import build_tiny_model, build_tokenizer
+    from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.decode import decode_compact
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tok, model = build_tokenizer(), build_tiny_model(seed=0)
+    ids = torch.tensor([tok.encode("1+2=")] * 2)
+    params = SamplingConfig(n=1, max_new_tokens=48, min_new_tokens=48, seed=rank)
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counting(t, *a, **k):
+        calls.append(1)
+        return real(t, *a, **k)
+
+    torch.distributed.all_reduce = counting
+    if rank == 0:
+        stop_signal.request_stop("SIGTERM")
+    result = {}
+    try:
+        with stop_signal.synced_stops():
+            decode_compact(model, ids, torch.ones_like(ids), params, tok.eos_token_id, tok.pad_token_id, synced=True)
+        result["inside"] = "finished"
+    except stop_signal.StepInterrupted:
+        result["inside"] = f"interrupted after {len(calls)} all-reduces"
+    dec = decode_compact(model, ids, torch.ones_like(ids), params, tok.eos_token_id, tok.pad_token_id, synced=True)
+    result["outside"] = int(dec.tokens.shape[1])  # validation: a recorded stop does not cut it
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_synced_generation_stops_on_every_rank_at_the_same_token(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_synced_decoder, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["inside"] for g in got] == ["interrupted after 1 all-reduces"] * 2  # rank 1 saw no signal
+    assert [g["outside"] for g in got] == [48, 48]

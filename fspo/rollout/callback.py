@@ -29,7 +29,6 @@ padded (by repeating the last prompt) to a multiple of the rank count; padding i
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -42,7 +41,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.runtime.resume_state import rng_states, set_rng_states
-from fspo.runtime.stop_signal import StepInterrupted, agree_stop, interruptible
+from fspo.runtime.stop_signal import StepInterrupted, agree_stop, interruptible, synced_stops
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
@@ -143,8 +142,8 @@ class RolloutCallback(L.Callback):
         try:
             if self.pipeline is not None:
                 rollout = self._take_pipelined(trainer, pl_module, step, prompts, timings)
-            else:  # several ranks: weight sync and generation are collectives, interrupted only after them
-                with interruptible() if world == 1 else contextlib.nullcontext():
+            else:  # several ranks: collectives, cut only at the synced decoder's per-token agreement
+                with interruptible() if world == 1 else synced_stops():
                     rollout = self._generate(pl_module, prompts, params, timings)
             t0 = time.perf_counter()
             with interruptible():  # the reward: rank-local by contract

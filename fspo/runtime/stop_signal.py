@@ -1,7 +1,8 @@
 """A stop signal (SIGTERM, or a ``checkpoint.signals`` one) that does not wait for the end of a long step.
 
 Owns: `install_sigterm` (a SIGTERM handler without collectives), `request_stop`, `stop_requested`,
-`interruptible` (the rank-local part of a step's rollout that a stop signal cuts short) and `agree_stop` (every
+`interruptible` (the rank-local part of a step's rollout that a stop signal cuts short), `synced_stops` /
+`synced_stop_wanted` (a lockstep generation's own all-reduces carry the stop vote) and `agree_stop` (every
 rank takes the same decision). Leaves out: writing the checkpoint and stopping the fit
 (fspo/runtime/checkpointing.py) and where the rollout calls these (fspo/rollout/callback.py).
 
@@ -14,8 +15,10 @@ or scores interrupts it (`StepInterrupted`, a `BaseException` so that a reward's
 swallow it), every rank agrees at `agree_stop` right after that part (one all-reduce; a rank that saw no
 signal follows the others), and the caller rewinds the step (prompt sampler, RNG) and raises Lightning's
 ``SIGTERMException``, whose handler writes the checkpoint of the last completed step and exits 0.
-A signal during a synced (FSDP) generation, or during the update, still stops at the next safe point
-(after the rollout, or the step boundary).
+A synced (FSDP) generation is a chain of collectives and cannot be cut at any point: its per-token
+"any row still running?" all-reduce (fspo/rollout/decode.py) carries each rank's vote, so all ranks leave it
+at the same token. Weight sync, ``compact: false`` generation and the update are not cut: a signal there
+stops at the next safe point (after the rollout, or the step boundary).
 
 Lightning's own SIGTERM handler broadcasts a tensor from inside the handler (lightning 2.6), a collective at
 whatever point the signal interrupts, which can pair with a different collective on another rank;
@@ -32,7 +35,7 @@ from typing import Iterator
 
 log = logging.getLogger(__name__)
 
-_state = {"requested": False, "zone": 0}
+_state = {"requested": False, "zone": 0, "synced": 0}
 
 
 class StepInterrupted(BaseException):
@@ -56,7 +59,23 @@ def stop_requested() -> bool:
 
 def reset() -> None:
     """Forget a recorded stop (a new fit in the same process)."""
-    _state["requested"], _state["zone"] = False, 0
+    _state["requested"], _state["zone"], _state["synced"] = False, 0, 0
+
+
+@contextlib.contextmanager
+def synced_stops() -> Iterator[None]:
+    """A block of lockstep collectives (FSDP generation) whose agreement points may stop it: inside it
+    `synced_stop_wanted` reports a recorded stop; every rank must enter it at the same point."""
+    _state["synced"] += 1
+    try:
+        yield
+    finally:
+        _state["synced"] -= 1
+
+
+def synced_stop_wanted() -> bool:
+    """This rank's vote at an agreement point of `synced_stops` (False outside one, e.g. during validation)."""
+    return _state["synced"] > 0 and stop_requested()
 
 
 @contextlib.contextmanager
