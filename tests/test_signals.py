@@ -57,7 +57,7 @@ def test_signal_saves_at_step_boundary_and_exits_0(tmp_path, sig):
 
 @pytest.mark.parametrize("hook", ["on_train_batch_start", "on_validation_batch_start"])
 def test_sigterm_near_a_validation_saves_after_it(compose_cfg, monkeypatch, hook):
-    """SIGTERM during step 2's training (validation follows: the save waits for it) or during the
+    """SIGTERM during step 2's update (validation follows: the save waits for it) or during the
     validation after step 2 (Lightning stops after it): either way step_000002.ckpt follows the
     validation logged at step 2, and the stop is a SystemExit with code 0."""
     from mlflow.tracking import MlflowClient
@@ -70,9 +70,11 @@ def test_sigterm_near_a_validation_saves_after_it(compose_cfg, monkeypatch, hook
     original = getattr(RolloutCallback, hook)
 
     def signalling(self, trainer, pl_module, batch, batch_idx, *rest):
+        # after step 2's rollout (a signal during it abandons the step: test_stop_signal.py), or before validation
+        out = original(self, trainer, pl_module, batch, batch_idx, *rest) if hook == "on_train_batch_start" else None
         if trainer.state.fn == "fit" and int(pl_module.rl_step) == (1 if hook == "on_train_batch_start" else 2):
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, trainer, pl_module, batch, batch_idx, *rest)
+        return out if hook == "on_train_batch_start" else original(self, trainer, pl_module, batch, batch_idx, *rest)
 
     monkeypatch.setattr(RolloutCallback, hook, signalling)
     with pytest.raises(SystemExit) as e:

@@ -40,6 +40,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.runtime.resume_state import rng_states, set_rng_states
+from fspo.runtime.stop_signal import StepInterrupted, agree_stop, interruptible, synced_stops
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
@@ -136,12 +138,20 @@ class RolloutCallback(L.Callback):
             prompts, answers = prompts[part], answers[part]
         params = replace(self.sampling, seed=self.seed * 1_000_003 + step + 7919 * rank)
         timings: Dict[str, float] = {}
-        if self.pipeline is not None:
-            rollout = self._take_pipelined(trainer, pl_module, step, prompts, timings)
-        else:
-            rollout = self._generate(pl_module, prompts, params, timings)
-        t0 = time.perf_counter()
-        out = self._score(rollout, answers, params)
+        before, interrupted = rng_states(), False  # a stop signal until the scores are in abandons this step
+        try:
+            if self.pipeline is not None:
+                rollout = self._take_pipelined(trainer, pl_module, step, prompts, timings)
+            else:  # several ranks: collectives, cut only at the synced decoder's per-token agreement
+                with interruptible() if world == 1 else synced_stops():
+                    rollout = self._generate(pl_module, prompts, params, timings)
+            t0 = time.perf_counter()
+            with interruptible():  # the reward: rank-local by contract
+                out = self._score(rollout, answers, params)
+        except StepInterrupted:
+            interrupted = True
+        if agree_stop(interrupted, pl_module.device):  # every rank: the same decision
+            self._abandon_step(trainer, step, before)
         rewards = torch.tensor(out.scores, dtype=torch.float32, device=rollout.response_ids.device)
         rollout.rewards = rewards
         rollout.advantages = self.advantage_fn(rewards, rollout.group_ids).float()
@@ -204,6 +214,17 @@ class RolloutCallback(L.Callback):
         except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
             sampler.position = step  # checkpoint written now (fspo/runtime/checkpointing.py) resumes at it
             raise
+
+    @staticmethod
+    def _abandon_step(trainer, step: int, rng_before) -> None:
+        """A stop signal before this step's update: put back the prompt sampler and the RNG as they were at the
+        step's start, and stop (StepCheckpoint.on_exception writes step ``step``, the last completed one)."""
+        sampler = getattr(getattr(trainer, "datamodule", None), "sampler", None)
+        if sampler is not None and hasattr(sampler, "position"):
+            sampler.position = step
+        set_rng_states(rng_before)
+        log.warning("stop signal during step %d's rollout: the step is abandoned; saving step %d", step + 1, step)
+        raise SIGTERMException()
 
     def teardown(self, trainer, pl_module, stage):
         if self.pipeline is not None:

@@ -17,9 +17,10 @@ fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``ste
 (fspo/runtime/checkpoint_integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
 only the ``.partial``, which nothing reads and the next save removes. Pruning (keep-last-k) deletes
 only checkpoints of this run that nothing failed to load; damaged ones live in ``damaged/``.
-Signals: SIGTERM through Lightning's handler (``trainer.received_sigterm``), ``signals`` (SIGUSR1:
-SLURM's ``--signal=USR1@90``) through ours;
-the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
+Signals: SIGTERM (``trainer.received_sigterm``, set by fspo/runtime/stop_signal.py's handler, which replaces
+Lightning's collective one during fit) and ``signals`` (SIGUSR1: SLURM's ``--signal=USR1@90``) through ours;
+a signal during a step's rollout abandons the step (fspo/runtime/stop_signal.py) and the last completed step
+is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
 (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
 handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
 over ours (Lightning issue 13773).
@@ -46,6 +47,7 @@ from fspo.runtime.checkpoint_files import META_KEY, list_checkpoints
 from fspo.runtime.distributed import is_sharded
 from fspo.models.lora import adapter_state, is_lora
 from fspo.runtime.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
+from fspo.runtime.stop_signal import install_sigterm, request_stop, reset, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ class StepCheckpoint(Checkpoint):
         self._pending: Optional[bool] = None  # a save deferred to the end of this step's validation (value: stop)
         self._in_val = False
         self._saved_step = -1
+        self._requeued = False
         self._restore: Optional[Dict[str, Any]] = None
         self._old_handlers: Dict[int, Any] = {}
         self.last_path: Optional[Path] = None
@@ -123,11 +126,13 @@ class StepCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
-        log.warning("received %s: saving a checkpoint at the end of this step, then stopping", self._signal)
+        request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/stop_signal.py)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        reset()
         if threading.current_thread() is threading.main_thread():
             self._old_handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
+            self._old_handlers.setdefault(signal.SIGTERM, install_sigterm(trainer))  # no collective in a handler
         if self._restore is not None:  # after Lightning created the data iterators (they draw from the RNG)
             self._check_finite(trainer, pl_module)
             set_rng_states(self._restore["rng"])
@@ -165,7 +170,7 @@ class StepCheckpoint(Checkpoint):
         self._restore_handlers()
 
     def _stop_requested(self, trainer) -> bool:
-        local = self._signal is not None or bool(trainer.received_sigterm)
+        local = self._signal is not None or bool(trainer.received_sigterm) or stop_requested()
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
     # ------------------------------------------------------------------ when to save
@@ -196,7 +201,8 @@ class StepCheckpoint(Checkpoint):
         if isinstance(exception, SIGTERMException):
             # Lightning stops on SIGTERM after a validation that our batch-end check did not see
             if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
-                self._save(trainer, step)
+                self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/stop_signal.py)
+            self._requeue(trainer)
             return
         if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
             return
@@ -251,8 +257,9 @@ class StepCheckpoint(Checkpoint):
 
     def _requeue(self, trainer) -> None:
         job = os.environ.get("SLURM_JOB_ID")
-        if not (self.slurm_requeue and job and trainer.is_global_zero):
+        if not (self.slurm_requeue and job and trainer.is_global_zero) or self._requeued:
             return
+        self._requeued = True
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         rc = subprocess.call(["scontrol", "requeue", job])
