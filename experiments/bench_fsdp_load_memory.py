@@ -58,7 +58,7 @@ def worker(weights: Path, mode: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from fspo.models.loading import load_policy
     from fspo.models.meta_init import load_local_shards
-    from fspo.runtime.distributed import ShardingConfig, shard_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
 
     import gc
 

@@ -2,7 +2,7 @@
 
 For each model (the tiny Qwen3, ~0.8M parameters, a random ~100M-parameter Qwen3, and the tiny one
 with Qwen3's real 151,936-token vocabulary, where the logits dominate) and each
-world size (1: one process, no strategy; 2: `fspo.runtime.distributed.FSDP2Strategy` under torchrun) it runs
+world size (1: one process, no strategy; 2: `fspo.runtime.launch.distributed.FSDP2Strategy` under torchrun) it runs
 one RL step of the real `RLModule` (2 PPO mini-batches, AdamW) on a synthetic rollout of 16
 sequences (prompt 32 + response 96 tokens) and reports per rank:
 
@@ -87,7 +87,7 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
 
     from fspo.clipping.fspo import FSPOClip
     from fspo.diagnostics import FairnessMetrics, LengthBins
-    from fspo.runtime.distributed import FSDP2Strategy, dp_rank_size
+    from fspo.runtime.launch.distributed import FSDP2Strategy, dp_rank_size
     from fspo.losses import Aggregator
     from fspo.models.tiny import build_tiny_model
     from fspo.update.settings import PPOConfig

@@ -59,7 +59,7 @@ def measure(lengths: Sequence[int], n_prompts: int = 16, n: int = 8, model: str 
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.correction import RolloutCorrection, mismatch
     from fspo.rollout.vllm import VLLMEngine
-    from fspo.runtime.distributed import concat_rollouts
+    from fspo.runtime.launch.distributed import concat_rollouts
 
     policy, tok = load_policy(source=model, seed=seed)
     policy = policy.float().eval()

@@ -34,7 +34,7 @@ import hydra  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from fspo.runtime.errors import user_error  # noqa: E402
+from fspo.runtime.checks.errors import user_error  # noqa: E402
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 
 log = logging.getLogger("evaluate")
@@ -46,7 +46,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
-    from fspo.runtime.checkpoint_files import find_run_config
+    from fspo.runtime.checkpoints.files import find_run_config
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     params = MlflowClient(uri).get_run(rid).data.params
@@ -75,8 +75,8 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
     from mlflow import MlflowClient
 
-    from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
-    from fspo.runtime.stored_config import check_stored_targets
+    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
     run_cfg, run_dir = _mlflow_run_config(str(rid), uri) if rid else (None, None)
@@ -98,7 +98,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
         log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
     if run_cfg is not None:  # read from a file: only allow-listed _target_s in what evaluate builds from it
         check_stored_targets(OmegaConf.masked_copy(run_cfg, [k for k in ("data", "model") if k in run_cfg]),
-                             "the training run's config", trusted=cfg)  # (fspo/runtime/stored_config.py)
+                             "the training run's config", trusted=cfg)  # (fspo/runtime/checkpoints/stored_config.py)
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 
@@ -111,7 +111,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
 
     from fspo.evaluation.benchmark import check_fits_context, context_length, evaluate_benchmark
     from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
-    from fspo.runtime.checkpoint_files import load_checkpoint, load_into
+    from fspo.runtime.checkpoints.files import load_checkpoint, load_into
     from fspo.evaluation.summary import MlflowRecorder, summarize
     from fspo.tracking.artifacts import flatten_params
     from fspo.models.loading import load_policy
@@ -247,9 +247,9 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
-    from fspo.runtime.console import quiet_third_party
+    from fspo.runtime.checks.console import quiet_third_party
 
-    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
+    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
     with open_dict(cfg):
         if cfg.output_dir is None:
             cfg.output_dir = HydraConfig.get().runtime.output_dir

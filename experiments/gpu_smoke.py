@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from fspo.runtime.memory_plan import model_shape
+    from fspo.runtime.launch.memory_plan import model_shape
     from fspo.train import train
 
     cuda = torch.cuda.is_available()

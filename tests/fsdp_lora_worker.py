@@ -19,7 +19,7 @@ from conftest import compose_config  # noqa: E402
 from fspo.models.lora import LoRASettings, apply_lora, param_counts  # noqa: E402
 from fspo.models.tiny import build_tiny_model  # noqa: E402
 from fspo.rollout.weights import engine_weights  # noqa: E402
-from fspo.runtime.distributed import is_sharded  # noqa: E402
+from fspo.runtime.launch.distributed import is_sharded  # noqa: E402
 
 LORA = LoRASettings(rank=4, alpha=8.0)
 

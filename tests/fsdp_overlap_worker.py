@@ -41,7 +41,7 @@ def run_push(out: Path) -> None:
     """Start an engine process on the sharded tiny policy, move the shards, push, generate greedily."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fspo.runtime.distributed import ShardingConfig, shard_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import compose_config  # noqa: E402
 from fspo.rollout.callback import RolloutCallback  # noqa: E402
 from fspo.data.datamodule import PromptDataModule  # noqa: E402
-from fspo.runtime.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
+from fspo.runtime.launch.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
 from fspo.models.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from fspo.rollout.weights import iter_full_state_dict  # noqa: E402
 from fspo.train import build_fairness  # noqa: E402
@@ -215,7 +215,7 @@ def run_decode(world: int, out: Path) -> None:
     one rank runs out of rows first); saves every rank's tokens and engine log-probs."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fspo.runtime.distributed import ShardingConfig, shard_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.decode import decode_compact

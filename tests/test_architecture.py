@@ -137,3 +137,22 @@ def test_readme_lists_no_module_that_is_gone():
     gone = [f"fspo/{where + '/' if where else ''}{name}" for where, names in listed.items() for name in names
             if not (PKG / where / name).exists()]
     assert not gone, f"README's 'What is where' lists files that do not exist: {gone}"
+
+
+# fspo/runtime/'s subpackages, lowest first (fspo/runtime/__init__.py): a subpackage imports only from earlier ones
+RUNTIME_LAYERS = ["launch", "checkpoints", "checks"]
+
+
+def test_runtime_subpackages_point_one_way():
+    subs = {p.name for p in (PKG / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert subs == set(RUNTIME_LAYERS), f"fspo/runtime/ holds {sorted(subs)}: place each in RUNTIME_LAYERS"
+    assert not [p.name for p in (PKG / "runtime").glob("*.py") if p.name != "__init__.py"], \
+        "fspo/runtime/ holds modules outside its subpackages: move them into launch/, checkpoints/ or checks/"
+
+    def sub(m: str) -> str:
+        parts = m.split(".")
+        return parts[2] if len(parts) > 3 and parts[1] == "runtime" else ""
+
+    back = sorted((a, b) for a, b in import_edges() if sub(a) and sub(b) and sub(a) != sub(b)
+                  and RUNTIME_LAYERS.index(sub(b)) > RUNTIME_LAYERS.index(sub(a)))
+    assert not back, f"imports against fspo/runtime's layering (launch <- checkpoints <- checks): {back}"

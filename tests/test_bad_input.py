@@ -1,7 +1,7 @@
 """Bad input through the real entry point: `experiments/run.py` as a subprocess.
 
 A bad setting or input must end with a non-zero exit and a message that names the problem; the
-ones `fspo.runtime.errors.user_error` recognises exit with code 2 and ONE line starting with ``error:``
+ones `fspo.runtime.checks.errors.user_error` recognises exit with code 2 and ONE line starting with ``error:``
 (no traceback). Model failures must be fast (no hub retries). Each case runs in its own temporary
 folder (Hydra run dir, MLflow store, HF cache), offline.
 

@@ -20,7 +20,7 @@ from conftest import REPO, SMALL
 
 
 def test_cpu_threads_above_the_cores_is_refused(compose_cfg):
-    from fspo.runtime.config_check import ConfigError, check_config, usable_cores
+    from fspo.runtime.checks.config_check import ConfigError, check_config, usable_cores
 
     cfg = compose_cfg(SMALL + ["cpu_threads=100000"])
     with pytest.raises(ConfigError, match=rf"cpu_threads=100000: is above the {usable_cores()} cores.*"
@@ -30,8 +30,8 @@ def test_cpu_threads_above_the_cores_is_refused(compose_cfg):
 
 
 def test_checkpoints_path_that_is_a_file_is_refused_before_anything(tmp_path):
-    from fspo.runtime.errors import user_error
-    from fspo.runtime.resume import resolve_resume
+    from fspo.runtime.checks.errors import user_error
+    from fspo.runtime.checkpoints.resume import resolve_resume
 
     (tmp_path / "checkpoints").write_text("not a folder")
     for mode in (None, "auto"):
@@ -101,7 +101,7 @@ def test_context_advice_offers_a_value_that_works(prompt_len):
 
 def test_malformed_model_config_gets_one_line(tmp_path):
     from fspo.models.loading import load_policy
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
     with pytest.raises(ValueError) as e:
@@ -115,7 +115,7 @@ def test_malformed_model_config_gets_one_line(tmp_path):
 
 
 def test_fp16_on_cpu_is_refused_by_the_config_check(compose_cfg):
-    from fspo.runtime.config_check import ConfigError, check_config
+    from fspo.runtime.checks.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError, match="model.dtype=float16: .*CPU.*set model.dtype=float32"):
         check_config(compose_cfg(SMALL + ["model.dtype=float16"]))

@@ -1,4 +1,4 @@
-"""Config validation before anything runs (fspo/runtime/config_check.py; issue 19, defect 6).
+"""Config validation before anything runs (fspo/runtime/checks/config_check.py; issue 19, defect 6).
 
 Owns: each bad setting of the issue fails in `check_config` with one line naming the key and the fix;
 `train` rejects them before a model loads, the output folder is written or an MLflow run opens; every
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, compose_config
-from fspo.runtime.config_check import ConfigError, check_config
-from fspo.runtime.errors import user_error
+from fspo.runtime.checks.config_check import ConfigError, check_config
+from fspo.runtime.checks.errors import user_error
 from test_config_compose import EXPERIMENTS, METHODS, MODELS, OPTIONS, selector
 
 # the issue's cases (and a few neighbours): override -> the key the one-line error must name
@@ -52,7 +52,7 @@ def test_one_sample_per_prompt_says_nothing_learns():
 
 
 def test_high_learning_rate_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="fspo.runtime.config_check"):
+    with caplog.at_level(logging.WARNING, logger="fspo.runtime.checks.config_check"):
         warnings = check_config(compose_config([*SMALL, "ppo.lr=1e3"]))
     assert len(warnings) == 1 and "ppo.lr=1000" in warnings[0] and "guard" in warnings[0]
     assert "ppo.lr=1000" in caplog.text

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL, compose_config
-from fspo.runtime.config_check import ConfigError, check_config
+from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.tracking.progress import StepBar, StepLines, format_eta, make_progress, progress_line, short_metrics
 
 
@@ -68,7 +68,7 @@ def test_bad_progress_settings_fail_first(tmp_path, override, match):
 QUIET_SNIPPET = r"""
 import logging, sys, warnings
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="[%(name)s][%(levelname)s] - %(message)s")
-from fspo.runtime.console import LITLOGGER_TIP, quiet_third_party
+from fspo.runtime.checks.console import LITLOGGER_TIP, quiet_third_party
 quiet_third_party()
 quiet_third_party()   # idempotent: a sweep calls it once per job
 from lightning.pytorch.utilities.rank_zero import rank_zero_info

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from conftest import compose_config
 from fspo.data.math_datasets import load_math_source
 from fspo.data.math_io import DataRowError, read_rows
-from fspo.runtime.errors import user_error
+from fspo.runtime.checks.errors import user_error
 
 ROWS = [{"problem": f"{i}+{i}?", "answer": str(2 * i), "unique_id": f"u{i}"} for i in range(4)]
 

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 from fspo.data.sampler import PromptStepSampler
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.group_filter import GroupFilter, informative_groups
 from fspo.types import RolloutBatch

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf, open_dict
 from fspo.data.base import ListSource, Sample
 from fspo.data.math_io import resolve_data_dir
 from fspo.evaluation.benchmark import avg_at_k, evaluate_benchmark
-from fspo.runtime.checkpoint_files import load_checkpoint, load_into
-from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config, run_id_of_checkpoint
+from fspo.runtime.checkpoints.files import load_checkpoint, load_into
+from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, run_id_of_checkpoint
 from fspo.evaluation.summary import summarize, summary_markdown
 from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rewards.base import RewardOutput
@@ -265,7 +265,7 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
         cfg.train_run_id = None
     with pytest.raises(ValueError, match="attach"):  # no run id anywhere
         ev.evaluate(cfg)
-    (run_dir / "mlflow_run_id").write_text(train_id + "\n")  # what fspo/runtime/resume.py writes
+    (run_dir / "mlflow_run_id").write_text(train_id + "\n")  # what fspo/runtime/checkpoints/resume.py writes
     assert run_id_of_checkpoint(ckpt_dir / "step_000008.ckpt") == train_id
     assert run_id_of_checkpoint(tmp_path / "x" / ("ab" * 16) / "checkpoints" / "e.ckpt") == "ab" * 16
     out = ev.evaluate(cfg)

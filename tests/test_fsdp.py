@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import REPO, compose_config, torchrun_two_ranks
-from fspo.runtime.distributed import FSDP2Strategy, find_layers, gather_rollout, pad_slice, rank_slice, share
+from fspo.runtime.launch.distributed import FSDP2Strategy, find_layers, gather_rollout, pad_slice, rank_slice, share
 
 WORKER = REPO / "tests" / "fsdp_worker.py"
 SKIP_TIMING = ("time/", "perf/")
@@ -216,6 +216,6 @@ def test_paper_8xh200_config():
     assert (c.ppo.mini_batch_size, c.ppo.mini_batch_unit, c.ppo.lr, c.steps) == (32, "prompts", 1e-6, 144)
     assert (c.data.max_prompt_len, c.rollout.sampling.max_new_tokens) == (2000, 18000)
     assert c.rollout.engine.gpu_memory_utilization == 0.5 and c.rollout.engine.tensor_parallel_size == 1
-    assert c.trainer.strategy._target_ == "fspo.runtime.distributed.FSDP2Strategy" and c.trainer.devices == 8
+    assert c.trainer.strategy._target_ == "fspo.runtime.launch.distributed.FSDP2Strategy" and c.trainer.devices == 8
     assert c.trainer.strategy.mixed_precision == "bf16" and c.model.dtype == "float32"
     assert c.prompts_per_step % (c.trainer.devices * c.trainer.num_nodes) == 0  # whole groups per rank

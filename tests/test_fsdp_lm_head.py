@@ -176,8 +176,8 @@ def test_in_root_forward_runs_the_root_hooks_and_restores_forward():
 def test_chunked_head_is_accepted_under_fsdp():
     from omegaconf import OmegaConf
 
-    from fspo.runtime.config_check import _cross_checks
+    from fspo.runtime.checks.config_check import _cross_checks
 
     cfg = OmegaConf.create({"ppo": {"lm_head_chunk_rows": 512},
-                            "trainer": {"strategy": {"_target_": "fspo.runtime.distributed.FSDP2Strategy"}}})
+                            "trainer": {"strategy": {"_target_": "fspo.runtime.launch.distributed.FSDP2Strategy"}}})
     _cross_checks(cfg, [])  # no ConfigError

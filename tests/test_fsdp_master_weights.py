@@ -2,7 +2,7 @@
 item 1, gpu test (a)).
 
 One process, a real process group (gloo on CPU, NCCL on CUDA) and torch's ``fully_shard`` through
-`fspo.runtime.distributed.shard_model` with ``mixed_precision=bf16`` (MixedPrecisionPolicy(param_dtype=bf16,
+`fspo.runtime.launch.distributed.shard_model` with ``mixed_precision=bf16`` (MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)): the layers compute in bf16 (a forward hook sees bf16 weights and outputs), the
 parameters, their gradients and AdamW's state stay float32, and one AdamW step at lr 1e-6 moves every
 weight of a dense layer by 1e-6 (Adam's first step is lr x sign(g)) with ``train/update_ratio`` > 0.
@@ -21,7 +21,7 @@ def bf16_compute_fp32_master_step(device_type: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fspo.models.tiny import build_tiny_model
-    from fspo.runtime.distributed import ShardingConfig, shard_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
     from fspo.update.update_ratio import UpdateRatio
 
     backend = "nccl" if device_type == "cuda" else "gloo"

@@ -20,7 +20,7 @@ def test_flop_count_by_hand():
     sys.path.insert(0, str(SCRIPT.parent))
     from gpu_smoke import Meter
 
-    from fspo.runtime.memory_plan import model_shape
+    from fspo.runtime.launch.memory_plan import model_shape
 
     m = Meter(model_shape({"source": "random", "arch": {}}), cuda=False)
     # tiny Qwen3: 4 layers x (246,080 - 2 norms 256 - q/k norms 64) + LM head 100 x 128 = 995,840 matmul params

@@ -21,7 +21,7 @@ import torch
 
 from conftest import REPO, SMALL
 from fspo.update import forward as passes
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.update.guard import DivergenceError, DivergenceGuard, UpdateMeter
 
 BASE = [o for o in SMALL if not o.startswith("steps=")] + ["reward._target_=test_resume.DigitReward"]
@@ -78,7 +78,7 @@ def inject_divergence(monkeypatch, at_step: int) -> None:
 def test_stop_ends_the_run_with_one_line_and_keeps_what_was_written(compose_cfg, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
     from fspo.train import train
 
     cfg = compose_cfg(BASE + ["steps=3", "checkpoint.every_n_steps=1", "val.size=0"])

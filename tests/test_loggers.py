@@ -16,7 +16,7 @@ import pytest
 from omegaconf import open_dict
 
 from conftest import SMALL, compose_config
-from fspo.runtime.resume import ResumePlan
+from fspo.runtime.checkpoints.resume import ResumePlan
 from fspo.tracking.logger import build_logger, mlflow_logger
 
 FIGURES = ("clip_fraction_by_length", "logratio_std_vs_len", "logratio_qq")
@@ -81,7 +81,7 @@ def test_sinks_write_where_each_logger_keeps_files(tmp_path):
     import matplotlib.pyplot as plt
     from lightning.pytorch.loggers import CSVLogger
 
-    from fspo.runtime.rank_zero import RankZeroStub
+    from fspo.runtime.launch.rank_zero import RankZeroStub
     from fspo.tracking import sinks
 
     fig = plt.figure()

@@ -17,8 +17,8 @@ from fspo.models.loading import load_policy
 from fspo.models.lora import (LoRASettings, adapter_state, apply_lora, check_lora_targets, is_lora, merged_weights,
                               param_counts, target_names)
 from fspo.models.tiny import build_tiny_model
-from fspo.runtime.config_check import ConfigError, check_config
-from fspo.runtime.memory_components import GIB, Layout, ModelShape, lora_params, plan_memory
+from fspo.runtime.checks.config_check import ConfigError, check_config
+from fspo.runtime.launch.memory_components import GIB, Layout, ModelShape, lora_params, plan_memory
 
 ALL = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -185,7 +185,7 @@ def test_check_memory_plan_counts_lora(tmp_path):
     """`check_memory_plan` on a composed config: a Qwen3-8B config folder (no weights), 80 GiB available."""
     from transformers import Qwen3Config
 
-    from fspo.runtime.memory_plan import MemoryPlanError, check_memory_plan
+    from fspo.runtime.launch.memory_plan import MemoryPlanError, check_memory_plan
 
     Qwen3Config(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12288,

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints.files import list_checkpoints
 from test_resume import ARGS, STEPS, EVERY, NOISY, kill_after_step, last_train_step, metric_rows, policy_state, \
     start_run, wait
 from test_evaluate import _load_evaluate_module, eval_config
@@ -79,7 +79,7 @@ def test_lora_kill9_resume_evaluate_and_export(tmp_path, mlflow_uri, mlflow_dir)
     from transformers import AutoModelForCausalLM
 
     from fspo.models.loading import load_policy
-    from fspo.runtime.checkpoint_files import load_checkpoint, load_into
+    from fspo.runtime.checkpoints.files import load_checkpoint, load_into
 
     model_cfg = OmegaConf.to_container(OmegaConf.load(out / "run_config.yaml").model, resolve=True)
     lora, _ = load_policy(**model_cfg, seed=7)

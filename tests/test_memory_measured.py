@@ -1,4 +1,4 @@
-"""The memory plan's train-phase formulas (fspo/runtime/memory_components.py: activations, logits) against
+"""The memory plan's train-phase formulas (fspo/runtime/launch/memory_components.py: activations, logits) against
 the bytes the real forward + backward of fspo/update/logprobs.py holds on CPU: the tensors saved for
 backward (autograd's saved-tensor hooks, each storage once, parameters left out) for the layers, and the
 saved plus temporary bytes at the peak (torch's MemTracker) for the head. The plan must never be below what is measured (a plan that fits and then runs out of memory is the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fspo.models.tiny import build_tiny_model
-from fspo.runtime.memory_components import Layout, ModelShape, activation_bytes_per_token, logits
+from fspo.runtime.launch.memory_components import Layout, ModelShape, activation_bytes_per_token, logits
 from fspo.types import RolloutBatch
 from fspo.update.logprobs import response_log_probs
 

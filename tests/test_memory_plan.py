@@ -1,4 +1,4 @@
-"""The start-up memory plan (fspo/runtime/memory_plan.py): its formulas on hand-computed numbers, the
+"""The start-up memory plan (fspo/runtime/launch/memory_plan.py): its formulas on hand-computed numbers, the
 parameter count against the real model, and the refusal of a layout that cannot fit (the error names
 the numbers and the fix). No mocks: ``available`` is an explicit argument of `check_memory_plan`."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from conftest import compose_config
-from fspo.runtime.memory_components import Layout
-from fspo.runtime.memory_plan import MemoryPlanError, ModelShape, check_memory_plan, model_shape, plan_memory
+from fspo.runtime.launch.memory_components import Layout
+from fspo.runtime.launch.memory_plan import MemoryPlanError, ModelShape, check_memory_plan, model_shape, plan_memory
 
 # V 10, H 4, 3 layers, 2 heads x d 2 (q 4), 1 kv head (kv 2), I 8, untied
 SMALL = ModelShape(vocab=10, hidden=4, layers=3, heads=2, kv_heads=1, head_dim=2, intermediate=8, tied=False)
@@ -81,7 +81,7 @@ def test_plan_one_rank_checkpointing_chunked_head_and_a_sleeping_vllm():
 
 def test_check_logs_and_passes_the_default_run(caplog):
     cfg = compose_config([])
-    with caplog.at_level("INFO", logger="fspo.runtime.memory_plan"):
+    with caplog.at_level("INFO", logger="fspo.runtime.launch.memory_plan"):
         plan = check_memory_plan(cfg, available=2 ** 40)
     assert plan.weights == 997248 * 4 and plan.optimizer == 2 * 997248 * 4  # tiny warm start, fp32, one rank
     # rows: max(16 prompts x 8, 128 val prompts x 2) = 256 (engine batch 256); K,V of 4 layers x kv 64 x 4 B
@@ -139,7 +139,7 @@ QWEN3_8B = ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8
 
 
 def test_local_device_index_from_the_launcher():
-    from fspo.runtime.memory_plan import local_device_index
+    from fspo.runtime.launch.memory_plan import local_device_index
 
     assert local_device_index({"LOCAL_RANK": "3"}, device_count=8) == 3      # torchrun / Lightning
     assert local_device_index({"SLURM_LOCALID": "5"}, device_count=8) == 5   # srun
@@ -152,7 +152,7 @@ def test_available_bytes_reads_this_ranks_gpu_not_gpu_0(monkeypatch):
     """CUDA cannot exist here: the two torch.cuda calls are replaced by a recording stand-in."""
     import torch
 
-    from fspo.runtime.memory_plan import available_bytes
+    from fspo.runtime.launch.memory_plan import available_bytes
 
     asked = []
 
@@ -179,7 +179,7 @@ def test_model_configs_carry_the_architecture_offline(monkeypatch):
 
 
 def test_paper_8xh200_plan_by_hand():
-    from fspo.runtime.memory_plan import layout_of
+    from fspo.runtime.launch.memory_plan import layout_of
 
     cfg = compose_config(["+experiment=paper_8xh200", "+method=fspo", "memory_plan.device_gib=141"])
     x = layout_of(cfg, QWEN3_8B, 141 * 2 ** 30)
@@ -198,7 +198,7 @@ def test_paper_8xh200_plan_by_hand():
 
 
 def test_what_would_fit_is_the_fewest_ranks():
-    from fspo.runtime.memory_plan import layout_of, what_would_fit
+    from fspo.runtime.launch.memory_plan import layout_of, what_would_fit
 
     cfg = compose_config(["+model=qwen3_8b", "memory_plan.device_gib=80"])
     x = layout_of(cfg, QWEN3_8B, 80 * 2 ** 30)
@@ -261,7 +261,7 @@ def test_dry_run_8b_lora_on_one_80gb_gpu(tmp_path):
 
 
 def test_dry_run_and_device_gib_are_checked_up_front():
-    from fspo.runtime.config_check import ConfigError, check_config
+    from fspo.runtime.checks.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError, match=r"^memory_plan.device_gib=-1: must be a number > 0 or null .*; set "
                                           r"memory_plan.device_gib=80"):
@@ -272,7 +272,7 @@ def test_dry_run_and_device_gib_are_checked_up_front():
 
 
 def test_dry_run_prints_every_component_in_process(capsys):
-    from fspo.runtime.memory_plan import dry_run
+    from fspo.runtime.launch.memory_plan import dry_run
 
     lines = []
     plan = dry_run(compose_config(["+model=qwen3_1_7b", "memory_plan.device_gib=1000"]), out=lines.append)

@@ -40,7 +40,7 @@ def test_meta_build_then_load_equals_from_pretrained():
 
 def test_unsharded_module_loads_a_meta_policy_whole():
     """configure_sharding without a ModelParallelStrategy (one device) materialises the meta policy."""
-    from fspo.runtime.distributed import configure_sharding
+    from fspo.runtime.launch.distributed import configure_sharding
 
     class Holder(torch.nn.Module):
         device = torch.device("cpu")

@@ -81,7 +81,7 @@ def test_dummy_micro_batch_is_the_shortest_sequence():
 
 def test_config_warns_when_the_budget_is_below_the_longest_sequence():
     from conftest import compose_config
-    from fspo.runtime.config_check import check_config
+    from fspo.runtime.checks.config_check import check_config
 
     assert check_config(compose_config([])) == []
     cfg = compose_config(["ppo.micro_batch_max_tokens=50", "data.max_prompt_len=64",

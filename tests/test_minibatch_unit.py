@@ -1,6 +1,6 @@
 """``ppo.mini_batch_unit=prompts`` through the real training step (fspo/update/module.py): mini-batches of
 whole prompt groups, the same update as ``sequences`` when both cover the same rows, the first
-mini-batch's old log-probs from its loss pass; and the data-parallel group ids (fspo/runtime/distributed.py)
+mini-batch's old log-probs from its loss pass; and the data-parallel group ids (fspo/runtime/launch/distributed.py)
 that the plan is drawn from before the rollout is gathered.
 
 Drives the module as tests/test_module_update.py does (its `run_update`: a minimal Lightning
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fspo.runtime.distributed import gather_group_ids, gather_rollout
+from fspo.runtime.launch.distributed import gather_group_ids, gather_rollout
 from fspo.update.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
 from conftest import free_port

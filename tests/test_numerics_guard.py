@@ -20,7 +20,7 @@ from omegaconf import open_dict
 
 from conftest import SMALL
 from fspo.rollout.callback import guarded_reward
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.update import forward as passes
 from fspo.rewards.arithmetic import ArithmeticReward
 from fspo.rewards.base import RewardOutput
@@ -164,7 +164,7 @@ def closed_port() -> int:
 
 
 def test_unreachable_tracking_uri_fails_fast_with_clear_message(compose_cfg):
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
     from fspo.tracking.logger import TrackingURIUnreachable
     from fspo.train import train
 

@@ -85,7 +85,7 @@ def test_paper_batch_arithmetic():
     ("ppo.mini_batch_unit=groups", r"ppo.mini_batch_unit must be one of sequences, prompts"),
 ])
 def test_preset_bad_batch_is_one_clear_error(preset, override, match):
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
 
     with pytest.raises(Exception) as err:
         instantiate(compose_config([f"+experiment={preset}", override]).ppo)

@@ -1,7 +1,7 @@
 """Float32 master weights (issue 29 item 1): the rounding that makes bf16 weights learn nothing at lr 1e-6,
 its refusal before any work, the engine's generation dtype (item 7), and ``train/update_ratio`` by hand.
 
-fspo/runtime/precision.py and fspo/update/update_ratio.py; the end-to-end checks (every method logs
+fspo/runtime/launch/precision.py and fspo/update/update_ratio.py; the end-to-end checks (every method logs
 update_ratio > 0 at every step; 2 FSDP ranks equal one process) are in tests/test_train_methods.py and
 tests/test_fsdp.py.
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import REPO, compose_config
-from fspo.runtime.config_check import ConfigError, check_config
-from fspo.runtime.precision import engine_dtype, master_weight_problem, weight_step
+from fspo.runtime.checks.config_check import ConfigError, check_config
+from fspo.runtime.launch.precision import engine_dtype, master_weight_problem, weight_step
 from fspo.update.update_ratio import UpdateRatio
 
 

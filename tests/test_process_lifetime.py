@@ -150,7 +150,7 @@ def wait_gone_pid(pid: int, within_s: float) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_while_waiting_on_a_stopped_engine_checkpoints_and_exits_0(tmp_path):
-    from fspo.runtime.checkpoint_files import list_checkpoints
+    from fspo.runtime.checkpoints.files import list_checkpoints
 
     proc = _overlap_run(tmp_path, steps=6)
     try:

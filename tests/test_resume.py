@@ -2,7 +2,7 @@
 
 Owns: the end-to-end kill/resume test (two `experiments/run.py` subprocesses, CPU, HF engine, seeded:
 one uninterrupted, one SIGKILLed at a random step after its first checkpoint and continued with
-``resume=auto`` in the same run folder), and fast checks of how `fspo.runtime.resume` picks a checkpoint and
+``resume=auto`` in the same run folder), and fast checks of how `fspo.runtime.checkpoints.resume` picks a checkpoint and
 how the datamodule resumes mid-run. Leaves out: signals and atomic writes (test_signals.py).
 
 The reward is `DigitReward` (fraction of digits in the completion): the random tiny model never
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.rewards.base import RewardOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def _fake_ckpt(path: Path, step: int, run_id: str = "abc") -> None:
 def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
     from omegaconf import OmegaConf
 
-    from fspo.runtime.resume import resolve_resume
+    from fspo.runtime.checkpoints.resume import resolve_resume
 
     ck = tmp_path / "checkpoints"
     assert resolve_resume(OmegaConf.create({"resume": None}), tmp_path).ckpt_path is None
@@ -194,7 +194,7 @@ def test_datamodule_resumes_from_the_sampler_position():
 def test_continued_run_logs_each_step_once(compose_cfg):
     """Steps the killed attempt logged at or after the checkpoint keep their first value, through both
     the logger and the client's log_metric; params already logged are not logged again."""
-    from fspo.runtime.resume import ResumePlan
+    from fspo.runtime.checkpoints.resume import ResumePlan
     from fspo.tracking.logger import build_logger, log_params_once
 
     cfg = compose_cfg([])

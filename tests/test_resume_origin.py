@@ -55,7 +55,7 @@ def test_overlap_resume_replaces_the_rerun_steps_values(compose_cfg, tmp_path):
     killed attempt's (a synchronous resume keeps the first values: they are identical)."""
     from mlflow.tracking import MlflowClient
 
-    from fspo.runtime.resume import ResumePlan
+    from fspo.runtime.checkpoints.resume import ResumePlan
     from fspo.tracking.logger import build_logger
 
     for overlap, want in ((True, [(0, 0.0), (1, 1.0), (2, 20.0), (3, 30.0)]),

@@ -78,7 +78,7 @@ class RaisesOnFirst:
 @pytest.mark.parametrize("cls, match", [(NanReward, "test_reward_guard.NanReward returned a non-finite score"),
                                         (AlwaysRaises, "test_reward_guard.AlwaysRaises failed on every one")])
 def test_training_stops_on_a_reward_that_cannot_teach(compose_cfg, cls, match):
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
     from fspo.train import train
 
     cfg = compose_cfg(BASE + [f"reward._target_={__name__}.{cls.__name__}"])

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
-from fspo.runtime.config_check import ConfigError, check_config
+from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.losses import Aggregator
 from fspo.rollout.correction import RolloutCorrection, mismatch
 from test_module_update import B, make_rollout, run_update

@@ -21,7 +21,7 @@ from fspo.rollout.async_engine import AsyncEngine
 from fspo.rollout.base import SamplingConfig
 from fspo.rollout.hf import HFEngine
 from fspo.rollout.pipeline import OverlapConfig, RolloutPipeline
-from fspo.runtime.config_check import ConfigError, _cross_checks
+from fspo.runtime.checks.config_check import ConfigError, _cross_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -129,7 +129,7 @@ def test_overlap_settings_are_checked():
             "ppo": {"old_log_probs": "engine"}, "trainer": {"strategy": None}}
     _cross_checks(OmegaConf.create(base), [])  # valid
     fsdp = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(  # FSDP: an engine process per rank
-        ["trainer.strategy={_target_: fspo.runtime.distributed.FSDP2Strategy}"]))
+        ["trainer.strategy={_target_: fspo.runtime.launch.distributed.FSDP2Strategy}"]))
     _cross_checks(fsdp, [])
     for over, fix in ((["ppo.old_log_probs=recompute"], "set ppo.old_log_probs=engine"),
                       (["rollout.engine._target_=fspo.rollout.vllm.VLLMEngine"], "use rollout=hf"),

@@ -1,11 +1,11 @@
 """Runs that never lose work (issue 19, defects 1-4): one run per output folder, damaged checkpoints
 detected and moved aside, no silent fresh start, and a resumed run keeps its own config.
 
-Owns: the output-folder lock (fspo/runtime/run_lock.py: a second run exits at once naming the holder; a
-killed holder's lock is taken over), checkpoint checksums (fspo/runtime/checkpoint_integrity.py) and how
-`fspo.runtime.resume.resolve_resume` uses them (newest good checkpoint; all damaged: an error, nothing
+Owns: the output-folder lock (fspo/runtime/checks/run_lock.py: a second run exits at once naming the holder; a
+killed holder's lock is taken over), checkpoint checksums (fspo/runtime/checkpoints/integrity.py) and how
+`fspo.runtime.checkpoints.resume.resolve_resume` uses them (newest good checkpoint; all damaged: an error, nothing
 touched; ``resume=fresh``; older checkpoints without manifest load unverified), the non-finite guard
-after loading, and the resumed config (fspo/runtime/run_config.py: saved config restored, experiment-changing
+after loading, and the resumed config (fspo/runtime/checks/run_config.py: saved config restored, experiment-changing
 overrides refused, allowed ones recorded). The end-to-end cases run `experiments/run.py` as
 subprocesses on the tiny model (helpers from test_resume.py). Leaves out: kill -9 / exact resume
 (test_resume.py) and signals (test_signals.py).
@@ -27,11 +27,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, manifest_path, quarantine, verify, write_manifest
-from fspo.runtime.checkpoint_files import list_checkpoints
-from fspo.runtime.resume import ResumePlan, resolve_resume
-from fspo.runtime.run_config import RUN_CONFIG_FILE, ConfigChangedOnResume, resume_config
-from fspo.runtime.run_lock import LOCK_FILE, OutputDirInUse, acquire, hold_output_dir, release
+from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify, write_manifest
+from fspo.runtime.checkpoints.files import list_checkpoints
+from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
+from fspo.runtime.checks.run_config import RUN_CONFIG_FILE, ConfigChangedOnResume, resume_config
+from fspo.runtime.checks.run_lock import LOCK_FILE, OutputDirInUse, acquire, hold_output_dir, release
 from test_resume import ARGS, REPO, last_train_step, metric_rows, policy_state
 
 # small runs: 4 prompts x 4 samples, 24 new tokens, 4 validation prompts (seconds per step on a CPU)
@@ -39,7 +39,7 @@ BASE = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.", "val.", "s
     ["val.size=4", "val.every_n_steps=3", "checkpoint.keep_last=5"]
 HOLDER = """
 import sys, time
-from fspo.runtime.run_lock import acquire
+from fspo.runtime.checks.run_lock import acquire
 acquire(sys.argv[1]); print("locked", flush=True); time.sleep(600)
 """
 
@@ -251,7 +251,7 @@ def test_all_checkpoints_damaged_is_an_error_until_resume_fresh(tmp_path):
 
 
 def test_checkpoint_save_writes_manifest_and_prunes_with_it(tmp_path):
-    from fspo.runtime.checkpointing import StepCheckpoint
+    from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
     from test_signals import FakeTrainer, good_writer
 
     ck = tmp_path / "checkpoints"
@@ -424,7 +424,7 @@ def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
 def test_evaluation_reads_the_runs_own_config_and_skips_damaged_checkpoints(tmp_path):
     """experiments/evaluate.py: a resumed launch rewrote .hydra/config.yaml with its command line, while
     run_config.yaml is the run's; checkpoints moved to damaged/ are not evaluated."""
-    from fspo.runtime.checkpoint_files import find_checkpoints, find_run_config
+    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config
 
     ck = tmp_path / "checkpoints"
     good = _ckpt(ck, 2)
@@ -441,7 +441,7 @@ def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
     """Issue 22: a run saved when the classes lived in flat modules (``fspo.module.PPOConfig``,
     ``fspo.guard.DivergenceGuard``, ``fspo.distributed.FSDP2Strategy``) resumes: the saved targets are
     read as the new paths, which is not a change of the experiment."""
-    from fspo.runtime.run_config import LEGACY_TARGETS, upgrade_legacy_targets
+    from fspo.runtime.checks.run_config import LEGACY_TARGETS, upgrade_legacy_targets
 
     old = {"seed": 1, "steps": 30, "output_dir": str(tmp_path), "resume": None,
            "ppo": {"_target_": "fspo.module.PPOConfig", "lr": 1e-6},
@@ -452,12 +452,12 @@ def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
     new = OmegaConf.create({**old, "resume": "auto",
                             "ppo": {"_target_": "fspo.update.settings.PPOConfig", "lr": 1e-6},
                             "guard": {"_target_": "fspo.update.guard.DivergenceGuard", "action": "stop"},
-                            "trainer": {"strategy": {"_target_": "fspo.runtime.distributed.FSDP2Strategy"}},
-                            "callbacks": [{"_target_": "fspo.runtime.run_lock.LockOutputDir"}]})
+                            "trainer": {"strategy": {"_target_": "fspo.runtime.launch.distributed.FSDP2Strategy"}},
+                            "callbacks": [{"_target_": "fspo.runtime.checks.run_lock.LockOutputDir"}]})
     cfg = resume_config(new, ResumePlan(ckpt_path=None, step=3, run_id="r"), tmp_path, overrides=["resume=auto"])
     assert cfg.ppo._target_ == "fspo.update.settings.PPOConfig" and cfg.guard._target_ == "fspo.update.guard.DivergenceGuard"
-    assert cfg.trainer.strategy._target_ == "fspo.runtime.distributed.FSDP2Strategy"
-    assert cfg.callbacks[0]._target_ == "fspo.runtime.run_lock.LockOutputDir"
+    assert cfg.trainer.strategy._target_ == "fspo.runtime.launch.distributed.FSDP2Strategy"
+    assert cfg.callbacks[0]._target_ == "fspo.runtime.checks.run_lock.LockOutputDir"
     # every new path the map names exists
     import importlib
     for new_path in LEGACY_TARGETS.values():

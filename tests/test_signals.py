@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fspo.runtime.checkpointing import StepCheckpoint
-from fspo.runtime.checkpoint_files import list_checkpoints
-from fspo.runtime.resume import latest_complete_checkpoint
+from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
+from fspo.runtime.checkpoints.files import list_checkpoints
+from fspo.runtime.checkpoints.resume import latest_complete_checkpoint
 from test_resume import ARGS, last_train_step, start_run
 
 SIG_ARGS = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.every_n_steps="))] + \
@@ -141,7 +141,7 @@ def test_failed_write_keeps_previous_checkpoint_and_keep_last(tmp_path):
 SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from fspo.runtime.checkpointing import StepCheckpoint
+from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
 from test_signals import FakeTrainer
 
 def slow(p):

@@ -1,4 +1,4 @@
-"""A stop signal during a step's rollout (fspo/runtime/stop_signal.py): the step is abandoned, the last completed
+"""A stop signal during a step's rollout (fspo/runtime/checkpoints/stop_signal.py): the step is abandoned, the last completed
 step is saved at once, and resuming from it equals the uninterrupted run.
 
 Owns: `interruptible` / `StepInterrupted` / `agree_stop` on one process, and the in-process run that receives
@@ -18,8 +18,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from fspo.rewards.base import RewardOutput
-from fspo.runtime import stop_signal
-from fspo.runtime.checkpoint_files import list_checkpoints
+from fspo.runtime.checkpoints import stop_signal
+from fspo.runtime.checkpoints.files import list_checkpoints
 
 STEPS = 3
 ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",

@@ -1,4 +1,4 @@
-"""Storage failures are one line, fast, and lose nothing (fspo/runtime/store_check.py; issue 19, defect 5).
+"""Storage failures are one line, fast, and lose nothing (fspo/runtime/checks/store_check.py; issue 19, defect 5).
 
 Owns: a read-only existing store, a new SQLite store in a read-only folder (was 100 s of MLflow
 retries), a full disk at start, a full disk in the middle of a run, a tracking URI that is a plain web
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL, compose_config
-from fspo.runtime.errors import user_error
-from fspo.runtime.store_check import NotAnMLflowServer, StoreError, check_writable, prepare_store, storage_error
+from fspo.runtime.checks.errors import user_error
+from fspo.runtime.checks.store_check import NotAnMLflowServer, StoreError, check_writable, prepare_store, storage_error
 
 FAST_S = 30  # the issue's bound; these take well under 5 s after the imports
 
@@ -155,7 +155,7 @@ def test_full_disk_at_start_fails_before_the_model(tmp_path, tmpfs, monkeypatch)
 
 def test_full_disk_probe_without_privileges(tmp_path, monkeypatch):
     """The same start-up check with the disk made full by a monkeypatched probe write."""
-    import fspo.runtime.store_check as sc
+    import fspo.runtime.checks.store_check as sc
 
     def full(path):
         path.touch()
@@ -174,7 +174,7 @@ def test_full_disk_mid_run_is_one_line_and_keeps_what_was_written(tmp_path, tmpf
     the second checkpoint fills the disk."""
     from mlflow.tracking import MlflowClient
 
-    from fspo.runtime.checkpoint_files import list_checkpoints
+    from fspo.runtime.checkpoints.files import list_checkpoints
     from fspo.train import train
 
     disk = tmpfs(tmp_path / "disk", 40)
@@ -266,7 +266,7 @@ def test_plain_web_server_is_not_an_mlflow_store(server):
 def test_plain_web_server_falls_back_when_asked(server, tmp_path):
     from omegaconf import open_dict
 
-    from fspo.runtime.resume import ResumePlan
+    from fspo.runtime.checkpoints.resume import ResumePlan
     from fspo.tracking.logger import build_logger
 
     cfg = compose_config([*SMALL], output_dir=tmp_path)
@@ -286,7 +286,7 @@ def test_mlflow_like_server_passes(server):
 RACER = """
 import sys, time
 from mlflow.tracking import MlflowClient
-from fspo.runtime.store_check import prepare_store
+from fspo.runtime.checks.store_check import prepare_store
 uri, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # every process enters at the same moment
 prepare_store(uri, "race")

@@ -23,7 +23,7 @@ from conftest import REPO, SMALL
 
 CREATE = """
 import sys, time
-from fspo.runtime.store_check import prepare_store
+from fspo.runtime.checks.store_check import prepare_store
 print("go", flush=True)
 t0 = time.monotonic()
 prepare_store(sys.argv[1], "exp")
@@ -43,7 +43,7 @@ def _start_create(db: Path) -> subprocess.Popen:
 
 
 def _complete(db: Path) -> bool:
-    from fspo.runtime.sqlite_store import _head_revision, store_state
+    from fspo.runtime.checks.sqlite_store import _head_revision, store_state
 
     s = store_state(db)
     return s["version"] == _head_revision() and not s["tmp_tables"]
@@ -51,7 +51,7 @@ def _complete(db: Path) -> bool:
 
 @pytest.mark.slow
 def test_sigint_at_any_moment_of_store_creation_leaves_a_usable_store(tmp_path):
-    from fspo.runtime.store_check import prepare_store
+    from fspo.runtime.checks.store_check import prepare_store
 
     probe = _start_create(tmp_path / "probe.db")  # how long creation takes on this machine, now
     took = float(probe.stdout.readline().split()[1])
@@ -71,7 +71,7 @@ def test_sigint_at_any_moment_of_store_creation_leaves_a_usable_store(tmp_path):
 
 
 def _half_created(db: Path, runs: bool) -> None:
-    from fspo.runtime.store_check import prepare_store
+    from fspo.runtime.checks.store_check import prepare_store
 
     prepare_store(f"sqlite:///{db}", "exp" if runs else None)
     with sqlite3.connect(db) as con:
@@ -83,7 +83,7 @@ def _half_created(db: Path, runs: bool) -> None:
 
 
 def test_half_created_store_without_runs_is_moved_aside_and_created_again(tmp_path, caplog):
-    from fspo.runtime.store_check import prepare_store
+    from fspo.runtime.checks.store_check import prepare_store
 
     db = tmp_path / "m.db"
     _half_created(db, runs=False)
@@ -94,9 +94,9 @@ def test_half_created_store_without_runs_is_moved_aside_and_created_again(tmp_pa
 
 
 def test_half_migrated_store_with_runs_is_refused_and_untouched(tmp_path):
-    from fspo.runtime.errors import user_error
-    from fspo.runtime.sqlite_store import HalfMigratedStore
-    from fspo.runtime.store_check import prepare_store
+    from fspo.runtime.checks.errors import user_error
+    from fspo.runtime.checks.sqlite_store import HalfMigratedStore
+    from fspo.runtime.checks.store_check import prepare_store
 
     db = tmp_path / "m.db"
     _half_created(db, runs=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fspo.runtime.checkpoint_files import list_checkpoints, load_checkpoint, read_resume_meta
-from fspo.runtime.checkpoint_integrity import verify
+from fspo.runtime.checkpoints.files import list_checkpoints, load_checkpoint, read_resume_meta
+from fspo.runtime.checkpoints.integrity import verify
 from fspo.rewards.base import RewardOutput
 from test_resume import last_train_step
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from fspo.runtime.checkpoint_files import load_checkpoint
-from fspo.runtime.safe_load import UnsafeCheckpoint
+from fspo.runtime.checkpoints.files import load_checkpoint
+from fspo.runtime.checkpoints.safe_load import UnsafeCheckpoint
 
 
 class Payload:
@@ -76,7 +76,7 @@ def test_clean_distributed_checkpoint_loads_and_crafted_ones_are_refused(tmp_pat
     policy, step = load_checkpoint(item)
     assert set(policy) == {"w"} and step == 3
     assert not marker.exists()
-    from fspo.runtime.safe_load import safe_dcp_load  # the whole-folder loader refuses it
+    from fspo.runtime.checkpoints.safe_load import safe_dcp_load  # the whole-folder loader refuses it
     with pytest.raises(UnsafeCheckpoint, match="'(extra|state_dict.policy.x)'"):
         safe_dcp_load(item)
     assert not marker.exists()
@@ -102,15 +102,15 @@ def test_evaluate_on_a_crafted_checkpoint_exits_2_and_runs_nothing(tmp_path):
 def test_stored_config_target_outside_the_allow_list_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
-    from fspo.runtime.stored_config import UntrustedTarget, check_stored_targets
+    from fspo.runtime.checkpoints.stored_config import UntrustedTarget, check_stored_targets
 
     trusted = OmegaConf.create({"reward": {"_target_": "fspo.rewards.arithmetic.ArithmeticReward"}})
     ok = OmegaConf.create({"reward": {"_target_": "fspo.rewards.arithmetic.ArithmeticReward"},
                            "trainer": {"_target_": "lightning.Trainer"},
                            "logger": {"_target_": "lightning.pytorch.loggers.MLFlowLogger"}})
     check_stored_targets(ok, "run_config.yaml", trusted)
-    for bad in ("torch.load", "os.system", "fspo.runtime.checkpoint_integrity.os.system", "builtins.eval",
-                "fspo.runtime.safe_load.torch.load"):
+    for bad in ("torch.load", "os.system", "fspo.runtime.checkpoints.integrity.os.system", "builtins.eval",
+                "fspo.runtime.checkpoints.safe_load.torch.load"):
         cfg = OmegaConf.create({"data": {"train": {"_target_": bad, "x": 1}}})
         with pytest.raises(UntrustedTarget, match=f"data.train._target_={bad}.*run_config.yaml") as e:
             check_stored_targets(cfg, "run_config.yaml", trusted)
@@ -126,7 +126,7 @@ def test_resume_from_a_crafted_config_is_refused_before_anything_runs(compose_cf
     from omegaconf import OmegaConf
 
     from conftest import SMALL
-    from fspo.runtime.errors import user_error
+    from fspo.runtime.checks.errors import user_error
     from fspo.train import train
 
     cfg = compose_cfg(SMALL + ["steps=1", "val.size=0", "checkpoint.every_n_steps=1"])

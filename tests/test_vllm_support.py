@@ -1,4 +1,4 @@
-"""The supported vLLM range (fspo/runtime/vllm_support.py) and the local rank (fspo/runtime/launcher.py), issue 29
+"""The supported vLLM range (fspo/runtime/launch/vllm_support.py) and the local rank (fspo/runtime/launch/launcher.py), issue 29
 items 3 and 4. Faked version strings and environments; no vLLM, no GPU, no second node needed."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import types
 import pytest
 
 from conftest import compose_config
-from fspo.runtime import config_check
-from fspo.runtime.config_check import ConfigError, check_config
-from fspo.runtime.launcher import local_rank
-from fspo.runtime.vllm_support import VLLM_RANGE, _parse, check_vllm_version
+from fspo.runtime.checks import config_check
+from fspo.runtime.checks.config_check import ConfigError, check_config
+from fspo.runtime.launch.launcher import local_rank
+from fspo.runtime.launch.vllm_support import VLLM_RANGE, _parse, check_vllm_version
 
 RANGE = ">=0.16,<0.33"
 

@@ -3,7 +3,7 @@
 Owns: `summarize` / `summary_markdown` (best and last
 checkpoint per benchmark, as in the paper's results table) and `MlflowRecorder` (metrics,
 per-problem tables, tags and the summary of one evaluation, into a new MLflow run or into the
-training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoint_files.py), sampling
+training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoints/files.py), sampling
 and scoring (fspo/evaluation/benchmark.py) and the command line (experiments/evaluate.py).
 
 Summary conventions (paper, "Main Results"): per benchmark, **best** is the checkpoint with the

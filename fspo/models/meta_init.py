@@ -12,7 +12,7 @@ full model; peak host memory per rank ~ its shard + one shard-sized tensor at a 
 Sharding understood: a plain tensor (the whole parameter) and a DTensor with one ``Shard(0)`` mesh
 dimension (FSDP2's layout: rank r holds rows [r*ceil(n/W), ...), ``torch.chunk`` semantics). Tied
 parameters (``tie_word_embeddings``) are one parameter under its first name; ``save_pretrained``
-stores it once. Leaves out: building the sharding (fspo/runtime/distributed.py) and choosing the
+stores it once. Leaves out: building the sharding (fspo/runtime/launch/distributed.py) and choosing the
 source folder (fspo/models/loading.py).
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
 Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
 ``seed * 1_000_003 + 999_999_937 + j``, so successive validations differ only by the policy.
 
-Data parallel (fspo/runtime/distributed.py): every rank receives the step's global prompt batch and
+Data parallel (fspo/runtime/launch/distributed.py): every rank receives the step's global prompt batch and
 generates for its contiguous slice (whole groups, so advantages are exact); data-parallel rank r
 adds ``7919 * r`` to the sampling seed. Reward metrics are sums over ranks. Validation batches are
 padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
@@ -39,9 +39,10 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from fspo.runtime.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
-from fspo.runtime.resume_state import rng_states, set_rng_states
-from fspo.runtime.stop_signal import StepInterrupted, agree_stop, interruptible, synced_stops
+from fspo.runtime.launch.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.runtime.checkpoints.resume_state import rng_states, set_rng_states
+from fspo.runtime.checkpoints.stop_signal import (StepInterrupted, agree_stop, interruptible, rewind_to_last_step_end,
+                                                 synced_stops)
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
@@ -212,7 +213,7 @@ class RolloutCallback(L.Callback):
         try:
             return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
         except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
-            sampler.position = step  # checkpoint written now (fspo/runtime/checkpointing.py) resumes at it
+            sampler.position = step  # checkpoint written now (fspo/runtime/checkpoints/checkpointing.py) resumes at it
             raise
 
     @staticmethod
@@ -223,6 +224,7 @@ class RolloutCallback(L.Callback):
         if sampler is not None and hasattr(sampler, "position"):
             sampler.position = step
         set_rng_states(rng_before)
+        rewind_to_last_step_end(trainer)
         log.warning("stop signal during step %d's rollout: the step is abandoned; saving step %d", step + 1, step)
         raise SIGTERMException()
 

@@ -68,7 +68,7 @@ from fspo.clipping.quantile_band import QuantileBand
 from fspo.diagnostics._base import DiagnosticMetric
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
-from fspo.runtime.distributed import reduce_sum
+from fspo.runtime.launch.distributed import reduce_sum
 
 MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_masked_is", "seq_fair_mask", "seq_fair_tis")
 BANDS = ("sqrt", "quantile")

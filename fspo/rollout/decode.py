@@ -31,7 +31,7 @@ i.e. the engine log-probs of the rollout contract (what vLLM reports), which the
 as old log-probs (``ppo.old_log_probs=engine``): same weights, same arithmetic up to the KV cache's
 summation order (gap ~1e-7 in float32). Under FSDP with several ranks (``synced``) every rank
 runs the same number of forwards (see `decode_compact`); inside a training rollout a stop signal ends the
-decoding on every rank at the same token (`StepInterrupted`, fspo/runtime/stop_signal.py).
+decoding on every rank at the same token (`StepInterrupted`, fspo/runtime/checkpoints/stop_signal.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from fspo.rollout.base import SamplingConfig
-from fspo.runtime.stop_signal import StepInterrupted, synced_stop_wanted
+from fspo.runtime.checkpoints.stop_signal import StepInterrupted, synced_stop_wanted
 
 
 def logits_pipeline(params: SamplingConfig, prompt_len: int, eos_id: int) -> LogitsProcessorList:
@@ -76,7 +76,7 @@ def _any_running(running: torch.Tensor, synced: bool) -> bool:
         return bool(running.any())
     flag = torch.tensor([float(bool(running.any())), float(synced_stop_wanted())], device=running.device)
     torch.distributed.all_reduce(flag)  # with a stop vote: a stop signal during a training rollout
-    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token (fspo/runtime/stop_signal.py)
+    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token (fspo/runtime/checkpoints/stop_signal.py)
         raise StepInterrupted("stop signal during a synced generation")
     return bool(flag[0].item() > 0)
 

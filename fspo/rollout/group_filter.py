@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fspo.runtime.distributed import concat_rollouts, reduce_sum, sync_count
+from fspo.runtime.launch.distributed import concat_rollouts, reduce_sum, sync_count
 from fspo.types import RolloutBatch
 
 SCORE_METRICS = ("score", "seq_reward", "seq_final_reward")

@@ -19,7 +19,7 @@ not checkpointed: a resumed run's first k steps are fresher than those of an uni
 
 The behaviour policy of every rollout is the engine's (the weights its slot held), and its
 log-probs come with the rollout (``engine_log_probs``), so the importance ratio is taken against
-the policy that sampled it (``ppo.old_log_probs=engine``, enforced by fspo/runtime/config_check.py);
+the policy that sampled it (``ppo.old_log_probs=engine``, enforced by fspo/runtime/checks/config_check.py);
 the clip rules, FSPO's band and the rollout-correction diagnostics apply unchanged, now measuring a
 k-step policy lag too. Requests past ``last_step`` are not submitted. The lag of each rollout taken
 (``RolloutPipeline.lag``) goes with the batch as ``policy_lag``: with lag > 0 the step's first mini-batch

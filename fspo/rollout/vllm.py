@@ -26,10 +26,10 @@ Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `Ro
   ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
   in the order of fspo/rollout/engine_memory.py; ``offload_optimizer`` asks that order to move the
   trainer's optimizer state to CPU while the engine holds GPU memory.
-- Supported vLLM: fspo/runtime/vllm_support.py (``VLLM_RANGE``); any other version is refused in
+- Supported vLLM: fspo/runtime/launch/vllm_support.py (``VLLM_RANGE``); any other version is refused in
   `import_vllm` with one line naming the range.
 - ``LOCAL_RANK`` (the device of vLLM's external launcher) is the launcher's local rank
-  (fspo/runtime/launcher.py; the rollout callback passes Lightning's ``trainer.local_rank``).
+  (fspo/runtime/launch/launcher.py; the rollout callback passes Lightning's ``trainer.local_rank``).
 - Side effects on the host process (vLLM's, CPU only): it binds memory to the NUMA node and makes
   ``torch.set_num_threads`` a no-op for the rest of the process.
 """
@@ -47,9 +47,9 @@ from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.engine_memory import KV_CACHE, WEIGHTS
 from fspo.rollout.rows import pad_id, to_rollout_batch
 from fspo.rollout.weights import drain, engine_weights
-from fspo.runtime.launcher import local_rank
-from fspo.runtime.precision import engine_dtype
-from fspo.runtime.vllm_support import check_vllm_version, installed_vllm_version
+from fspo.runtime.launch.launcher import local_rank
+from fspo.runtime.launch.precision import engine_dtype
+from fspo.runtime.launch.vllm_support import check_vllm_version, installed_vllm_version
 from fspo.types import RolloutBatch
 
 SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
@@ -62,7 +62,7 @@ INSTALL_HINT = (
 
 def import_vllm():
     """Import and return the `vllm` module, or raise ImportError carrying `INSTALL_HINT`; a vLLM
-    outside fspo/runtime/vllm_support.py's range raises its one-line ValueError."""
+    outside fspo/runtime/launch/vllm_support.py's range raises its one-line ValueError."""
     try:
         import vllm
     except ImportError as e:
@@ -81,7 +81,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
         max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
         dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto": bfloat16 on GPUs, the
-            policy's parameter dtype on CPU (`fspo.runtime.precision.engine_dtype`).
+            policy's parameter dtype on CPU (`fspo.runtime.launch.precision.engine_dtype`).
         seed: engine seed (per-request seeds come from `SamplingConfig.seed`).
         enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
         kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
@@ -162,7 +162,7 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        # auto: bfloat16 on GPUs, the policy's own dtype on CPU (fspo/runtime/precision.py)
+        # auto: bfloat16 on GPUs, the policy's own dtype on CPU (fspo/runtime/launch/precision.py)
         dtype = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."), self.on_gpu)
         kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,

@@ -5,11 +5,11 @@ Owns: `build_logger` (the list of configured loggers: ``logger`` (conf/logger/: 
 wandb) then each of ``extra_loggers`` (conf/extra_loggers/, ``+extra_loggers=[csv,tensorboard]``); each
 gets only the arguments it accepts, ``save_dir: null`` becomes the run's output_dir. For the MLflow logger
 only: checking that the tracking server answers and that the store can be written,
-fspo/runtime/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
+fspo/runtime/checks/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
 store; a new run named by `default_run_name` unless ``run_name`` is set, its experiment described once,
 fspo/tracking/naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
 `check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
-(fspo/runtime/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
+(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
 fspo/tracking/sinks.py) and what happens when an http server dies mid-run (fspo/tracking/outage_buffer.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
@@ -31,10 +31,10 @@ from urllib.parse import urlparse
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.runtime.checkpoint_files import RUN_ID_FILE
-from fspo.runtime.rank_zero import is_rank_zero
-from fspo.runtime.resume import ResumePlan
-from fspo.runtime.store_check import NotAnMLflowServer, prepare_store
+from fspo.runtime.checkpoints.files import RUN_ID_FILE
+from fspo.runtime.launch.rank_zero import is_rank_zero
+from fspo.runtime.checkpoints.resume import ResumePlan
+from fspo.runtime.checks.store_check import NotAnMLflowServer, prepare_store
 from fspo.tracking.outage_buffer import install as install_buffer
 from fspo.tracking.naming import default_run_name, describe_experiment
 
@@ -136,7 +136,7 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
     name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
     try:
         check_tracking_uri(lcfg.get("tracking_uri"))
-        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/runtime/store_check.py
+        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/runtime/checks/store_check.py
     except (TrackingURIUnreachable, NotAnMLflowServer) as e:
         fallback = OmegaConf.select(cfg, "logger_fallback", default=None)
         if fallback != "local":
@@ -182,7 +182,7 @@ def drop_logged_steps(uri: str, run_id: str, from_step: int) -> bool:
     the killed attempt's values are kept there, with a warning)."""
     import sqlite3
 
-    from fspo.runtime.store_check import _sqlite_path
+    from fspo.runtime.checks.store_check import _sqlite_path
 
     path = _sqlite_path(uri) if urlparse(str(uri)).scheme == "sqlite" else None
     if path is None:

@@ -8,7 +8,7 @@ logged every ``every_n_steps`` RL steps and at the last one, for logs, pipes and
 pure formatting `progress_line` / `format_eta`. s/step is the mean wall time per RL step since this
 fit started (validations included, so the ETA counts them too); ETA = steps left x s/step.
 Leaves out: computing and logging the metrics (fspo/update/module.py marks the progress-bar ones;
-fspo/update/metric_logging.py) and third-party console noise (fspo/runtime/console.py).
+fspo/update/metric_logging.py) and third-party console noise (fspo/runtime/checks/console.py).
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def _figure_file(logger, name: str, fig, step: int) -> None:
 
 
 def _nothing(*args) -> None:
-    """Ranks other than 0 hold fspo/runtime/rank_zero.py's `RankZeroStub`: nothing to write."""
+    """Ranks other than 0 hold fspo/runtime/launch/rank_zero.py's `RankZeroStub`: nothing to write."""
 
 
 _FIGURE: Dict[str, Callable] = {"RankZeroStub": _nothing, "MLFlowLogger": _figure_mlflow,

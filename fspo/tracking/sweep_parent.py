@@ -108,10 +108,10 @@ class MLflowSweepParent(Callback):
     def _start(self, config: DictConfig, dir_key: str) -> None:
         from mlflow.tracking import MlflowClient
 
-        from fspo.runtime.console import quiet_mlflow
-        from fspo.runtime.store_check import prepare_store
+        from fspo.runtime.checks.console import quiet_mlflow
+        from fspo.runtime.checks.store_check import prepare_store
 
-        quiet_mlflow()  # no schema-creation lines when the parent run creates the store (fspo/runtime/console.py)
+        quiet_mlflow()  # no schema-creation lines when the parent run creates the store (fspo/runtime/checks/console.py)
         uri = _select(config, "logger.tracking_uri")
         exp_name = _select(config, "logger.experiment_name")
         if not uri or not exp_name:
@@ -127,7 +127,7 @@ class MLflowSweepParent(Callback):
                                        f"grid: {grid}\noverrides: {overrides}"}
         art = _select(config, "logger.artifact_location")  # as the jobs' MLFlowLogger would create it
         # the store and experiment under the store folder's lock, as a run's start does: two sweeps
-        # started together on a fresh store wait for each other (fspo/runtime/store_check.py)
+        # started together on a fresh store wait for each other (fspo/runtime/checks/store_check.py)
         prepare_store(str(uri), str(exp_name), None if art is None else str(art))
         self.client = MlflowClient(tracking_uri=str(uri))
         exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))

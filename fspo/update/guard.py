@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from fspo.runtime.distributed import any_rank, reduce_sum
+from fspo.runtime.launch.distributed import any_rank, reduce_sum
 from fspo.update.stats import k3_sum
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ def in_root_forward(model, fn: Callable[[], T]) -> T:
     """``fn()`` run as ``model``'s own forward call: ``model.forward`` is shadowed for one call of
     ``model()``, so every hook on the root module runs around ``fn`` as around a normal forward.
 
-    Why: under FSDP2 (``fully_shard`` on the decoder layers and the root, fspo/runtime/distributed.py)
+    Why: under FSDP2 (``fully_shard`` on the decoder layers and the root, fspo/runtime/launch/distributed.py)
     the root's parameters (embeddings, final norm, LM head; tied or not) are sharded DTensors outside
     its forward. The root's pre-forward hook all-gathers them (and runs FSDP's lazy root init), its
     post-forward hook registers the pre-backward hook on the outputs that re-gathers them for backward

@@ -36,7 +36,7 @@ import lightning as L
 import torch
 
 from fspo.update import forward as passes
-from fspo.runtime.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
+from fspo.runtime.launch.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
                               gather_rollout, rank_offset, reduce_step_stats, reduce_sum, share)
 from fspo.update.metric_logging import emit_metrics
 from fspo.update.guard import DivergenceGuard, UpdateMeter
@@ -94,7 +94,7 @@ class RLModule(L.LightningModule):
         return [opt], [sched]
 
     def configure_model(self):
-        """Shard the policy under `trainer=fsdp` (fspo/runtime/distributed.py); a no-op on one device."""
+        """Shard the policy under `trainer=fsdp` (fspo/runtime/launch/distributed.py); a no-op on one device."""
         configure_sharding(self)
 
     def _diagnostics(self):
@@ -119,7 +119,7 @@ class RLModule(L.LightningModule):
         moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio (fspo/update/update_ratio.py)
         if moved is not None:
             moved.snapshot(self.policy.parameters())
-        # data parallel (fspo/runtime/distributed.py): each rank generated its share of the prompts; after its
+        # data parallel (fspo/runtime/launch/distributed.py): each rank generated its share of the prompts; after its
         # old log-probs the whole batch is gathered and mini-batches are drawn from it as on one process
         rank, world = dp_rank_size(self)
         local = rollout

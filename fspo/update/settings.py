@@ -1,6 +1,6 @@
 """The update's settings (``ppo:`` in conf/config.yaml): batch units, passes, optimizer, old log-probs.
 
-Owns: `PPOConfig`, a pure value checked on construction (fspo/runtime/config_check.py builds it before
+Owns: `PPOConfig`, a pure value checked on construction (fspo/runtime/checks/config_check.py builds it before
 anything loads). Leaves out: the update itself (fspo/update/module.py) and the mini-batch arithmetic
 (fspo/update/microbatches.py).
 """

@@ -8,11 +8,11 @@ ends). Leaves out: the update itself (fspo/update/module.py) and where the metri
 
 over every trainable parameter (``requires_grad``) together, theta_old the weights the step's rollouts
 were sampled with, theta_new those after the step's optimizer updates. A run whose updates round away
-(bfloat16 weights at lr 1e-6: fspo/runtime/precision.py) or whose every update is skipped shows 0 at
+(bfloat16 weights at lr 1e-6: fspo/runtime/launch/precision.py) or whose every update is skipped shows 0 at
 once; a healthy AdamW step at lr moves it by about lr / |w| (1e-6 / 0.02 = 5e-5 for Qwen3).
 Under FSDP each rank holds its shards (DTensor local tensors): the two squared norms are summed over
 the ranks' shards (one all-reduce of two numbers). The snapshot costs one copy of the rank's trainable
-weights, on their device (fspo/runtime/memory_plan.py counts it).
+weights, on their device (fspo/runtime/launch/memory_plan.py counts it).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional
 import torch
 from torch import Tensor
 
-from fspo.runtime.distributed import reduce_sum
+from fspo.runtime.launch.distributed import reduce_sum
 
 
 def _local(p: Tensor) -> Tensor:

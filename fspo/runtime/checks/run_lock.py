@@ -4,7 +4,7 @@ Owns: `hold_output_dir` (the context manager `fspo.train.train` runs inside), `O
 (raised when another live process holds the folder) and `LockOutputDir` (a Hydra callback, in
 conf/config.yaml, that takes the same lock in ``on_run_start``, before Hydra writes ``.hydra/`` and
 ``run.log`` into the folder, so a second run touches nothing). Leaves out: what the run writes
-there (fspo/runtime/checkpointing.py, fspo/runtime/resume.py).
+there (fspo/runtime/checkpoints/checkpointing.py, fspo/runtime/checkpoints/resume.py).
 
 Contract:
 - the lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``run.lock``; the kernel drops it when the
@@ -15,7 +15,7 @@ Contract:
   reads it for its error message, which names the folder, the holder and the fix;
 - the lock is re-entrant within one process (the Hydra callback and ``train`` both take it;
   a reference count releases it after the last holder) and is taken by the launching process
-  only: under torchrun / SLURM / Lightning's launcher the ranks other than 0 (`fspo.runtime.rank_zero.
+  only: under torchrun / SLURM / Lightning's launcher the ranks other than 0 (`fspo.runtime.launch.rank_zero.
   launch_rank`) share their rank 0's lock and do not take one;
 - on a file system without ``flock`` support the run goes on with a warning (no detection).
 """
@@ -98,7 +98,7 @@ def acquire(output_dir) -> bool:
         os.fsync(fd)
     except OSError as e:  # a full or read-only disk: let go of the lock, or this process's next try says "in use"
         os.close(fd)
-        raise OSError(e.errno, e.strerror, key) from None  # named: fspo/runtime/errors.py makes it one line
+        raise OSError(e.errno, e.strerror, key) from None  # named: fspo/runtime/checks/errors.py makes it one line
     _held[key] = [fd, 1]
     return True
 
@@ -160,7 +160,7 @@ class LockOutputDir(_HydraCallback):
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         """Lock ``output_dir`` (or ``hydra.run.dir``) on the launching process."""
-        from fspo.runtime.rank_zero import launch_rank
+        from fspo.runtime.launch.rank_zero import launch_rank
 
         d = _run_dir(config)
         if d is None or launch_rank() != 0:

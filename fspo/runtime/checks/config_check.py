@@ -13,7 +13,7 @@ The settings objects that are pure values (``ppo``, ``aggregator``, ``rollout.sa
 arithmetic of `fspo.update.microbatches.check_mini_batch` among them) also run before anything else.
 
 Leaves out: checks that need files or the network — data files, model paths, the tracking store
-(fspo/runtime/store_check.py) — and the other components' argument checks, which run when they are built.
+(fspo/runtime/checks/store_check.py) — and the other components' argument checks, which run when they are built.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
-from fspo.runtime.precision import master_weight_problem
-from fspo.runtime.vllm_support import FIX as VLLM_FIX, installed_vllm_version, vllm_version_problem
+from fspo.runtime.launch.precision import master_weight_problem
+from fspo.runtime.launch.vllm_support import FIX as VLLM_FIX, installed_vllm_version, vllm_version_problem
 
 log = logging.getLogger(__name__)
 

@@ -1,25 +1,25 @@
 """Resumable checkpoints: every N RL steps, on SIGTERM / SIGUSR1, written atomically, keep-last-k.
 
 Owns: `StepCheckpoint` (the Lightning callback), `atomic_commit` and `slurm_plugins`. Leaves out:
-reading checkpoints (fspo/runtime/checkpoint_files.py), choosing the checkpoint to resume from
-(fspo/runtime/resume.py) and the MLflow run (fspo/tracking/logger.py).
+reading checkpoints (fspo/runtime/checkpoints/files.py), choosing the checkpoint to resume from
+(fspo/runtime/checkpoints/resume.py) and the MLflow run (fspo/tracking/logger.py).
 
 ``<output_dir>/checkpoints/step_000040.ckpt`` is the state after RL step 40 and its validation:
 what Lightning saves (module state dict with the policy, FSPO's ``sigma_hat``/``kl_bar`` buffers,
 ``rl_step``, ``skipped_updates``; optimizer; LR scheduler; loop progress; the sampler position)
 plus ``checkpoint["fspo_resume"]``: every torchmetrics state of the module (``run_diagnostics``
-accumulates over the run; its states are non-persistent), the RNG states (both: fspo/runtime/resume_state.py),
-the MLflow run id and the run's config (``run_config``, YAML: fspo/runtime/run_config.py restores it on resume).
+accumulates over the run; its states are non-persistent), the RNG states (both: fspo/runtime/checkpoints/resume_state.py),
+the MLflow run id and the run's config (``run_config``, YAML: fspo/runtime/checks/run_config.py restores it on resume).
 Sampling seeds and mini-batch shuffles derive from ``rl_step``, so they follow.
 
 Writing: Lightning writes ``step_N.ckpt.partial`` (a file, or a folder of shards under FSDP); it is
 fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``step_N.ckpt.sha256``
-(fspo/runtime/checkpoint_integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
+(fspo/runtime/checkpoints/integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
 only the ``.partial``, which nothing reads and the next save removes. Pruning (keep-last-k) deletes
 only checkpoints of this run that nothing failed to load; damaged ones live in ``damaged/``.
-Signals: SIGTERM (``trainer.received_sigterm``, set by fspo/runtime/stop_signal.py's handler, which replaces
+Signals: SIGTERM (``trainer.received_sigterm``, set by fspo/runtime/checkpoints/stop_signal.py's handler, which replaces
 Lightning's collective one during fit) and ``signals`` (SIGUSR1: SLURM's ``--signal=USR1@90``) through ours;
-a signal during a step's rollout abandons the step (fspo/runtime/stop_signal.py) and the last completed step
+a signal during a step's rollout abandons the step (fspo/runtime/checkpoints/stop_signal.py) and the last completed step
 is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
 (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
 handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
@@ -41,13 +41,13 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from fspo.runtime.checkpoint_integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
+from fspo.runtime.checkpoints.integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
                                        shard_digests, write_manifest)
-from fspo.runtime.checkpoint_files import META_KEY, list_checkpoints
-from fspo.runtime.distributed import is_sharded
+from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
+from fspo.runtime.launch.distributed import is_sharded
 from fspo.models.lora import adapter_state, is_lora
-from fspo.runtime.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
-from fspo.runtime.stop_signal import install_sigterm, request_stop, reset, stop_requested
+from fspo.runtime.checkpoints.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
+from fspo.runtime.checkpoints.stop_signal import install_sigterm, request_stop, reset, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ class StepCheckpoint(Checkpoint):
     last step (``save_last``) and at the first step boundary after a stop signal, then stops (exit 0).
     Keeps the newest ``keep_last`` checkpoints. ``run_id_fn`` returns the MLflow run id to store.
     With ``slurm_requeue`` a signalled job under SLURM is requeued (``scontrol requeue``) after saving.
-    With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/runtime/checkpoint_integrity.py);
-    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/run_config.py.
+    With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/runtime/checkpoints/integrity.py);
+    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/checks/run_config.py.
     A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
     """
 
@@ -126,7 +126,7 @@ class StepCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
-        request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/stop_signal.py)
+        request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
 
     def on_train_start(self, trainer, pl_module) -> None:
         reset()
@@ -146,7 +146,7 @@ class StepCheckpoint(Checkpoint):
     def _check_finite(self, trainer, pl_module) -> None:
         """Stop before the first step when the loaded parameters hold NaN/inf: the checkpoint is moved to
         ``damaged/`` (when it is one of this run's) so that resume=auto takes the previous one next time."""
-        from fspo.runtime.distributed import any_rank
+        from fspo.runtime.launch.distributed import any_rank
 
         bad = nonfinite_tensors(pl_module.named_parameters())
         if not any_rank(bool(bad), pl_module.device):
@@ -201,7 +201,7 @@ class StepCheckpoint(Checkpoint):
         if isinstance(exception, SIGTERMException):
             # Lightning stops on SIGTERM after a validation that our batch-end check did not see
             if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
-                self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/stop_signal.py)
+                self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/checkpoints/stop_signal.py)
             self._requeue(trainer)
             return
         if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
@@ -278,7 +278,7 @@ class StepCheckpoint(Checkpoint):
         if policy is not None and is_lora(policy) and not is_sharded(policy):  # LoRA: the adapters, not the base,
             checkpoint["state_dict"] = adapter_state(checkpoint["state_dict"], policy)  # rebuilt from run_config
         checkpoint[META_KEY] = {"rl_step": int(pl_module.rl_step), "rng": rng_states(), "metrics": gathered,
-                                "mlflow_run_id": self.run_id_fn() if self.run_id_fn else None,
+                                RUN_ID_KEY: self.run_id_fn() if self.run_id_fn else None,
                                 "world_size": world, "run_config": self.run_config}
 
     @staticmethod

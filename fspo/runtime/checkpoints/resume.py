@@ -2,16 +2,16 @@
 
 Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`),
 `ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
-writing checkpoints and signals (fspo/runtime/checkpointing.py), the config a continued run keeps
-(fspo/runtime/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
+writing checkpoints and signals (fspo/runtime/checkpoints/checkpointing.py), the config a continued run keeps
+(fspo/runtime/checks/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
 
 The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
-(`fspo.runtime.checkpoint_files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py). A checkpoint
+(`fspo.runtime.checkpoints.files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py). A checkpoint
 of ANOTHER run folder (``resume=<path>`` outside ``<output_dir>/checkpoints``) continues in this folder's
 own MLflow run -- a new one at first, tagged ``fspo.resumed_from.{checkpoint,run_id,step}`` -- and never
 writes into the run that made the checkpoint.
 
-Damaged checkpoints (fspo/runtime/checkpoint_integrity.py): ``auto`` takes the newest checkpoint that passes
+Damaged checkpoints (fspo/runtime/checkpoints/integrity.py): ``auto`` takes the newest checkpoint that passes
 its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
 warning. When none passes, the run stops with an error and touches nothing; ``resume=fresh`` is
 the explicit way to start over from step 0 then (the damaged ones are moved aside, a new MLflow
@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.runtime.checkpoint_integrity import CheckpointCorrupt, manifest_path, quarantine, verify
-from fspo.runtime.checkpoint_files import RUN_ID_FILE, checkpoint_dir, list_checkpoints, read_resume_meta
-from fspo.runtime.rank_zero import launch_rank
+from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify
+from fspo.runtime.checkpoints.files import RUN_ID_FILE, RUN_ID_KEY, checkpoint_dir, list_checkpoints, read_resume_meta
+from fspo.runtime.launch.rank_zero import launch_rank
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class ResumePlan:
     """``ckpt_path`` for ``trainer.fit`` (None: fresh start), the RL ``step`` it holds, and the MLflow
     ``run_id`` to continue (None: a new run). ``overrides``: the allowed config changes of this launch
-    (key -> "old -> new", fspo/runtime/run_config.py), recorded as MLflow tags of the continued run."""
+    (key -> "old -> new", fspo/runtime/checks/run_config.py), recorded as MLflow tags of the continued run."""
 
     ckpt_path: Optional[str] = None
     step: int = 0
@@ -155,9 +155,9 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
         # its first launch), tagged with where it came from; the other run's record is left untouched
         run_id = own
         origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()), "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
-                  "fspo.resumed_from.run_id": str(meta.get("mlflow_run_id") or "unknown")}
+                  "fspo.resumed_from.run_id": str(meta.get(RUN_ID_KEY) or "unknown")}
     else:
-        run_id = meta.get("mlflow_run_id") or own
+        run_id = meta.get(RUN_ID_KEY) or own
     plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None,
                       origin=origin)
     log.info("resume=%s: %s", mode, f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")

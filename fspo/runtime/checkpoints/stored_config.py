@@ -3,10 +3,10 @@
 Owns: `check_stored_targets` (every ``_target_`` of a stored config -- a checkpoint's run config on
 ``resume``, ``run_config.yaml``, ``.hydra/config.yaml`` or an MLflow ``config.yaml`` read by evaluate.py --
 must be on the allow-list before Hydra instantiates anything from it), `ALLOWED_TARGETS` and
-`UntrustedTarget`. Leaves out: reading those files (fspo/runtime/run_config.py, experiments/evaluate.py).
+`UntrustedTarget`. Leaves out: reading those files (fspo/runtime/checks/run_config.py, experiments/evaluate.py).
 
 The allow-list: (a) a class or function DEFINED in fspo (the name starts with ``fspo.`` and the object it
-resolves to has ``__module__`` under ``fspo``: ``fspo.runtime.checkpoint_integrity.os.system`` resolves
+resolves to has ``__module__`` under ``fspo``: ``fspo.runtime.checkpoints.integrity.os.system`` resolves
 to ``os.system`` and is refused); (b) the third-party classes conf/ names (`ALLOWED_TARGETS`: the
 Lightning Trainer and loggers); (c) any target this launch's own config names (the command line and
 conf/ are the user's; a custom reward class they pass keeps working on resume). Anything else is

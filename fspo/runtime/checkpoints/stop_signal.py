@@ -4,7 +4,7 @@ Owns: `install_sigterm` (a SIGTERM handler without collectives), `request_stop`,
 `interruptible` (the rank-local part of a step's rollout that a stop signal cuts short), `synced_stops` /
 `synced_stop_wanted` (a lockstep generation's own all-reduces carry the stop vote) and `agree_stop` (every
 rank takes the same decision). Leaves out: writing the checkpoint and stopping the fit
-(fspo/runtime/checkpointing.py) and where the rollout calls these (fspo/rollout/callback.py).
+(fspo/runtime/checkpoints/checkpointing.py) and where the rollout calls these (fspo/rollout/callback.py).
 
 Why: a launcher gives the ranks a grace between its SIGTERM and its SIGKILL (torchrun: ``--shutdown-timeout``,
 default 30 s; SLURM: ``KillWait``, default 30 s; Kubernetes: ``terminationGracePeriodSeconds``). A stop at
@@ -93,7 +93,7 @@ def interruptible() -> Iterator[None]:
 
 def agree_stop(local: bool, device=None) -> bool:
     """True on every rank when ``local`` or a recorded stop is True on any rank (one all-reduce)."""
-    from fspo.runtime.distributed import any_rank
+    from fspo.runtime.launch.distributed import any_rank
 
     return any_rank(bool(local) or stop_requested(), device)
 
@@ -115,3 +115,20 @@ def install_sigterm(trainer):
         request_stop("SIGTERM")
 
     return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def rewind_to_last_step_end(trainer) -> None:
+    """Make Lightning's loop counters those of the end of the last completed batch (what a checkpoint written
+    at its ``on_train_batch_end`` holds), for a step abandoned in its ``on_train_batch_start``: there
+    Lightning has counted the new batch as ``ready`` only, and a checkpoint of that state resumes with its
+    validation schedule shifted (validations at steps 5, 8 instead of 3, 6 with ``val.every_n_steps=3``).
+    Before: ready = k + 1, started = processed = completed = k; after: ready = started = processed = k,
+    completed = k - 1 and ``_batches_that_stepped`` = k - 1, which Lightning's restart completes again."""
+    loop = trainer.fit_loop.epoch_loop
+    done = loop.batch_progress.total.completed
+    for counter in (loop.batch_progress.total, loop.batch_progress.current):
+        counter.ready -= 1
+        if done > 0:
+            counter.completed -= 1
+    if done > 0:
+        loop._batches_that_stepped -= 1

@@ -1,14 +1,14 @@
 """Reading checkpoints: where a run's checkpoints are, what they hold, and the policy weights in them.
 
 Owns: `checkpoint_dir` / `list_checkpoints` (``<output_dir>/checkpoints/step_N.ckpt``, complete ones
-only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what fspo/runtime/resume.py looks for);
+only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what fspo/runtime/checkpoints/resume.py looks for);
 `RUN_ID_FILE` (``<output_dir>/mlflow_run_id``, the tracking run id: written by fspo/tracking/logger.py,
 read by resume and evaluation); `find_checkpoints` (files, run folders, globs), `find_run_config` (the
 run's config next to a checkpoint) and `run_id_of_checkpoint`; `load_checkpoint` (a Lightning ``.ckpt``
 file or a distributed-checkpoint folder -> the policy's state dict and its RL step; a folder's optimizer
 state is never read), `checkpoint_step`
-and `load_into`. Leaves out: writing checkpoints (fspo/runtime/checkpointing.py) and checking their
-integrity (fspo/runtime/checkpoint_integrity.py).
+and `load_into`. Leaves out: writing checkpoints (fspo/runtime/checkpoints/checkpointing.py) and checking their
+integrity (fspo/runtime/checkpoints/integrity.py).
 """
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from fspo.runtime.safe_load import safe_dcp_reader, safe_torch_load
+from fspo.runtime.checkpoints.safe_load import safe_dcp_reader, safe_torch_load
 
 CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
 META_KEY = "fspo_resume"
 RUN_ID_FILE = "mlflow_run_id"  # <output_dir>/mlflow_run_id: the MLflow run of the training run
+RUN_ID_KEY = "mlflow_run_id"  # the same run id in a checkpoint's resume metadata (META_KEY)
 
 
 # ---------------------------------------------------------------------------------------- a run's folder
@@ -45,7 +46,7 @@ def read_resume_meta(path) -> Dict[str, Any]:
     f = p / "meta.pt" if p.is_dir() else p
     ckpt = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(ckpt, dict) or META_KEY not in ckpt:
-        raise ValueError(f"{p} is not a checkpoint written by fspo.runtime.checkpointing (no {META_KEY!r})")
+        raise ValueError(f"{p} is not a checkpoint written by fspo.runtime.checkpoints.checkpointing (no {META_KEY!r})")
     return ckpt[META_KEY]
 
 
@@ -82,7 +83,7 @@ def find_run_config(path, levels: int = 5) -> Optional[Path]:
     """The training run's config next to a checkpoint: the first ``run_config.yaml``, ``.hydra/config.yaml``
     or ``config.yaml`` in ``path``'s folder or up to ``levels`` parents (run.py's output_dir holds the
     first two: ``run_config.yaml`` is the run's own config, which a resumed launch keeps
-    (fspo/runtime/run_config.py), while Hydra rewrites ``.hydra/`` with each launch's command line; Lightning
+    (fspo/runtime/checks/run_config.py), while Hydra rewrites ``.hydra/`` with each launch's command line; Lightning
     puts checkpoints in ``<output_dir>/<experiment id>/<run id>/checkpoints/``)."""
     p = Path(path).resolve()
     start = p if p.is_dir() else p.parent
@@ -95,7 +96,7 @@ def find_run_config(path, levels: int = 5) -> Optional[Path]:
 
 def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
     """The MLflow run id of the training run that wrote a checkpoint, or None: the file
-    ``mlflow_run_id`` in the checkpoint's folder or up to ``levels`` parents (``fspo.runtime.resume``
+    ``mlflow_run_id`` in the checkpoint's folder or up to ``levels`` parents (``fspo.runtime.checkpoints.resume``
     writes it into output_dir; checkpoints sit in ``<output_dir>/checkpoints/``), else the id in
     Lightning's MLFlowLogger layout ``.../<run id>/checkpoints/<file>``."""
     p = Path(path).resolve()
@@ -109,7 +110,7 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- policy weights
 def _torch_load(path: Path) -> dict:
-    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/safe_load.py)
+    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/checkpoints/safe_load.py)
 
 
 def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
@@ -117,7 +118,7 @@ def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
     ``rl_step``, as ``{"state_dict": ...}`` plus ``meta.pt``: only the tensors of ``state_dict.<prefix>*``
     and ``state_dict.rl_step`` are read (``torch.distributed.checkpoint`` loads the entries asked for), never
     the optimizer's state (AdamW: twice the weights again). Its ``.metadata`` is read through the allow-list
-    of fspo/runtime/safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
+    of fspo/runtime/checkpoints/safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
     loaded (no pickled byte items)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -3,12 +3,12 @@ layout that cannot fit is refused before the model loads, with the layout that w
 
 Owns: `model_shape` (the model's numbers from its config alone: the weights' local config.json, else
 ``model.arch`` of conf/model/*.yaml, so no hub access is needed), `layout_of` (a config -> the
-`fspo.runtime.memory_components.Layout` of one rank), `local_device_index` / `available_bytes` (the
+`fspo.runtime.launch.memory_components.Layout` of one rank), `local_device_index` / `available_bytes` (the
 memory of THIS rank's device: ``memory_plan.device_gib`` when set), `what_would_fit` (the fewest FSDP
 ranks that fit) and `check_memory_plan` (log the plan, raise `MemoryPlanError` above
 ``memory_plan.headroom`` x available), `dry_run` (print the plan and stop). Leaves out: the formulas
-(fspo/runtime/memory_components.py), measuring real usage (experiments/bench_memory.py,
-experiments/gpu_smoke.py) and sharding itself (fspo/runtime/distributed.py).
+(fspo/runtime/launch/memory_components.py), measuring real usage (experiments/bench_memory.py,
+experiments/gpu_smoke.py) and sharding itself (fspo/runtime/launch/distributed.py).
 
 Device: on CUDA the total memory of the rank's own GPU (its index from the launcher's LOCAL_RANK or
 SLURM_LOCALID, read before Lightning sets the device, without creating a context on GPU 0); on CPU
@@ -22,18 +22,18 @@ import os
 from dataclasses import replace
 from typing import Callable, Mapping, Optional, Tuple
 
-from fspo.runtime.memory_components import GIB, Layout, MemoryPlan, ModelShape, plan_memory  # noqa: F401
-from fspo.runtime.precision import engine_dtype
+from fspo.runtime.launch.memory_components import GIB, Layout, MemoryPlan, ModelShape, plan_memory  # noqa: F401
+from fspo.runtime.launch.precision import engine_dtype
 
 log = logging.getLogger(__name__)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FSDP = "fspo.runtime.distributed.FSDP2Strategy"
+FSDP = "fspo.runtime.launch.distributed.FSDP2Strategy"
 MAX_RANKS = 256  # what_would_fit looks this far
 
 
 class MemoryPlanError(ValueError):
     """The configured layout needs more memory per rank than is available (a config error: the CLI
-    shows it as one line, fspo/runtime/errors.py)."""
+    shows it as one line, fspo/runtime/checks/errors.py)."""
 
 
 def model_shape(model_cfg) -> Optional[ModelShape]:

@@ -3,8 +3,8 @@
 Owns: `resume_config` (the config a launch runs with: the command line's for a new run; the run's
 saved config for a continued one, with the allowed changes of this command line applied),
 `save_run_config` (``<output_dir>/run_config.yaml``), `RESUMABLE` (the allow-list) and
-`ConfigChangedOnResume`. Leaves out: choosing the checkpoint (fspo/runtime/resume.py) and storing the config
-in checkpoints (fspo/runtime/checkpointing.py, ``fspo_resume.run_config``).
+`ConfigChangedOnResume`. Leaves out: choosing the checkpoint (fspo/runtime/checkpoints/resume.py) and storing the config
+in checkpoints (fspo/runtime/checkpoints/checkpointing.py, ``fspo_resume.run_config``).
 
 Contract, for a continued run (a checkpoint or an MLflow run to continue):
 - the saved config is the one in the checkpoint resumed from, else ``run_config.yaml`` (a run killed
@@ -17,7 +17,7 @@ Contract, for a continued run (a checkpoint or an MLflow run to continue):
   launch before anything loads, with one line listing every such key;
 - ``output_dir`` and ``resume`` always take this launch's values; ``steps`` may not go below the
   checkpoint's step;
-- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/resume.py records them as MLflow tags,
+- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/checkpoints/resume.py records them as MLflow tags,
   params being immutable) and the effective config is written back to ``run_config.yaml``.
 ``overrides`` are this launch's command-line overrides (Hydra's ``overrides.task``); None (a
 config built in code) counts every difference as set by the caller.
@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from fspo.runtime.checkpoint_files import read_resume_meta
-from fspo.runtime.rank_zero import launch_rank
-from fspo.runtime.stored_config import check_stored_targets
+from fspo.runtime.checkpoints.files import read_resume_meta
+from fspo.runtime.launch.rank_zero import launch_rank
+from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
@@ -93,13 +93,16 @@ def _set(cfg: DictConfig, path: Path_, value: Any) -> None:
             node[path[-1]] = value
 
 
-# Config targets of classes that moved when fspo/ was grouped into packages (update/, runtime/, tracking/):
-# a run saved before keeps its config on resume, with these names read as the new ones.
+# Config targets of classes that moved when fspo/ was grouped into packages (update/, runtime/, tracking/),
+# then runtime/ into launch/, checkpoints/, checks/: a run saved before keeps its config on resume, with
+# these names read as the new ones.
 LEGACY_TARGETS = {
+    "fspo.runtime.distributed.FSDP2Strategy": "fspo.runtime.launch.distributed.FSDP2Strategy",
+    "fspo.runtime.run_lock.LockOutputDir": "fspo.runtime.checks.run_lock.LockOutputDir",
     "fspo.module.PPOConfig": "fspo.update.settings.PPOConfig",
     "fspo.guard.DivergenceGuard": "fspo.update.guard.DivergenceGuard",
-    "fspo.distributed.FSDP2Strategy": "fspo.runtime.distributed.FSDP2Strategy",
-    "fspo.run_lock.LockOutputDir": "fspo.runtime.run_lock.LockOutputDir",
+    "fspo.distributed.FSDP2Strategy": "fspo.runtime.launch.distributed.FSDP2Strategy",
+    "fspo.run_lock.LockOutputDir": "fspo.runtime.checks.run_lock.LockOutputDir",
     "fspo.hydra_callbacks.MLflowSweepParent": "fspo.tracking.sweep_parent.MLflowSweepParent",
 }
 

@@ -4,7 +4,7 @@ Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depen
 run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
 per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
 arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
-and the refusal (fspo/runtime/memory_plan.py). To add a component, write one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
+and the refusal (fspo/runtime/launch/memory_plan.py). To add a component, write one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
 
 Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
 dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a full fine-tune):

@@ -1,7 +1,7 @@
 """Turning user errors into one clear line.
 
 Owns: `user_error(exc)`: the message to show for an exception caused by bad input (a config
-value, a data file, a model path) or by storage (a full disk, a read-only store: fspo/runtime/store_check.py's
+value, a data file, a model path) or by storage (a full disk, a read-only store: fspo/runtime/checks/store_check.py's
 `storage_error`, found anywhere in the exception's chain), unwrapping Hydra's InstantiationException;
 None for anything else (a real bug, which keeps its traceback).
 """
@@ -17,7 +17,7 @@ def user_error(exc: BaseException) -> Optional[str]:
     from hydra.errors import InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fspo.runtime.store_check import storage_error
+    from fspo.runtime.checks.store_check import storage_error
 
     storage = storage_error(exc)
     if storage is not None:

@@ -1,10 +1,10 @@
 """Storage before and during a run: check that the MLflow store and output folder can be written, create a
 fresh SQLite store safely, and name storage failures in one line.
 
-Owns: `prepare_store` (called by fspo/runtime/resume.py's `build_logger` on rank 0, before any MLflow run is
-opened), `check_writable`, `check_mlflow_server`, `storage_error` (used by fspo/runtime/errors.py) and the
+Owns: `prepare_store` (called by fspo/runtime/checkpoints/resume.py's `build_logger` on rank 0, before any MLflow run is
+opened), `check_writable`, `check_mlflow_server`, `storage_error` (used by fspo/runtime/checks/errors.py) and the
 errors `StoreError` / `NotAnMLflowServer`. Leaves out: whether an http(s) server answers at all
-(fspo/runtime/resume.py's ``check_tracking_uri``, with its ``logger_fallback``), and writing checkpoints.
+(fspo/runtime/checkpoints/resume.py's ``check_tracking_uri``, with its ``logger_fallback``), and writing checkpoints.
 
 At start-up, within seconds and before anything is written:
   - a folder that will be written (the SQLite store's, a file store's, a local artifact root, the
@@ -12,7 +12,7 @@ At start-up, within seconds and before anything is written:
     missing permission or a full disk fail there, named, instead of after MLflow's 100 s of retries
     or mid-run;
   - an existing SQLite store is opened for writing (``BEGIN IMMEDIATE``) to catch a read-only file;
-  - a missing SQLite store is created atomically, a half-created one repaired (fspo/runtime/sqlite_store.py);
+  - a missing SQLite store is created atomically, a half-created one repaired (fspo/runtime/checks/sqlite_store.py);
   - a SQLite store is opened (schema created or upgraded) and the experiment created while holding an
     exclusive lock on the store's folder, so runs starting together on one fresh store wait for each
     other instead of racing on the schema (MLflow's tracking store creates tables unlocked); an
@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-from fspo.runtime.sqlite_store import ensure_sqlite_store
+from fspo.runtime.checks.sqlite_store import ensure_sqlite_store
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 64 * 1024
