@@ -1,10 +1,10 @@
-"""The layout of fspo/: dependencies point one way, and README's "What is where" lists every module.
+"""The layout of fspo/: dependencies point one way, and docs/architecture.md's "What is where" lists every module.
 
 Owns: `LAYERS` (the packages of fspo/, lowest first) and the tests that
 - every import between two packages of fspo/ (module-level or inside a function) goes from a higher
   layer to a lower one (the math knows no trainer, engine or tracker; data knows no update step);
 - fspo/ holds no flat modules beyond the math contract and the entry points;
-- every module file appears in README's "What is where" block under its package.
+- every module file appears in docs/architecture.md's "What is where" block under its package.
 """
 from __future__ import annotations
 
@@ -96,9 +96,12 @@ def test_no_flat_modules_beyond_the_contract_and_entry_points():
     assert flat == TOP_LEVEL_MODULES, f"fspo/ holds {sorted(flat - TOP_LEVEL_MODULES)}: move them into a package"
 
 
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
 def _readme_listing() -> Dict[str, Set[str]]:
-    """{package path under fspo/ ('' for fspo/ itself): file names listed for it} from README's block."""
-    text = (ROOT / "README.md").read_text()
+    """{package path under fspo/ ('' for fspo/ itself): file names listed for it} from docs/architecture.md's block."""
+    text = ARCHITECTURE.read_text()
     block = text.split("## What is where", 1)[1].split("```", 2)[1]
     listed: Dict[str, Set[str]] = {}
     current = None
@@ -129,14 +132,14 @@ def test_readme_lists_every_module():
         where = "" if where == "." else where
         if p.name not in listed.get(where, set()):
             missing.append(p.relative_to(ROOT).as_posix())
-    assert not missing, f"README's 'What is where' does not list {missing}: add each under its package"
+    assert not missing, f"docs/architecture.md's 'What is where' does not list {missing}: add each under its package"
 
 
 def test_readme_lists_no_module_that_is_gone():
     listed = _readme_listing()
     gone = [f"fspo/{where + '/' if where else ''}{name}" for where, names in listed.items() for name in names
             if not (PKG / where / name).exists()]
-    assert not gone, f"README's 'What is where' lists files that do not exist: {gone}"
+    assert not gone, f"docs/architecture.md's 'What is where' lists files that do not exist: {gone}"
 
 
 # fspo/runtime/'s subpackages, lowest first (fspo/runtime/__init__.py): a subpackage imports only from earlier ones

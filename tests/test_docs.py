@@ -1,0 +1,87 @@
+"""The front door and the docs: README.md stays short, every relative link resolves, every docs page starts
+with the command a user would type.
+
+Owns: the checks of issue 35's documentation rules, on README.md and docs/*.md as committed:
+- README.md has at most `README_MAX_LINES` lines;
+- every relative Markdown link (``[text](path)`` or ``![alt](path)``) in README.md and docs/*.md names a
+  file or folder that exists, resolved against the page's own folder (``#anchors`` are ignored; http(s),
+  mailto and pure-anchor links are not checked);
+- every docs page starts, right after its ``# title``, with a fenced code block of commands;
+- README.md links every docs page (the table of links into docs/).
+Leaves out: whether the commands work (tests/test_cli_keys.py checks their config keys; the tests of each
+feature run them) and link anchors.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 150
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _outside_code(text: str) -> Iterator[Tuple[int, str]]:
+    """(line number, line) of the lines outside fenced code blocks."""
+    fenced = False
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield i, line
+
+
+def relative_links(page: Path) -> List[Tuple[int, str]]:
+    """(line, target without its #anchor) of every relative link of ``page``, outside code blocks."""
+    out = []
+    for i, line in _outside_code(page.read_text()):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # http(s)://, mailto:, an anchor on the same page
+            out.append((i, target.split("#", 1)[0]))
+    return out
+
+
+def test_readme_is_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
+
+
+def test_there_are_docs_pages():
+    assert len(PAGES) >= 4, [p.name for p in PAGES]
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves(page):
+    broken = [f"{page.relative_to(ROOT)}:{i}: {t}" for i, t in relative_links(page)
+              if not (page.parent / t).exists()]
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_docs_page_starts_with_a_command_block(page):
+    lines = [ln for ln in page.read_text().splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("# "), f"{page.name}: the first line is not a '# title'"
+    assert len(lines) > 2 and lines[1].startswith("```"), (
+        f"{page.name}: the title is followed by {lines[1]!r}; start the page with a ``` block of the commands a "
+        "user types")
+    block = lines[2:lines.index("```", 2)] if "```" in lines[2:] else []
+    assert any(ln.strip() and not ln.lstrip().startswith("#") for ln in block), f"{page.name}: its first code block is empty"
+
+
+def test_readme_links_every_docs_page():
+    linked = {t for _, t in relative_links(ROOT / "README.md")}
+    missing = [p.name for p in PAGES if f"docs/{p.name}" not in linked]
+    assert not missing, f"README.md's table of links into docs/ misses {missing}"
+
+
+def test_link_finder_sees_links_and_skips_code_and_urls(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# t\n\n```bash\n[no](skipped.md)\n```\n[a](x.md#sec) ![f](img/y.png) [u](https://e.org/z)"
+                    " [s](#here) [m](mailto:a@b)\n")
+    assert relative_links(page) == [(6, "x.md"), (6, "img/y.png")]
