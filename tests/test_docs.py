@@ -85,3 +85,27 @@ def test_link_finder_sees_links_and_skips_code_and_urls(tmp_path):
     page.write_text("# t\n\n```bash\n[no](skipped.md)\n```\n[a](x.md#sec) ![f](img/y.png) [u](https://e.org/z)"
                     " [s](#here) [m](mailto:a@b)\n")
     assert relative_links(page) == [(6, "x.md"), (6, "img/y.png")]
+
+
+def test_the_documented_two_file_method_composes_and_builds(tmp_path):
+    """docs/architecture.md "Adding a clipping method": its conf/method/foo.yaml, with a real rule in place of
+    the example's FooClip, composes with ``+method=foo`` and builds that rule with only the preset's settings."""
+    import re
+    import shutil
+
+    from hydra.utils import instantiate
+
+    from conftest import compose_config
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Adding a clipping method", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    preset = "\n".join(line[3:] if line.startswith("   ") else line for line in block.splitlines())
+    preset = preset.replace("fspo.clipping.foo.FooClip", "fspo.clipping.grpo.GRPOClip").replace(
+        "eps_low: 0.2", "clip_ratio_low: 0.1")
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "method" / "foo.yaml").write_text(preset + "\n")
+    cfg = compose_config(["+method=foo"], config_dir=conf)
+    assert cfg.method == "foo" and dict(cfg.clip) == {"_target_": "fspo.clipping.grpo.GRPOClip", "clip_ratio_low": 0.1}
+    assert type(instantiate(cfg.clip)).__name__ == "GRPOClip"
