@@ -1,4 +1,4 @@
-# Shared by .ci/install_vllm_cpu.sh and experiments/setup_trl_env.sh (sourced, not run): the steps
+# Shared by .ci/install_vllm_cpu.sh and benchmarks/setup_trl_env.sh (sourced, not run): the steps
 # every side environment of this project takes. The caller sets VENV, PYTHON, TORCH_VERSION, TAG
 # (its name in messages) and defines check() (exit 0 when $VENV is ready).
 # Provides: PY, pipi (pip install minus this machine's index-folder noise), die, and venv_start,

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16, SXM
 PHASES = ("generate", "old_log_probs", "update")
 

@@ -19,8 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 from fspo.evaluation.report.build import make_report  # noqa: E402
 from fspo.runtime.checks.console import quiet_artifact_downloads  # noqa: E402
 

@@ -12,9 +12,10 @@ Owns:
 - the ``fspo_launch_id`` resolver (`launch_id`): the default run folder's suffix, unique per launch.
 - the ``fspo_help_groups`` resolver used by each app's ``hydra.help.template``: the config groups that
   app reads, with their options (run.py does not list eval_data/, evaluate.py lists only its groups).
-- the console scripts of pyproject.toml: ``fspo-train``, ``fspo-eval`` and ``fspo-report`` run
-  experiments/run.py, experiments/evaluate.py and experiments/report.py from this checkout, exactly as
-  ``python experiments/<file>.py`` does (same Hydra app, config folder and job name).
+- the console scripts of pyproject.toml: ``fspo-train``, ``fspo-eval``, ``fspo-report``, ``fspo-warmstart``
+  and ``fspo-export-lora`` run experiments/run.py, evaluate.py, report.py, warmstart.py and export_lora.py
+  from this checkout, exactly as ``python experiments/<file>.py`` does (same Hydra app, config folder and
+  job name).
 Leaves out: what the entry points do (experiments/*.py, fspo/train.py).
 """
 from __future__ import annotations
@@ -277,3 +278,13 @@ def evaluate() -> None:
 def report() -> None:
     """``fspo-report [options]``: ``python experiments/report.py [options]``."""
     _run_script("report")
+
+
+def warmstart() -> None:
+    """``fspo-warmstart [options]``: ``python experiments/warmstart.py [options]``."""
+    _run_script("warmstart")
+
+
+def export_lora() -> None:
+    """``fspo-export-lora CHECKPOINT OUT_DIR [--model-path BASE]``: ``python experiments/export_lora.py ...``."""
+    _run_script("export_lora")

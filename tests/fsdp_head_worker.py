@@ -26,9 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import fsdp_worker  # noqa: E402
 from fspo.models.segment_attention import enable_segment_attention  # noqa: E402
 from fspo.models.tiny import tiny_qwen3_config  # noqa: E402

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import fsdp_worker as fw  # noqa: E402
 from conftest import compose_config  # noqa: E402
 from fspo.models.lora import LoRASettings, apply_lora, param_counts  # noqa: E402

@@ -14,9 +14,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from conftest import compose_config  # noqa: E402
 from fspo.models.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from fspo.rollout.async_engine import AsyncEngine  # noqa: E402

@@ -20,9 +20,6 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from conftest import compose_config  # noqa: E402
 from fspo.rollout.callback import RolloutCallback  # noqa: E402
 from fspo.data.datamodule import PromptDataModule  # noqa: E402

@@ -18,9 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from fsdp_worker import (InjectShare, OVERRIDES, _data, _full_params, _trainer, build_module,  # noqa: E402
                          fixed_rollout)
 from conftest import compose_config  # noqa: E402

@@ -1,5 +1,5 @@
-"""experiments/bench_trl.py: the mapping of our config to TRL's GRPOConfig arguments (`trl_args`),
-hand-checked, in any environment; with TRL installed (.venv-trl, experiments/setup_trl_env.sh) also
+"""benchmarks/bench_trl.py: the mapping of our config to TRL's GRPOConfig arguments (`trl_args`),
+hand-checked, in any environment; with TRL installed (.venv-trl, benchmarks/setup_trl_env.sh) also
 that GRPOConfig accepts the arguments and derives the same generation batch, and a tiny end-to-end
 run of both sides at equal response lengths.
 """
@@ -8,13 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import bench_trl  # benchmarks/bench_trl.py: benchmarks/ is on pytest's path (pyproject's pythonpath)
 import pytest
 
-from conftest import REPO, compose_config
-
-spec = importlib.util.spec_from_file_location("bench_trl", REPO / "experiments" / "bench_trl.py")
-bench_trl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_trl)
+from conftest import compose_config
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
@@ -64,7 +61,7 @@ def test_settings_trl_cannot_express_fail(prompts, G, mini_batch):
         bench_trl.trl_args(cfg_for(prompts=prompts, G=G, mini_batch=mini_batch))
 
 
-@pytest.mark.skipif(not HAS_TRL, reason="trl not installed (bash experiments/setup_trl_env.sh builds .venv-trl)")
+@pytest.mark.skipif(not HAS_TRL, reason="trl not installed (bash benchmarks/setup_trl_env.sh builds .venv-trl)")
 def test_grpo_config_accepts_the_mapping(tmp_path):
     from trl import GRPOConfig
 
@@ -74,7 +71,7 @@ def test_grpo_config_accepts_the_mapping(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_TRL, reason="trl not installed (bash experiments/setup_trl_env.sh builds .venv-trl)")
+@pytest.mark.skipif(not HAS_TRL, reason="trl not installed (bash benchmarks/setup_trl_env.sh builds .venv-trl)")
 def test_end_to_end_tiny(tmp_path):
     out = tmp_path / "bench.json"
     res = bench_trl.main(["--prompts", "2", "--G", "2", "--max-new-tokens", "8", "--steps", "1", "--mini-batch", "2",

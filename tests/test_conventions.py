@@ -75,7 +75,7 @@ def test_entry_point_accepts_both_forms():
 def test_console_scripts():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     scripts = meta["project"]["scripts"]
-    assert set(scripts) == {"fspo-train", "fspo-eval", "fspo-report"}
+    assert set(scripts) == {"fspo-train", "fspo-eval", "fspo-report", "fspo-warmstart", "fspo-export-lora"}
     for target in scripts.values():
         mod, _, fn = target.partition(":")
         assert callable(getattr(importlib.import_module(mod), fn)), target
@@ -87,6 +87,19 @@ def test_console_scripts():
     p = subprocess.run([str(exe.parent / "fspo-train"), "method=grpo", "--cfg", "job"], capture_output=True,
                        text=True, timeout=120, env=ENV, cwd=REPO)
     assert p.returncode == 0 and "method: grpo" in p.stdout.splitlines(), p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fn, args, rc, text", [
+    ("warmstart", ["--help"], 0, "usage: warmstart.py"),
+    ("export_lora", ["/nonexistent.ckpt", "out"], 2, "error: FileNotFoundError: no checkpoint at /nonexistent.ckpt"),
+])
+def test_console_script_functions_run_their_entry_point(fn, args, rc, text, tmp_path):
+    """fspo-warmstart / fspo-export-lora (the functions pyproject names): experiments/<file>.py with the same
+    arguments, from any folder; the bad checkpoint ends with one line and exit code 2, as the script does."""
+    p = subprocess.run([sys.executable, "-c", f"from fspo.cli import {fn}; {fn}()", *args], cwd=tmp_path,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == rc and text in p.stdout + p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
 
 
 def test_sweeps_help():

@@ -22,7 +22,6 @@ Plus fast single-process checks of the rank arithmetic and the configs.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -44,7 +43,6 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """The same RL step in this process, on one device without a distributed strategy."""
-    sys.path.insert(0, str(WORKER.parent))
     import fsdp_worker
 
     return fsdp_worker.run_step(1, tmp_path_factory.mktemp("fsdp1"))
@@ -146,7 +144,6 @@ def test_train_with_trainer_fsdp_end_to_end(two_ranks):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_synced_compact_decode_equals_one_process(two_ranks):
-    sys.path.insert(0, str(WORKER.parent))
     from fsdp_worker import DECODE_PROMPTS
 
     from fspo.models.loading import load_policy
@@ -180,7 +177,6 @@ def test_rank_slices_keep_groups_whole():
 
 
 def test_gather_rollout_is_identity_on_one_process():
-    sys.path.insert(0, str(WORKER.parent))
     import fsdp_worker
 
     b = fsdp_worker.fixed_rollout()

@@ -28,8 +28,7 @@ import torch
 from conftest import REPO
 
 WORKER = REPO / "tests" / "fsdp_head_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-import fsdp_head_worker as hw  # noqa: E402
+import fsdp_head_worker as hw  # noqa: E402  (tests/ is on pytest's path, as conftest)
 
 CASES = [(tied, layout) for tied in (True, False) for layout in hw.LAYOUTS]
 SKIP_TIMING = ("time/", "perf/")

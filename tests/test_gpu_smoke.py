@@ -4,6 +4,7 @@ variant runs the ~100M config on CUDA, and the vLLM engine's ``dtype: auto`` is 
 there (item 7)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,8 +18,10 @@ SCRIPT = REPO / "experiments" / "gpu_smoke.py"
 
 
 def test_flop_count_by_hand():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_smoke import Meter
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
+    gpu_smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_smoke)
+    Meter = gpu_smoke.Meter
 
     from fspo.runtime.launch.memory_plan import model_shape
 

@@ -144,7 +144,6 @@ def test_two_ranks_agree(tmp_path):
     # a breach on rank 1 only, and one only in the all-reduced sums, skip the update on both ranks
     assert verdicts[0] == verdicts[1] == {"rank1_only": "skip", "global_only": "skip", "none": "step"}
     # one real FSDP step (2 updates; the second past guard.max_kl, skipped) equals one process
-    sys.path.insert(0, str(REPO / "tests"))
     import guard_worker
 
     one = guard_worker.run_guarded_step(1, tmp_path / "one")

@@ -1,6 +1,6 @@
 """fspo.integrations.trl against TRL itself (the ``trl`` extra; .ci/run installs it; skips without it).
 
-- experiments/trl_fspo_example.py (docs/integrations.md's CPU example): FSPOTrainer trains 2 steps
+- benchmarks/trl_fspo_example.py (docs/integrations.md's CPU example): FSPOTrainer trains 2 steps
   with the tiny Qwen3 and a toy reward and logs ``clip_ratio/by_length/<bin>``;
 - on a batch captured from that run, FSPOTrainer's loss and gradient equal our registry's ``fspo``
   with TRL's normaliser restated by hand (off-policy, clips binding), with and without TRL's vLLM
@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -25,9 +24,7 @@ from trl import GRPOTrainer  # noqa: E402
 from fspo.clipping.registry import get_policy_loss_fn  # noqa: E402
 from fspo.integrations.trl import LOSS_TYPES, FSPOConfig  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("trl_fspo_example", REPO / "experiments" / "trl_fspo_example.py")
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
+import trl_fspo_example as example  # noqa: E402  (benchmarks/ is on pytest's path: pyproject's pythonpath)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def run(tmp_path_factory):
     FSPOTrainer._compute_loss = recording
     try:
         # docs/integrations.md's command (its defaults: 2 steps), with the output folder in the test's tmp
-        assert "python experiments/trl_fspo_example.py\n" in (REPO / "docs" / "integrations.md").read_text()
+        assert "python benchmarks/trl_fspo_example.py\n" in (REPO / "docs" / "integrations.md").read_text()
         trainer = example.main(["--out", str(tmp_path_factory.mktemp("trl"))])
     finally:
         FSPOTrainer._compute_loss = original

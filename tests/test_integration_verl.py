@@ -8,7 +8,7 @@
 - after verl's own reduction (Metric MEAN per micro-batch, Metric.aggregate_dp over ranks,
   reduce_metrics over mini-batches) the counts still give the exact per-length clip fraction;
 - in a fresh process, ``VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl`` alone registers it: the
-  docs' CPU check experiments/verl_fspo_check.py (verl's Hydra config with the recipe's overrides).
+  docs' CPU check benchmarks/verl_fspo_check.py (verl's Hydra config with the recipe's overrides).
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_counts_stay_exact_through_verls_reduction():
     assert 0 < sum(frac[k] for k in frac if "clip_frac" in k)
 
 
-DOCS_CHECK = "VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl python experiments/verl_fspo_check.py"
+DOCS_CHECK = "VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl python benchmarks/verl_fspo_check.py"
 
 
 @pytest.mark.slow

@@ -27,7 +27,6 @@ def test_fsdp_lora_two_ranks_equal_one_process(tmp_path):
                            str(REPO / "tests" / "fsdp_lora_worker.py"), str(tmp_path)],
                           env=env, cwd=str(REPO), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    sys.path.insert(0, str(REPO / "tests"))
     import fsdp_lora_worker
 
     one = fsdp_lora_worker.run_lora_step(1, tmp_path / "one")

@@ -1,13 +1,12 @@
 """Math reward: extraction, scoring, overlong penalty, hard deadlines on adversarial output."""
 from __future__ import annotations
 
-import importlib.util
 import pickle
 import time
 
 import pytest
 
-from fspo.data.math_io import PROJECT_ROOT, resolve_data_dir
+from fspo.data.math_io import resolve_data_dir
 from fspo.rewards.answer_extraction import extract_answer, fast_equal, last_answer_line, last_boxed
 from fspo.rewards.math_verify_reward import MathVerifyReward, overlong_penalty
 
@@ -185,11 +184,9 @@ def test_reward_pickles_without_its_workers(reward):
 @pytest.mark.slow
 @pytest.mark.skipif(not (resolve_data_dir(None) / "math500_test.jsonl").is_file(), reason="math data not found")
 def test_reference_agreement_on_all_eval_sets(reward):
-    """Full run of experiments/verify_agreement.py's check (about 10 s): every reference written as
+    """Full run of benchmarks/verify_agreement.py's check (about 10 s): every reference written as
     \\boxed{REF} and 'Answer: REF' is correct, another row's answer is not."""
-    spec = importlib.util.spec_from_file_location("verify_agreement", PROJECT_ROOT / "experiments" / "verify_agreement.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import verify_agreement as mod  # benchmarks/ is on pytest's path (pyproject's pythonpath)
     total = agree = 0
     for name in ("math500", "aime24", "aime25", "gsm8k"):
         res = mod.agreement(name, reward)

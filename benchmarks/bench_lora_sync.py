@@ -14,22 +14,19 @@ Reported: median seconds of the sync and of the generation (``--prompts`` prompt
 mean |log p| gap between the two modes' first-token log-probs as a check that both serve the same policy.
 Each model runs in a child process (vLLM binds threads/memory in its host). Leaves out: training.
 
-    .venv-vllm/bin/python experiments/bench_lora_sync.py --out .bench/lora_sync.json
+    .venv-vllm/bin/python benchmarks/bench_lora_sync.py --out .bench/lora_sync.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engines import MODELS  # noqa: E402
+from _common import ENGINE_MODELS as MODELS, child_row, emit_row, write_json
 
 
 def _policy(name: str, rank: int):
@@ -148,7 +145,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         a.model, a.mode = a.child
-        print("ROW " + json.dumps(run_child(a)), flush=True)
+        emit_row(run_child(a))
         return
     rows = []
     for m in a.models:
@@ -156,14 +153,12 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", m, mode, "--rank", str(a.rank), "--steps", str(a.steps),
                    "--prompts", str(a.prompts), "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens),
                    "--threads", str(a.threads)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in p.stdout.splitlines() if x.startswith("ROW ")]
-            if p.returncode or not line:
+            row, p = child_row(cmd)
+            if row is None:
                 err = (p.stderr.strip().splitlines() or ["?"])[-1]
                 rows.append({"model": m, "mode": mode, "error": err})
                 print(f"{m:12s} {mode:8s} FAILED: {err}\n{p.stderr[-3000:]}", flush=True)
                 continue
-            row = json.loads(line[0][4:])
             rows.append(row)
             print(f"{m:12s} {mode:8s} sync {row['sync_s']:.4f} s  generate {row['generate_s']:.3f} s "
                   f"({row['params'] / 1e6:.1f}M params)", flush=True)
@@ -175,8 +170,7 @@ def main() -> None:
             print(f"{m:12s} mean |first-token log-prob merged - adapter| = {gap:.2e}")
             for r in (by[(m, "merged")], by[(m, "adapter")]):
                 r["mode_gap"] = gap
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"uptime": os.getloadavg(), "rows": rows}, indent=1))
+    write_json(a.out, {"uptime": os.getloadavg(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 Run with the benchmark environment (TRL is not a dependency of fspo; it lives only there):
 
-    bash experiments/setup_trl_env.sh                                   # once: builds .venv-trl
-    OMP_NUM_THREADS=1 .venv-trl/bin/python experiments/bench_trl.py     # 8 prompts x G 8, 64 tokens, 5 steps
-    OMP_NUM_THREADS=1 .venv-trl/bin/python experiments/bench_trl.py --prompts 16 --G 8 --max-new-tokens 128 --steps 5
-    .venv-trl/bin/python experiments/bench_trl.py --threads 2          # both sides get 2 cores; ours overlaps
+    bash benchmarks/setup_trl_env.sh                                   # once: builds .venv-trl
+    OMP_NUM_THREADS=1 .venv-trl/bin/python benchmarks/bench_trl.py     # 8 prompts x G 8, 64 tokens, 5 steps
+    OMP_NUM_THREADS=1 .venv-trl/bin/python benchmarks/bench_trl.py --prompts 16 --G 8 --max-new-tokens 128 --steps 5
+    .venv-trl/bin/python benchmarks/bench_trl.py --threads 2           # both sides get 2 cores; ours overlaps
                                                                         # generation with training (rollout.overlap)
 
 ``--threads N``: TRL runs with N torch threads; ours splits them, N//2 for the engine process and the
@@ -62,27 +62,16 @@ Results: a table on stdout, JSON in ``--out`` (default .bench/bench_trl.json), a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import PHASES, compose, latest_run, median_after_warmup, metric_history, write_json
 
 EXPERIMENT = "bench_trl"
-
-
-def compose_cfg(overrides):
-    """The Hydra config of conf/config.yaml with ``overrides`` (as experiments/run.py composes it)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def fspo_overrides(prompts: int, G: int, max_new_tokens: int, steps: int, mini_batch: int, lr: float,
@@ -151,11 +140,6 @@ def trl_args(cfg) -> dict:
         "log_completions": False,
         "mask_truncated_completions": False,
     }
-
-
-def _median_after_warmup(xs):
-    xs = list(xs)[1:]
-    return statistics.median(xs) if xs else float("nan")
 
 
 def _step_prompts(cfg):
@@ -240,8 +224,8 @@ def run_trl(cfg, out_dir: Path, threads: int = 0) -> dict:
     trainer.train()
     wall = time.perf_counter() - t0
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    med = _median_after_warmup(steps)
-    ph = {k: _median_after_warmup([s[k] for s in split]) for k in phases}
+    med = median_after_warmup(steps)
+    ph = {k: median_after_warmup([s[k] for s in split]) for k in phases}
     ph["train_other"] = med - sum(ph.values())
     return {"step_times_s": steps, "median_step_s": med, "phases_s": ph, "wall_s": wall,
             "optimizer_steps": trainer.state.global_step, "updates_per_rl_step": per_rl,
@@ -274,22 +258,19 @@ def run_fspo(cfg, uri: str) -> dict:
     finally:
         ft.RLModule = original
     client = mlflow.MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
-                             filter_string="attributes.run_name = 'fspo'",
-                             order_by=["attributes.start_time DESC"], max_results=1)[0]
+    run = latest_run(client, EXPERIMENT, "fspo")
 
     def hist(key):
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        return metric_history(client, run.info.run_id, key)
 
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    ph = {p: _median_after_warmup(hist(f"time/{p}"))
-          for p in ("generate", "weight_sync", "reward", "old_log_probs", "train", "metrics")}
-    med = _median_after_warmup(steps)
+    ph = {p: median_after_warmup(hist(f"time/{p}")) for p in PHASES}
+    med = median_after_warmup(steps)
     ph["other"] = med - sum(v for v in ph.values() if v == v)  # Lightning loop, MLflow logging, hooks
     lens = hist("rollout/response_len_mean")
     return {"step_times_s": steps, "median_step_s": med, "phases_s": ph, "wall_s": wall,
-            "perf_step_time_s": _median_after_warmup(hist("perf/step_time_s")),
-            "padding_waste": _median_after_warmup(hist("perf/padding_waste")),
+            "perf_step_time_s": median_after_warmup(hist("perf/step_time_s")),
+            "padding_waste": median_after_warmup(hist("perf/padding_waste")),
             "response_len": {"mean": statistics.mean(lens) if lens else float("nan"),
                              "max": max(hist("rollout/response_len_max") or [float("nan")])},
             "mlflow_run_id": run.info.run_id}
@@ -335,7 +316,7 @@ def main(argv=None):
                    f"cpu_threads={max(1, a.threads - engine)}"]
     elif a.threads:
         threads = [f"cpu_threads={a.threads}"]
-    cfg = compose_cfg(fspo_overrides(a.prompts, a.G, a.max_new_tokens, a.steps + 1, a.mini_batch, a.lr,
+    cfg = compose(fspo_overrides(a.prompts, a.G, a.max_new_tokens, a.steps + 1, a.mini_batch, a.lr,
                                      a.model_source, a.method, a.natural_lengths) + threads
                       + [f"output_dir={tmp}/fspo", f"logger.tracking_uri={uri}",
                          f"logger.experiment_name={EXPERIMENT}", "run_name=fspo", *a.overrides])
@@ -396,9 +377,7 @@ def main(argv=None):
           + ("natural lengths: compare tokens/s" if lengths_ok is None else
              'equal' if lengths_ok else 'NOT EQUAL: the comparison is not at equal work'))
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1, default=str))
+    out = write_json(a.out, summary, default=str)
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     run = client.create_run(exp.experiment_id, run_name="fspo_vs_trl")
@@ -422,7 +401,7 @@ def main(argv=None):
             client.log_metric(rid, k, float(v))
     client.log_dict(rid, summary, "bench_trl.json")
     client.set_terminated(rid)
-    print(f"wrote {out}; MLflow {uri} experiment {EXPERIMENT} run {rid}")
+    print(f"{out}: MLflow {uri} experiment {EXPERIMENT} run {rid}")
     return summary
 
 

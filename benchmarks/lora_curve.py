@@ -1,7 +1,7 @@
 """The LoRA learning curve beside the full fine-tune's (docs/lora.md): runs the default tiny run for
 ``--steps`` RL steps once per arm and prints val/accuracy at each validation, read back from MLflow.
 
-Usage: python experiments/lora_curve.py --out /tmp/lora_curve [--steps 30] [--val-every 10]
+Usage: python benchmarks/lora_curve.py --out /tmp/lora_curve [--steps 30] [--val-every 10]
        [--arm full: --arm 'lora_r8_lr2e-4:model.lora.rank=8 ppo.lr=2e-4' ...]
 Each arm is ``name:overrides`` (space-separated Hydra overrides); the default arms are the full
 fine-tune and LoRA r 8 with its defaults. Results: <out>/curves.json and a table on stdout.

@@ -1,8 +1,8 @@
 """FSPO in TRL on a CPU, in a minute: FSPOTrainer used exactly like GRPOTrainer (docs/integrations.md).
 
     pip install 'fspo[trl]'
-    python experiments/trl_fspo_example.py                 # 2 steps, the tiny warm-started Qwen3, toy reward
-    python experiments/trl_fspo_example.py --steps 4 --out /tmp/fspo_trl
+    python benchmarks/trl_fspo_example.py                 # 2 steps, the tiny warm-started Qwen3, toy reward
+    python benchmarks/trl_fspo_example.py --steps 4 --out /tmp/fspo_trl
 
 The model is this project's ~1M-parameter Qwen3 (fspo.models.tiny, committed warm start, its own
 character-level tokenizer), the prompts our arithmetic task's ("Q:3+4-2\\nA:"), the reward a toy
@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def answer_reward(completions, answer, **_):

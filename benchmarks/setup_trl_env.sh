@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the separate benchmark environment .venv-trl for experiments/bench_trl.py (fspo vs TRL).
+# Build the separate benchmark environment .venv-trl for benchmarks/bench_trl.py (fspo vs TRL).
 #
 # Owns: `.venv-trl` = torch 2.13.0 (+cpu) + this project (editable, with [dev]) + trl (pinned).
 # TRL is NOT a dependency of fspo: it lives only here. transformers is pinned to the version the
@@ -7,7 +7,7 @@
 #
 # Idempotent: when .venv-trl already imports the pinned trl, fspo from this checkout and a +cpu
 # torch, it exits at once. Exits non-zero with a message naming the step that failed.
-# Usage (from anywhere):  bash experiments/setup_trl_env.sh
+# Usage (from anywhere):  bash benchmarks/setup_trl_env.sh
 # Env: VENV (default .venv-trl), PYTHON (default python3), FORCE=1 rebuilds from scratch,
 #      TRANSFORMERS_VERSION (default: the main .venv's, else whatever pyproject allows).
 set -uo pipefail

@@ -1,24 +1,20 @@
 """How the RL step time grows with response length and with G (group size).
 
-Runs `experiments/bench.py` (a real training run per setting, median of the steps after the
+Runs `benchmarks/bench.py` (a real training run per setting, median of the steps after the
 first) on a random tiny Qwen3 with fixed-length responses (``min_new_tokens = max_new_tokens``,
 so every response has exactly L tokens), over a grid of L at a fixed G and of G at a fixed L,
 and prints a markdown table (step time, phase split, tokens/s, padding waste). Writes
 ``--out`` (JSON) and each run is in MLflow (experiment ``bench``).
 
-    python experiments/bench_scaling.py                                   # L 64..2048 at G 8; G 4..16 at L 256
-    python experiments/bench_scaling.py --lengths 64 128 --groups 4 --prompts 2 --steps 2
+    python benchmarks/bench_scaling.py                                   # L 64..2048 at G 8; G 4..16 at L 256
+    python benchmarks/bench_scaling.py --lengths 64 128 --groups 4 --prompts 2 --steps 2
 """
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
+import bench  # benchmarks/bench.py, next to this script
+from _common import write_json
 
 
 def run(length: int, group: int, prompts: int, steps: int, extra) -> dict:
@@ -50,10 +46,7 @@ def main(argv=None):
         print(f"| {r['L']} | {r['G']} | {r['rollout_batch']} | {r['step_time_s']:.2f} | {ph['generate']:.2f} | "
               f"{ph['old_log_probs']:.2f} | {ph['train']:.2f} | {tps['rollout'] or 0:.0f} | {tps['train'] or 0:.0f} | "
               f"{r['padding_waste']:.3f} |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out}")
+    write_json(a.out, rows)
     return rows
 
 

@@ -1,6 +1,6 @@
 """CPU check of the verl recipe (docs/integrations.md): verl's own config and registry give FSPO.
 
-    VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl python experiments/verl_fspo_check.py
+    VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl python benchmarks/verl_fspo_check.py
 
 Without importing the plugin itself, it
 1. imports verl, which imports fspo.integrations.verl from VERL_USE_EXTERNAL_MODULES, and checks that
@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: the overrides docs/integrations.md adds to verl's GSM8K command (here with c_upper 0.04, c_dual 0.05)
 RECIPE = [

@@ -11,38 +11,20 @@ right after the inputs were allocated (the high-water mark first reset to the cu
 ``/proc/self/clear_refs`` where Linux allows it; what the log-prob itself adds: logits or chunks,
 softmax, the hidden / weight gradients).
 
-    python experiments/bench_lm_head_memory.py                       # K=2048, H=1024, V=151936, chunk 1024
-    python experiments/bench_lm_head_memory.py --tokens 512 --out .bench/lm_head.json
+    python benchmarks/bench_lm_head_memory.py                       # K=2048, H=1024, V=151936, chunk 1024
+    python benchmarks/bench_lm_head_memory.py --tokens 512 --out .bench/lm_head.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, child_row, emit_row, maxrss_mib, reset_peak_rss, write_json
+
 MODES = ("dense", "chunked")
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-def _reset_peak() -> bool:
-    """Reset the RSS high-water mark to the current RSS (Linux ``/proc/self/clear_refs``), so setup
-    temporaries (imports, random init) do not hide the log-prob's peak; False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(args) -> dict:
@@ -54,8 +36,8 @@ def worker(args) -> dict:
     hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
     weight = torch.randn(args.vocab, args.hidden).mul_(args.hidden ** -0.5).requires_grad_(True)
     targets = torch.randint(0, args.vocab, (args.tokens,))
-    reset = _reset_peak()
-    base = _maxrss_mib()
+    reset = reset_peak_rss()  # setup temporaries (imports, random init) must not hide the log-prob's peak
+    base = maxrss_mib()
     t0 = time.perf_counter()
     if args.mode == "dense":
         logits = (hidden @ weight.t()).float() / args.temperature
@@ -66,7 +48,7 @@ def worker(args) -> dict:
                                          chunk_size=args.chunk)
     logp.sum().backward()
     wall = time.perf_counter() - t0
-    peak = _maxrss_mib()
+    peak = maxrss_mib()
     return dict(mode=args.mode, tokens=args.tokens, hidden=args.hidden, vocab=args.vocab,
                 chunk=args.chunk if args.mode == "chunked" else None, temperature=args.temperature,
                 threads=torch.get_num_threads(), peak_reset=reset, baseline_rss_mib=round(base, 1),
@@ -86,18 +68,18 @@ def main(argv=None) -> list:
     ap.add_argument("--mode", choices=MODES, default=None, help=argparse.SUPPRESS)  # worker
     args = ap.parse_args(argv)
     if args.mode is not None:
-        print(json.dumps(worker(args)))
+        emit_row(worker(args))
         return []
     rows = []
     for mode in MODES:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--tokens", str(args.tokens),
                "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk", str(args.chunk),
                "--temperature", str(args.temperature)]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
-        if out.returncode != 0:
+        row, out = child_row(cmd, cwd=ROOT, env=dict(os.environ))
+        if row is None:
             sys.stderr.write(out.stderr)
             raise SystemExit(f"{mode} worker failed with exit status {out.returncode}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows.append(row)
     print(f"K={args.tokens} H={args.hidden} V={args.vocab} chunk={args.chunk} T={args.temperature} "
           f"threads={rows[0]['threads']}")
     print(f"{'mode':<8} {'peak RSS delta MiB':>19} {'peak RSS MiB':>13} {'wall s':>8} {'sum logp':>14}")
@@ -110,10 +92,7 @@ def main(argv=None) -> list:
           f"grad norms rel diff hidden {abs(c['grad_hidden_norm'] / d['grad_hidden_norm'] - 1):.2g}, "
           f"weight {abs(c['grad_weight_norm'] / d['grad_weight_norm'] - 1):.2g}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items() if k != "mode"},
-                                                  results=rows), indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, dict(args={k: v for k, v in vars(args).items() if k != "mode"}, results=rows), indent=2)
     return rows
 
 

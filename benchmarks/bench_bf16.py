@@ -1,7 +1,7 @@
 """bf16 autocast vs float32 for the training pass on CPU: seconds per forward+backward and the log-prob gap.
 
-For each model (the tiny Qwen3 and a random ~100M-parameter Qwen3, as experiments/bench_memory.py builds
-them) it runs the trainer's own pass (`fspo.update.forward.log_probs`, packed one-row layout as in
+For each model (the tiny Qwen3 and a random ~100M-parameter Qwen3, as benchmarks/bench_memory.py builds
+them, `_common.MODELS`) it runs the trainer's own pass (`fspo.update.forward.log_probs`, packed one-row layout as in
 training) on a synthetic rollout of 16 sequences (prompt 32 + response up to 96 tokens), forward and
 backward of sum(logp * advantage), ``--repeats`` times after one warm-up, with ``ppo.autocast`` null
 (float32) and ``bf16`` (torch.autocast(bfloat16), float32 master weights), and reports:
@@ -10,8 +10,8 @@ backward of sum(logp * advantage), ``--repeats`` times after one warm-up, with `
 - ``gap_mean`` / ``gap_max``: mean / max |logp_bf16 - logp_fp32| over response tokens (the rounding
   gap a bf16 trainer adds to every importance ratio; why ``ppo.old_log_probs=recompute`` is required).
 
-    python experiments/bench_bf16.py                       # prints a table, writes .bench/bench_bf16.json
-    python experiments/bench_bf16.py --models tiny --threads 2 --repeats 5
+    python benchmarks/bench_bf16.py                       # prints a table, writes .bench/bench_bf16.json
+    python benchmarks/bench_bf16.py --models tiny --threads 2 --repeats 5
 
 Whether bf16 pays on a CPU depends on its bf16 matrix units (AMX / AVX512-BF16); without them torch
 emulates bf16 matmuls and they are slower than float32. The JSON records ``torch.backends.cpu.get_cpu_capability()``.
@@ -19,43 +19,34 @@ emulates bf16 matmuls and they are slower than float32. The JSON records ``torch
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-MODELS = {"tiny": {}, "qwen3_100m": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=12,
-                                         num_key_value_heads=4, head_dim=64, intermediate_size=2048)}
+from _common import MODELS, synthetic_rollout, timed, write_json
 
 
 def measure(model_name: str, repeats: int) -> list:
     """[float32 row, bf16 row] for one model."""
 
-    from experiments.bench_memory import _rollout
     from fspo.models.segment_attention import enable_segment_attention
     from fspo.models.tiny import build_tiny_model
     from fspo.update import forward
 
     policy = build_tiny_model(seed=0, **MODELS[model_name]).train()
     enable_segment_attention(policy)
-    batch = _rollout()
+    batch = synthetic_rollout()
     mask = batch.response_mask.bool()
     rows, ref = [], None
     for autocast in (None, "bf16"):
         module = SimpleNamespace(policy=policy, ppo=SimpleNamespace(logprob_temperature=1.0, lm_head_chunk_rows=0,
                                                                     autocast=autocast))
-        times = []
-        for i in range(repeats + 1):
-            policy.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+
+        def fwd_bwd(module=module):
             lp, _ = forward.log_probs(module, batch, pack_width=0)
             (lp * batch.advantages[:, None]).sum().backward()
-            if i:
-                times.append(time.perf_counter() - t0)
+            return lp
+
+        lp, times = timed(fwd_bwd, repeats, before=lambda: policy.zero_grad(set_to_none=True))
         lp = lp.detach()
         ref = lp if ref is None else ref
         gap = (lp - ref)[mask].abs()
@@ -86,9 +77,8 @@ def main(argv=None) -> None:
               f"{r['gap_max']:>8.2e}")
     out = {"rows": rows, "threads": a.threads, "torch": torch.__version__,
            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out} (cpu capability {out['cpu_capability']}, {a.threads} threads)")
+    write_json(a.out, out)
+    print(f"cpu capability {out['cpu_capability']}, {a.threads} threads")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Per length bin detail of a length-law sweep (issue 30): why std(S_L) does or does not grow like sqrt(L).
 
-    python experiments/length_law_detail.py --tracking-uri sqlite:///mlflow.db --experiment length_law > detail.md
+    python benchmarks/length_law_detail.py --tracking-uri sqlite:///mlflow.db --experiment length_law > detail.md
 
 For every finished run (one table each): per 64-token bin the sequences counted, mean and std of S_L, the
 per-token scale std / sqrt(L) (flat under the paper's law; here L is the bin's mean length when logged,
@@ -12,13 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fspo.diagnostics.bins import label_edges  # noqa: E402
-from fspo.evaluation.report.collect import load_runs  # noqa: E402
+from fspo.diagnostics.bins import label_edges
+from fspo.evaluation.report.collect import load_runs
 
 
 def main(argv=None) -> None:

@@ -12,32 +12,19 @@ real tokens), loss + metrics share of the step, and peak memory (CUDA max alloca
 process's peak RSS on CPU). Results are written as JSON (``--out``), logged to the MLflow run
 (metrics ``bench/*`` and the JSON as an artifact; experiment ``bench``).
 
-    python experiments/bench.py --steps 6                      # the embedded default
-    python experiments/bench.py --steps 4 --model qwen3_100m   # a random ~100M-parameter Qwen3
-    python experiments/bench.py --steps 6 -- +method=grpo rollout.sampling.n=16
-    python experiments/bench.py --steps 3 --fixed-len 512 -- model.source=random  # every response 512 tokens
+    python benchmarks/bench.py --steps 6                      # the embedded default
+    python benchmarks/bench.py --steps 4 --model qwen3_100m   # a random ~100M-parameter Qwen3
+    python benchmarks/bench.py --steps 6 -- +method=grpo rollout.sampling.n=16
+    python benchmarks/bench.py --steps 3 --fixed-len 512 -- model.source=random  # every response 512 tokens
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-PHASES = ["generate", "weight_sync", "reward", "old_log_probs", "train", "metrics"]
-
-
-def compose(overrides):
-    from hydra import compose as hcompose, initialize_config_dir
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return hcompose("config", overrides=list(overrides))
+from _common import PHASES, compose, latest_run, metric_history, write_json
 
 
 def _rate(tokens, seconds):
@@ -70,11 +57,10 @@ def main(argv=None):
     train(cfg)
     wall = time.perf_counter() - t0
     client = mlflow.MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name("bench").experiment_id],
-                             order_by=["attributes.start_time DESC"], max_results=1)[0]
+    run = latest_run(client, "bench")
 
     def hist(key):
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        return metric_history(client, run.info.run_id, key)
 
     def med(key):
         h = hist(key)
@@ -109,9 +95,7 @@ def main(argv=None):
     print("tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in res["tokens_per_s"].items() if v))
     print(f"padding waste {res['padding_waste']:.3f}, loss + metrics {res['loss_metrics_share']:.2%} of the step, "
           f"peak memory {res['peak_memory_mib']:.0f} MiB")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    write_json(a.out, res)
     client.log_dict(run.info.run_id, res, "bench_step.json")
     flat = {"bench/step_time_s": total, "bench/padding_waste": res["padding_waste"],
             "bench/loss_metrics_share": res["loss_metrics_share"], "bench/peak_memory_mib": res["peak_memory_mib"],
@@ -119,7 +103,6 @@ def main(argv=None):
             **{f"bench/share_{p}": v for p, v in res["phases_share"].items() if v == v}}
     for k, v in flat.items():
         client.log_metric(run.info.run_id, k, float(v))
-    print(f"wrote {out}")
     return res
 
 

@@ -12,16 +12,16 @@ Agreement = share of the four verdicts that match (goal: >= 99.5% overall). Chec
 completions scored / wall time of the reward calls (batches of ``--batch`` completions, like a
 rollout step; includes the fast path). Prints a table and writes JSON (``--out``).
 
-    .venv/bin/python experiments/verify_agreement.py [--data-dir DIR] [--limit N] [--out PATH]
+    .venv/bin/python benchmarks/verify_agreement.py [--data-dir DIR] [--limit N] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from _common import write_json
 
 from fspo.data.math_datasets import EVAL_SETS, load_math_source
 from fspo.rewards.answer_extraction import canonical, fast_equal
@@ -119,10 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     for name, r in per.items():
         for f in r["failures"][:10]:
             print(f"  FAIL {name} {f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, summary)
     return summary
 
 

@@ -15,24 +15,22 @@ sequences (prompt 32 + response 96 tokens) and reports per rank:
   step itself adds: gradients, AdamW state, activations, gathered layers);
 - ``state_mib``: parameter + gradient + AdamW-state bytes this rank holds (local shard numel x 4 x 4).
 
-    python experiments/bench_memory.py                 # prints a table, writes .bench/bench_memory.json
-    python experiments/bench_memory.py --models tiny --worlds 1,2
-    python experiments/bench_memory.py --models tiny_v152k --worlds 1 --lm-head-chunk 0,256   # dense vs chunked head
+    python benchmarks/bench_memory.py                 # prints a table, writes .bench/bench_memory.json
+    python benchmarks/bench_memory.py --models tiny --worlds 1,2
+    python benchmarks/bench_memory.py --models tiny_v152k --worlds 1 --lm-head-chunk 0,256   # dense vs chunked head
 
 ``--lm-head-chunk``: values of ``ppo.lm_head_chunk_rows`` to compare (0: the dense LM head; N > 0: the
 chunked one, fspo/update/lm_head.py, N positions per chunk; with world 2 under FSDP too).
 ``--micro-batch-tokens``: values of ``ppo.micro_batch_max_tokens`` (the token budget of one forward/backward;
 the sequences here are 56..128 tokens, 8 per mini-batch and rank on one process, 4 on each of 2).
 
-    python experiments/bench_memory.py --models tiny_v152k --worlds 1 --micro-batch-tokens 256,1024,4096
+    python benchmarks/bench_memory.py --models tiny_v152k --worlds 1 --micro-batch-tokens 256,1024,4096
 
 Each (model, world) runs in fresh processes (torchrun for world > 1) so the peaks do not mix.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -40,48 +38,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-MODELS = {"tiny": {}, "qwen3_100m": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=12,
-                                         num_key_value_heads=4, head_dim=64, intermediate_size=2048),
-          "tiny_v152k": dict(vocab_size=151936)}  # Qwen3's real vocabulary: the LM-head / log-prob memory
-
-
-def _rss_peak_mib(field: str = "VmHWM") -> float:
-    """``field`` of /proc/self/status in MiB (VmHWM: RSS high-water mark, VmRSS: current RSS)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def _rollout(b: int = 16, p: int = 32, t: int = 96, seed: int = 0):
-    import torch
-
-    from fspo.types import RolloutBatch
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
-    mask = (torch.arange(t)[None] < lengths[:, None]).long()
-    return RolloutBatch(prompt_ids=torch.randint(4, 100, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
-                        response_ids=torch.randint(4, 100, (b, t), generator=g) * mask, response_mask=mask,
-                        group_ids=torch.arange(b) // 4, advantages=torch.randn(b, generator=g), rewards=torch.zeros(b),
-                        overlong=lengths == t, old_log_probs=-4.6 * mask.float()).validate()
+from _common import MODELS, reset_peak_rss, rss_mib, synthetic_rollout, torchrun, write_json
 
 
 def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -> None:
-    """One RL step on this process's share of `_rollout` (run by `main`, under torchrun when world > 1)."""
+    """One RL step on this process's share of `synthetic_rollout` (run by `main`, under torchrun when world > 1)."""
     import lightning as L
     import torch
 
@@ -97,11 +58,11 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
     world = int(os.environ.get("WORLD_SIZE", "1"))
     policy = build_tiny_model(seed=0, **MODELS[model_name])
     n_params = sum(p.numel() for p in policy.parameters())
-    load_peak = _rss_peak_mib()
+    load_peak = rss_mib("VmHWM")
     diag = FairnessMetrics(LengthBins(width=16, max_len=96))
     module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, lr=1e-5,
                       micro_batch_max_tokens=budget, lm_head_chunk_rows=head_chunk), diag, seed=0)
-    full = _rollout()
+    full = synthetic_rollout()
     record = {}
 
     class Step(L.Callback):
@@ -113,15 +74,15 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
             batch["rollout"] = part
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.policy.parameters())
             record["state_mib"] = local * 4 * 4 / 2**20
-            _reset_peak()
+            reset_peak_rss(trim=True)
             record["step_base_mib"] = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() \
-                else _rss_peak_mib("VmRSS")
+                else rss_mib("VmRSS")
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             cuda = torch.cuda.is_available()
-            record["step_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()
+            record["step_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mib("VmHWM")
             record["peak_kind"] = "cuda max_memory_allocated" if cuda else "RSS high-water mark"
             record["step_delta_mib"] = record["step_peak_mib"] - record["step_base_mib"]
 
@@ -160,8 +121,7 @@ def main(argv=None) -> None:
                                             for w in a.worlds.split(",") for c in a.lm_head_chunk.split(",")
                                             for t in a.micro_batch_tokens.split(",")):
             base = Path(tmp) / f"{model}_w{world}_c{chunk}_t{budget}"
-            launch = [sys.executable] if world == 1 else \
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+            launch = [sys.executable] if world == 1 else torchrun(world)
             cmd = launch + [__file__, "--worker", model, "--worker-out", str(base), "--worker-chunk", str(chunk),
                             "--worker-budget", str(budget)]
             subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
@@ -171,9 +131,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['model']:<11} {r['lm_head_chunk_rows']:>10} {r['micro_batch_max_tokens']:>9} {r['params']:>10} {r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} "
               f"{r['step_peak_mib']:>10.0f} {r['step_delta_mib']:>10.0f} {r['state_mib']:>16.1f}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {a.out} ({rows[0]['peak_kind'] if rows else ''})")
+    write_json(a.out, rows)
+    print(f"peaks: {rows[0]['peak_kind'] if rows else ''}")
 
 
 if __name__ == "__main__":

