@@ -54,7 +54,8 @@ ENGINE_MODELS: Dict[str, Dict[str, Any]] = {"tiny": {}, "qwen3_100m": QWEN3_100M
 # -- config and data ----------------------------------------------------------------------------
 def compose(overrides: Sequence[str]):
     """The Hydra config of conf/config.yaml with ``overrides`` (as experiments/run.py composes it)."""
-    from hydra import compose as hcompose, initialize_config_dir
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hcompose("config", overrides=list(overrides))

@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 
-from _common import ENGINE_MODELS as MODELS, child_row, emit_row, timed, write_json
+from _common import ENGINE_MODELS as MODELS
+from _common import child_row, emit_row, timed, write_json
 
 
 def build(name: str):

@@ -44,13 +44,12 @@ def worker(weights: Path, mode: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from fspo.models.loading import load_policy
-    from fspo.models.meta_init import load_local_shards
-    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
-
     import gc
 
+    from fspo.models.loading import load_policy
+    from fspo.models.meta_init import load_local_shards
     from fspo.models.tiny import build_tiny_model
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
 
     # warm-up: transformers' and FSDP's one-time cost (lazy imports, ~230 MiB) paid before the baseline,
     # by building and sharding the ~1M-parameter tiny Qwen3 (4 MiB)

@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ENGINE_MODELS as MODELS, child_row, emit_row, write_json
+from _common import ENGINE_MODELS as MODELS
+from _common import child_row, emit_row, write_json
 
 
 def _policy(name: str, rank: int):

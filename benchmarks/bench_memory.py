@@ -48,11 +48,11 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
 
     from fspo.clipping.fspo import FSPOClip
     from fspo.diagnostics import FairnessMetrics, LengthBins
-    from fspo.runtime.launch.distributed import FSDP2Strategy, dp_rank_size
     from fspo.losses import Aggregator
     from fspo.models.tiny import build_tiny_model
-    from fspo.update.settings import PPOConfig
+    from fspo.runtime.launch.distributed import FSDP2Strategy, dp_rank_size
     from fspo.update.module import RLModule
+    from fspo.update.settings import PPOConfig
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -53,12 +53,12 @@ def measure(lengths: Sequence[int], n_prompts: int = 16, n: int = 8, model: str 
             engine_dtype: str = "bfloat16", max_pos: int = 0, seed: int = 0, workdir: str = "") -> Dict:
     """Per length: sequences, mean/std of S, std(S)/sqrt(L), and each rule's masked fraction; plus the
     token mean/std of d and the seconds spent."""
-    from fspo.update.logprobs import response_log_probs
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.correction import RolloutCorrection, mismatch
     from fspo.rollout.vllm import VLLMEngine
     from fspo.runtime.launch.distributed import concat_rollouts
+    from fspo.update.logprobs import response_log_probs
 
     policy, tok = load_policy(source=model, seed=seed)
     policy = policy.float().eval()

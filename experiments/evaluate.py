@@ -32,8 +32,8 @@ import hydra  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from fspo.runtime.checks.errors import user_error  # noqa: E402
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
+from fspo.runtime.checks.errors import user_error  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -103,19 +103,18 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Run the evaluation described by ``cfg`` (conf/evaluate.yaml); returns ``{"run_id", "entries",
     "summary"}`` where each entry is ``{"checkpoint", "step", "base", "metrics": {benchmark: {...}}}``."""
-    import torch
-
     from dataclasses import replace
+
+    import torch
 
     from fspo.evaluation.benchmark import check_fits_context, context_length, evaluate_benchmark
     from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
-    from fspo.runtime.checkpoints.files import load_checkpoint, load_into
     from fspo.evaluation.summary import MlflowRecorder, summarize
-    from fspo.tracking.artifacts import flatten_params
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.hf import HFEngine
-
+    from fspo.runtime.checkpoints.files import load_checkpoint, load_into
+    from fspo.tracking.artifacts import flatten_params
     from fspo.tracking.logger import check_tracking_uri
 
     # an http(s) tracking server must answer now (<= 2 x 5 s), not after MLflow's minutes of retries

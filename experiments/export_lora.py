@@ -17,8 +17,8 @@ def main() -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--model-path", default=None, help="local folder of the base weights (overrides model.path)")
     a = ap.parse_args()
-    from fspo.runtime.checks.errors import user_error
     from fspo.runtime.checkpoints.lora_export import export_merged
+    from fspo.runtime.checks.errors import user_error
 
     try:
         out = export_merged(a.checkpoint, a.out_dir, a.model_path)

@@ -157,7 +157,6 @@ def main(argv=None) -> dict:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     a = ap.parse_args(argv)
     import torch
-
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 

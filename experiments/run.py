@@ -15,8 +15,8 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
-from fspo.runtime.checks.errors import user_error  # noqa: E402
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
+from fspo.runtime.checks.errors import user_error  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -57,9 +57,9 @@ def make_batch(samples, tok, device="cpu", slip: float = 0.0, rng=None):
     ids = torch.full((len(seqs), n), tok.pad_token_id)
     lab = torch.full((len(seqs), n), -100)
     att = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
         ids[i, n - len(s):] = torch.tensor(s)
-        lab[i, n - len(s):] = torch.tensor(l)
+        lab[i, n - len(s):] = torch.tensor(lb)
         att[i, n - len(s):] = 1
     return ids.to(device), att.to(device), lab.to(device)
 
@@ -67,8 +67,8 @@ def make_batch(samples, tok, device="cpu", slip: float = 0.0, rng=None):
 @torch.no_grad()
 def accuracy(model, tok, samples, temperature: float, max_new_tokens: int = 128, seed: int = 0) -> float:
     """Fraction of ``samples`` answered correctly (greedy when temperature == 0)."""
-    from fspo.rollout.hf import HFEngine
     from fspo.rollout.base import SamplingConfig
+    from fspo.rollout.hf import HFEngine
 
     eng = HFEngine(batch_size=128)
     eng.setup(model, tok, workdir="")

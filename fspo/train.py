@@ -23,27 +23,27 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.rollout.callback import RolloutCallback
-from fspo.rollout.pipeline import build_pipeline
-from fspo.runtime.checks.config_check import check_config
-from fspo.runtime.checks.console import quiet_third_party
-from fspo.runtime.checkpoints.checkpointing import StepCheckpoint, slurm_plugins
-from fspo.runtime.checkpoints.files import checkpoint_dir
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.runtime.launch.rank_zero import RankZeroStub, launch_rank
 from fspo.models.loading import load_policy
 from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
-from fspo.update.module import RLModule
-from fspo.tracking.artifacts import flatten_params, log_final_artifacts
+from fspo.rollout.callback import RolloutCallback
+from fspo.rollout.pipeline import build_pipeline
+from fspo.runtime.checkpoints.checkpointing import StepCheckpoint, slurm_plugins
+from fspo.runtime.checkpoints.files import checkpoint_dir
 from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
+from fspo.runtime.checks.config_check import check_config
+from fspo.runtime.checks.console import quiet_third_party
+from fspo.runtime.checks.run_config import resume_config
+from fspo.runtime.checks.run_lock import hold_output_dir
+from fspo.runtime.checks.store_check import check_writable
+from fspo.runtime.launch.memory_plan import check_memory_plan, dry_run
+from fspo.runtime.launch.rank_zero import RankZeroStub, launch_rank
+from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.tracking.outage_buffer import flush_or_report
 from fspo.tracking.progress import make_progress
-from fspo.runtime.checks.run_config import resume_config
-from fspo.runtime.launch.memory_plan import check_memory_plan, dry_run
-from fspo.runtime.checks.run_lock import hold_output_dir
-from fspo.runtime.checks.store_check import check_writable
+from fspo.update.module import RLModule
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import os
 import sys
 from pathlib import Path
 
+import fsdp_worker  # noqa: E402
 import torch
 
-import fsdp_worker  # noqa: E402
 from fspo.models.segment_attention import enable_segment_attention  # noqa: E402
 from fspo.models.tiny import tiny_qwen3_config  # noqa: E402
 from fspo.update.logprobs import response_log_probs  # noqa: E402

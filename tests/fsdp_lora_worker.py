@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import fsdp_worker as fw  # noqa: E402
 import torch
 
-import fsdp_worker as fw  # noqa: E402
 from conftest import compose_config  # noqa: E402
 from fspo.models.lora import LoRASettings, apply_lora, param_counts  # noqa: E402
 from fspo.models.tiny import build_tiny_model  # noqa: E402

@@ -52,7 +52,7 @@ def run_push(out: Path) -> None:
     res = {"sharded": any(hasattr(p, "full_tensor") for p in policy.parameters()), "local_shapes": local,
            "start_err": _close(engine.slots[0], ref)}
     with torch.no_grad():  # an "update": every shard moves, the reference in the same way
-        for (n, p), q in zip(policy.named_parameters(), ref.parameters()):
+        for (_n, p), q in zip(policy.named_parameters(), ref.parameters()):
             p.mul_(1.01).add_(0.003)
             q.mul_(1.01).add_(0.003)
     engine.push(policy, 0)  # collective

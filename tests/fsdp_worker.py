@@ -21,11 +21,11 @@ import torch
 from hydra.utils import instantiate
 
 from conftest import compose_config  # noqa: E402
-from fspo.rollout.callback import RolloutCallback  # noqa: E402
 from fspo.data.datamodule import PromptDataModule  # noqa: E402
-from fspo.runtime.launch.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
 from fspo.models.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from fspo.rollout.callback import RolloutCallback  # noqa: E402
 from fspo.rollout.weights import iter_full_state_dict  # noqa: E402
+from fspo.runtime.launch.distributed import dp_rank_size, rank_slice, reduce_sum  # noqa: E402
 from fspo.train import build_fairness  # noqa: E402
 from fspo.types import RolloutBatch  # noqa: E402
 
@@ -212,11 +212,11 @@ def run_decode(world: int, out: Path) -> None:
     one rank runs out of rows first); saves every rank's tokens and engine log-probs."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.decode import decode_compact
     from fspo.rollout.hf import left_pad
+    from fspo.runtime.launch.distributed import ShardingConfig, shard_model
 
     if not torch.distributed.is_initialized():  # after the Lightning scenarios their group is still up
         torch.distributed.init_process_group("gloo")

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fsdp_worker import OVERRIDES, InjectShare, _data, _full_params, _trainer, build_module, fixed_rollout  # noqa: E402
 
-from fsdp_worker import (InjectShare, OVERRIDES, _data, _full_params, _trainer, build_module,  # noqa: E402
-                         fixed_rollout)
 from conftest import compose_config  # noqa: E402
 from fspo.update.guard import DivergenceGuard, UpdateMeter  # noqa: E402
 

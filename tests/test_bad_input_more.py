@@ -30,8 +30,8 @@ def test_cpu_threads_above_the_cores_is_refused(compose_cfg):
 
 
 def test_checkpoints_path_that_is_a_file_is_refused_before_anything(tmp_path):
-    from fspo.runtime.checks.errors import user_error
     from fspo.runtime.checkpoints.resume import resolve_resume
+    from fspo.runtime.checks.errors import user_error
 
     (tmp_path / "checkpoints").write_text("not a folder")
     for mode in (None, "auto"):

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from fspo.data.sampler import PromptStepSampler
-from fspo.update.microbatches import check_mini_batch, group_minibatch_indices, minibatch_indices, minibatch_plan, token_budget_micro_batches
+from fspo.update.microbatches import (
+    check_mini_batch,
+    group_minibatch_indices,
+    minibatch_indices,
+    minibatch_plan,
+    token_budget_micro_batches,
+)
 
 
 def check_partition(groups, n):

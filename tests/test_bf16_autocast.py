@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_logprobs import LONG_PROMPT, LONG_RESP, SHORT_PROMPT, SHORT_RESP, batch_of
 
 from fspo.models.tiny import build_tiny_model
 from fspo.update import forward
 from fspo.update.settings import PPOConfig
-from test_logprobs import LONG_PROMPT, LONG_RESP, SHORT_PROMPT, SHORT_RESP, batch_of
 
 
 def _module(model, autocast):

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fspo.clipping.calibration import CALIBRATORS, PerBinBand, PowerLawBand
 from conftest import free_port
+from fspo.clipping.calibration import CALIBRATORS, PerBinBand, PowerLawBand
 
 CLASSES = [PowerLawBand, PerBinBand]
 TARGET = math.erfc(1 / math.sqrt(2))  # 2 Phi(-1) = 0.3173

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from test_clip_new_rules import grad, tokens
 from test_clip_new_rules import test_bf16_inputs_math_in_float32 as check_bf16
 from test_clip_new_rules import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extreme

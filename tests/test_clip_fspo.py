@@ -192,7 +192,7 @@ def test_ema_sigma_converges_within_50_updates(true_sigma):
     gen = torch.Generator().manual_seed(7)
     rule = FSPOClip(band="ema", z=1.0, alpha=0.1)
     hits = []
-    for step in range(1, 51):
+    for _step in range(1, 51):
         rule.observe(*_gauss_batch(gen, true_sigma))
         hits.append(abs(rule.sigma_hat.item() / true_sigma - 1) < 0.05)
     assert hits[-1] and hits.index(True) + 1 <= 50

@@ -12,16 +12,15 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from test_clip_baselines import test_bf16_inputs_math_in_float32 as check_bf16
 
+from fspo.clipping import theory
 from fspo.clipping.cispo import CISPOClip
 from fspo.clipping.gmpo import GMPOClip
 from fspo.clipping.gspo import GSPOClip
 from fspo.clipping.luspo import LUSPOClip
 from fspo.clipping.registry import POLICY_LOSSES, get_policy_loss_fn
 from fspo.clipping.sapo import HALF_WEIGHT, SAPOClip
-from fspo.clipping import theory
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.collection import FairnessMetrics
 from fspo.losses import aggregate

@@ -12,11 +12,11 @@ import logging
 from pathlib import Path
 
 import pytest
+from test_config_compose import EXPERIMENTS, METHODS, MODELS, OPTIONS, selector
 
 from conftest import SMALL, compose_config
 from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.runtime.checks.errors import user_error
-from test_config_compose import EXPERIMENTS, METHODS, MODELS, OPTIONS, selector
 
 # the issue's cases (and a few neighbours): override -> the key the one-line error must name
 BAD = {
@@ -62,8 +62,9 @@ def test_high_learning_rate_warns(caplog):
 @pytest.mark.parametrize("override", ["ppo.mini_batch_size=0", "ppo.micro_batch_max_tokens=0", "steps=abc"])
 def test_train_rejects_before_loading_writing_or_opening_a_run(override, compose_cfg, monkeypatch):
     """Nothing happens before the check: no model load, no output folder, no MLflow experiment or run."""
-    import fspo.train as ft
     from mlflow.tracking import MlflowClient
+
+    import fspo.train as ft
 
     def no_load(**_):
         raise AssertionError("the model was loaded before the config was checked")

@@ -70,8 +70,8 @@ def check_components(cfg, tmp_path) -> None:
     import lightning as L
 
     from fspo.clipping.base import ClipRule
-    from fspo.update.settings import PPOConfig
     from fspo.rollout.base import RolloutEngine, SamplingConfig
+    from fspo.update.settings import PPOConfig
 
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves (train.py logs it resolved)
 
@@ -210,7 +210,7 @@ def test_sweeps_compose(path, tmp_path, monkeypatch):
     n = 0
     for overrides in _sweep_overrides(path):
         cfg = compose_config(overrides, config_name=path.stem, config_dir=path.parent, return_hydra_config=True)
-        for name, cb in (OmegaConf.select(cfg, "hydra.callbacks") or {}).items():
+        for _name, cb in (OmegaConf.select(cfg, "hydra.callbacks") or {}).items():
             get_class(cb._target_)  # the sweep's Hydra callbacks import
         with open_dict(cfg):
             del cfg["hydra"]  # its ${now:...} / ${hydra.job.num} resolve only inside a Hydra run

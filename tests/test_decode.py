@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hf_engine import EOS, PAD, chain_model, ids
 
 from fspo.models.loading import load_policy
 from fspo.models.tiny import build_tiny_model
 from fspo.rollout.base import SamplingConfig
 from fspo.rollout.decode import decode_compact
 from fspo.rollout.hf import left_pad
-from test_hf_engine import EOS, PAD, TOK, chain_model, ids
 
 
 def test_greedy_equals_generate_with_rows_finishing_early():

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from fspo.clipping.base import ClipResult
-from fspo.diagnostics import (METRIC_NAME_RE, ClipFractionByLength, FairnessMetrics, LengthBins,
-                              RolloutLengthStats)
+from fspo.diagnostics import METRIC_NAME_RE, ClipFractionByLength, FairnessMetrics, LengthBins, RolloutLengthStats
 
 BINS = LengthBins(edges=[0, 4, 8])  # [0,4), [4,8), [8,inf)
 LENS = [2, 3, 5, 6, 0, 8]

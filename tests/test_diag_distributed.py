@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from fspo.clipping.base import ClipResult
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from conftest import free_port
 
 BINS = LengthBins(edges=[0, 8, 16, 32, 48])
 SPLIT = 230  # rank 0 gets rows [0, 230), rank 1 the other 370 (uneven on purpose)

@@ -6,8 +6,21 @@ import pytest
 import torch
 from scipy.special import ndtr
 
-from fspo.diagnostics import (LengthBins, acceptance, c_fspo, c_fspo_symmetric, c_gspo, c_gspo_symmetric,
-                              c_rloo, c_rloo_symmetric, label_edges, length_fairness, lre, min_len_mask, q_bar)
+from fspo.diagnostics import (
+    LengthBins,
+    acceptance,
+    c_fspo,
+    c_fspo_symmetric,
+    c_gspo,
+    c_gspo_symmetric,
+    c_rloo,
+    c_rloo_symmetric,
+    label_edges,
+    length_fairness,
+    lre,
+    min_len_mask,
+    q_bar,
+)
 
 
 def test_lre_two_equal_bins_is_one_sixth():

@@ -5,8 +5,16 @@ import torch
 from matplotlib.figure import Figure
 
 from fspo.clipping.base import ClipResult
-from fspo.diagnostics import (FairnessMetrics, LengthBins, c_fspo, c_gspo, c_rloo, plot_clip_fraction_by_length,
-                              plot_qq, plot_std_vs_sqrt_len)
+from fspo.diagnostics import (
+    FairnessMetrics,
+    LengthBins,
+    c_fspo,
+    c_gspo,
+    c_rloo,
+    plot_clip_fraction_by_length,
+    plot_qq,
+    plot_std_vs_sqrt_len,
+)
 
 
 def _saves(fig, path):

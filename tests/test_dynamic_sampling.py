@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 from fspo.data.sampler import PromptStepSampler
-from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.rewards.base import RewardOutput
 from fspo.rollout.group_filter import GroupFilter, informative_groups
+from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.types import RolloutBatch
 
 G = 4

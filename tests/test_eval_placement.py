@@ -3,7 +3,6 @@ MLflow run is named after that run (experiments/evaluate.py `beside_run`, `_eval
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 

@@ -18,14 +18,19 @@ from omegaconf import OmegaConf, open_dict
 from fspo.data.base import ListSource, Sample
 from fspo.data.math_io import resolve_data_dir
 from fspo.evaluation.benchmark import avg_at_k, evaluate_benchmark
-from fspo.runtime.checkpoints.files import load_checkpoint, load_into
-from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, run_id_of_checkpoint
 from fspo.evaluation.summary import summarize, summary_markdown
 from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.math_verify_reward import MathVerifyReward
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.hf import left_pad
+from fspo.runtime.checkpoints.files import (
+    find_checkpoints,
+    find_run_config,
+    load_checkpoint,
+    load_into,
+    run_id_of_checkpoint,
+)
 from fspo.types import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,8 +148,8 @@ def _lightning_ckpt(policy, step: int) -> dict:
     """What RLModule's Lightning checkpoint holds: the module state dict with a ``policy.`` prefix."""
     from fspo.clipping.fspo import FSPOClip
     from fspo.losses import Aggregator
-    from fspo.update.settings import PPOConfig
     from fspo.update.module import RLModule
+    from fspo.update.settings import PPOConfig
 
     module = RLModule(policy=policy, clip=FSPOClip(), aggregator=Aggregator(), ppo=PPOConfig(), diagnostics=None)
     sd = module.state_dict()

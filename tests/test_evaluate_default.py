@@ -19,8 +19,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from fspo.data.arithmetic import ArithmeticTask, _generate
-from fspo.evaluation.benchmark import check_fits_context
 from fspo.data.math_io import resolve_data_dir
+from fspo.evaluation.benchmark import check_fits_context
 from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
 from fspo.models.tiny import build_tokenizer
 

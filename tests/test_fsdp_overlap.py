@@ -12,7 +12,6 @@ The layouts that cannot work are refused in tests/test_rollout_overlap.py.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

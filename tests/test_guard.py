@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL
-from fspo.update import forward as passes
 from fspo.runtime.checkpoints.files import list_checkpoints
+from fspo.update import forward as passes
 from fspo.update.guard import DivergenceError, DivergenceGuard, UpdateMeter
 
 BASE = [o for o in SMALL if not o.startswith("steps=")] + ["reward._target_=test_resume.DigitReward"]

@@ -212,8 +212,8 @@ def test_engine_log_probs_are_the_trainers_at_temperature_one(temperature, top_k
     """The compact decoder reports each sampled token's log-prob under the raw logits (temperature 1,
     no top-k, whatever the sampling settings): the trainer's full-sequence forward gives the same
     numbers to float noise (the KV cache only changes the summation order); 0 on padding."""
-    from fspo.update.logprobs import response_log_probs
     from fspo.models.loading import load_policy
+    from fspo.update.logprobs import response_log_probs
 
     model, tok = load_policy(source="warmstart")
     eng = HFEngine()

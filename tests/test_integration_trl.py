@@ -19,12 +19,11 @@ import torch
 from conftest import REPO
 
 pytest.importorskip("trl", reason="TRL is not installed: pip install 'fspo[trl]' (.ci/run does)")
+import trl_fspo_example as example  # noqa: E402  (benchmarks/ is on pytest's path: pyproject's pythonpath)
 from trl import GRPOTrainer  # noqa: E402
 
 from fspo.clipping.registry import get_policy_loss_fn  # noqa: E402
 from fspo.integrations.trl import LOSS_TYPES, FSPOConfig  # noqa: E402
-
-import trl_fspo_example as example  # noqa: E402  (benchmarks/ is on pytest's path: pyproject's pythonpath)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 
 from fspo.update.lm_head import chunked_token_logprobs
 
-
 # ---- by hand -------------------------------------------------------------------------------------
 
 H_ROWS = [[1.0, 0.0], [0.0, 2.0]]             # hidden [K=2, H=2]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fspo.update.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
 from fspo.types import RolloutBatch
+from fspo.update.logprobs import response_log_probs
 
 PAD = 0
 SHORT_PROMPT, SHORT_RESP = [20, 31, 42, 53], [60, 61, 2]          # P=4, L=3

@@ -14,8 +14,16 @@ import torch
 
 from conftest import compose_config
 from fspo.models.loading import load_policy
-from fspo.models.lora import (LoRASettings, adapter_state, apply_lora, check_lora_targets, is_lora, merged_weights,
-                              param_counts, target_names)
+from fspo.models.lora import (
+    LoRASettings,
+    adapter_state,
+    apply_lora,
+    check_lora_targets,
+    is_lora,
+    merged_weights,
+    param_counts,
+    target_names,
+)
 from fspo.models.tiny import build_tiny_model
 from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.runtime.launch.memory_components import GIB, Layout, ModelShape, lora_params, plan_memory
@@ -103,8 +111,9 @@ def test_checkpoint_share_is_the_adapters_and_the_module_buffers():
 
 
 def test_optimizer_holds_only_the_adapters(compose_cfg):
-    from fspo.train import build_fairness
     from hydra.utils import instantiate
+
+    from fspo.train import build_fairness
     from fspo.update.module import RLModule
 
     cfg = compose_cfg(["model.lora.rank=8"])

@@ -8,20 +8,30 @@ Leaves out: the LoRA math and the bad-input lines (tests/test_lora.py).
 """
 from __future__ import annotations
 
+import os
 import random
 import sqlite3
 import subprocess
 import sys
 import time
-import os
 
 import pytest
 import torch
+from test_evaluate import _load_evaluate_module, eval_config
+from test_resume import (
+    ARGS,
+    EVERY,
+    NOISY,
+    STEPS,
+    kill_after_step,
+    last_train_step,
+    metric_rows,
+    policy_state,
+    start_run,
+    wait,
+)
 
 from fspo.runtime.checkpoints.files import list_checkpoints
-from test_resume import ARGS, STEPS, EVERY, NOISY, kill_after_step, last_train_step, metric_rows, policy_state, \
-    start_run, wait
-from test_evaluate import _load_evaluate_module, eval_config
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.lr=5e-3"]

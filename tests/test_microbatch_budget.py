@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_module_update import make_rollout, run_update
 
 from fspo.losses import AGG_MODES
 from fspo.update.forward import dummy_micro_batch
 from fspo.update.microbatches import token_budget_micro_batches
 from fspo.update.packing import segment_micro_batches
-from test_module_update import make_rollout, run_update
 
 GRID = [(clip, mode) for clip in ("fspo", "grpo", "rloo", "gspo") for mode in AGG_MODES]
 OTHERS = [(clip, "token-mean") for clip in ("cispo", "gmpo", "luspo", "sapo", "fspo_quantile")]

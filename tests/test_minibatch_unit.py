@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_module_update import B, make_rollout, run_update
 
+from conftest import free_port
+from fspo.models.tiny import build_tiny_model
 from fspo.runtime.launch.distributed import gather_group_ids, gather_rollout
 from fspo.update.logprobs import response_log_probs
-from fspo.models.tiny import build_tiny_model
-from conftest import free_port
 from fspo.update.module import RLModule
-from test_module_update import B, make_rollout, run_update
 
 G = 4  # make_rollout: group_ids = arange(8) // 4
 

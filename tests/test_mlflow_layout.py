@@ -99,8 +99,8 @@ def test_experiment_description_set_once_never_overwritten(tmp_path):
 def test_lre_by_step_figure_draws_what_was_logged():
     fig = lre_by_step_figure({"fairness/lre": ([1, 2, 3], [0.1, 0.05, 0.02]), "clip/seq_frac": ([1, 2], [0.2, 0.1])})
     top, bottom = fig.axes
-    assert [tuple(l.get_xdata()) for l in top.lines] == [(1, 2, 3)]
-    assert [tuple(l.get_ydata()) for l in bottom.lines] == [(0.2, 0.1)]
+    assert [tuple(line.get_xdata()) for line in top.lines] == [(1, 2, 3)]
+    assert [tuple(line.get_ydata()) for line in bottom.lines] == [(0.2, 0.1)]
     empty = lre_by_step_figure({})
     assert all(not ax.lines and ax.texts[0].get_text() == "not logged in this run" for ax in empty.axes)
 

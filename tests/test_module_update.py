@@ -25,15 +25,15 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from conftest import CONF
-from fspo.update.microbatches import token_budget_micro_batches
-from fspo.update.packing import packed_micro_batches
 from fspo.diagnostics import FairnessMetrics, LengthBins
-from fspo.update.logprobs import response_log_probs
 from fspo.losses import Aggregator
 from fspo.models.tiny import build_tiny_model
-from fspo.update.settings import PPOConfig
-from fspo.update.module import RLModule
 from fspo.types import RolloutBatch
+from fspo.update.logprobs import response_log_probs
+from fspo.update.microbatches import token_budget_micro_batches
+from fspo.update.module import RLModule
+from fspo.update.packing import packed_micro_batches
+from fspo.update.settings import PPOConfig
 
 B = 8
 

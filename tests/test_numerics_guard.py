@@ -19,11 +19,11 @@ import torch
 from omegaconf import open_dict
 
 from conftest import SMALL
+from fspo.rewards.arithmetic import ArithmeticReward
+from fspo.rewards.base import RewardOutput
 from fspo.rollout.callback import guarded_reward
 from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.update import forward as passes
-from fspo.rewards.arithmetic import ArithmeticReward
-from fspo.rewards.base import RewardOutput
 
 BASE = [o for o in SMALL if not o.startswith("steps=")] + ["reward._target_=test_resume.DigitReward"]
 

@@ -14,11 +14,11 @@ import time
 import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
+from test_tracking_midrun_outage import start_server, stop
 
 from conftest import free_port
 from fspo.tracking.outage_buffer import SHORT_RETRIES, BufferedClient, OutageBuffer, TrackingServerDown
 from fspo.tracking.replay import read_rows, replay_rows
-from test_tracking_midrun_outage import start_server, stop
 
 
 def _row(step: int) -> dict:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fspo.update.logprobs import response_log_probs
 from fspo.models.tiny import build_tiny_model
-from fspo.update.packing import TokenUsage, pack_batch, pack_rows, packed_micro_batches, row_width
 from fspo.types import RolloutBatch
+from fspo.update.logprobs import response_log_probs
+from fspo.update.packing import TokenUsage, pack_batch, pack_rows, packed_micro_batches, row_width
 
 
 def batch_of(rows):

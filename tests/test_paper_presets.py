@@ -96,8 +96,9 @@ def test_preset_bad_batch_is_one_clear_error(preset, override, match):
 
 def test_bad_batch_fails_before_the_model_loads(tmp_path, monkeypatch):
     """fspo.train.train checks the batch before it loads a model or creates the output folder."""
-    import fspo.train
     from omegaconf import open_dict
+
+    import fspo.train
 
     def no_load(**_):
         raise AssertionError("the model was loaded before the batch settings were checked")
@@ -180,8 +181,8 @@ def test_preset_with_method_has_the_papers_values(preset, method):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_components_instantiate(preset):
     """The pieces train.py builds from the preset (vLLM only where it is installed)."""
-    from fspo.update.settings import PPOConfig
     from fspo.rollout.base import SamplingConfig
+    from fspo.update.settings import PPOConfig
 
     cfg = compose_config([f"+experiment={preset}"])
     ppo = instantiate(cfg.ppo)

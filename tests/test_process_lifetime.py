@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_resume import last_train_step
 
 from conftest import REPO, SMALL
-from test_resume import last_train_step
 
 
 def session_pids(sid: int) -> list:

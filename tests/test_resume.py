@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.rewards.base import RewardOutput
+from fspo.runtime.checkpoints.files import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 2

@@ -11,12 +11,12 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from test_module_update import B, make_rollout, run_update
 
 from conftest import CONF, compose_config
-from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.losses import Aggregator
 from fspo.rollout.correction import RolloutCorrection, mismatch
-from test_module_update import B, make_rollout, run_update
+from fspo.runtime.checks.config_check import ConfigError, check_config
 
 
 def batch_of(old, engine, mask, adv=None):
@@ -234,8 +234,8 @@ def test_corrections_need_recompute_and_temperature_one():
 def _engine_shifted(rows_shift):
     """make_rollout() as a fresh rollout whose engine log-probs are the policy's own minus ``shift`` per
     token on the given rows (so d_t = +shift there, 0 elsewhere up to float noise)."""
-    from fspo.update.logprobs import response_log_probs
     from fspo.models.tiny import build_tiny_model
+    from fspo.update.logprobs import response_log_probs
     rollout = make_rollout()
     rollout.old_log_probs = None
     with torch.no_grad():
@@ -251,8 +251,9 @@ def test_rlmodule_step_masked_sequence_equals_zero_advantage():
     """One SGD update (one mini-batch of all 8 rows, trainer recompute of old log-probs): with sequence 1
     (12 tokens) masked by the fixed cap (S = 12 x 0.5 = 6 > log 2), the gradient equals that of the
     uncorrected step with sequence 1's advantage set to 0; the step logs the rollout_corr/ metrics."""
-    from fspo.rollout.correction import RolloutCorrection as RC
     import test_module_update as tmu
+
+    from fspo.rollout.correction import RolloutCorrection as RC
 
     rollout = _engine_shifted({1: 0.5})
     zero = _engine_shifted({})

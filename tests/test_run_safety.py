@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_resume import ARGS, REPO, last_train_step, metric_rows, policy_state
 
-from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify, write_manifest
 from fspo.runtime.checkpoints.files import list_checkpoints
+from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify, write_manifest
 from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
 from fspo.runtime.checks.run_config import RUN_CONFIG_FILE, ConfigChangedOnResume, resume_config
 from fspo.runtime.checks.run_lock import LOCK_FILE, OutputDirInUse, acquire, hold_output_dir, release
-from test_resume import ARGS, REPO, last_train_step, metric_rows, policy_state
 
 # small runs: 4 prompts x 4 samples, 24 new tokens, 4 validation prompts (seconds per step on a CPU)
 BASE = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.", "val.", "seed="))] + \
@@ -251,8 +251,9 @@ def test_all_checkpoints_damaged_is_an_error_until_resume_fresh(tmp_path):
 
 
 def test_checkpoint_save_writes_manifest_and_prunes_with_it(tmp_path):
-    from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
     from test_signals import FakeTrainer, good_writer
+
+    from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
 
     ck = tmp_path / "checkpoints"
     cb = StepCheckpoint(ck, keep_last=2)

@@ -12,13 +12,19 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO, SMALL
-from fspo.tracking.run_summary import (RULE, absolute_uri, eval_summary, open_hint, open_rows, sweep_summary,
-                                       training_summary)
+from fspo.tracking.run_summary import (
+    RULE,
+    absolute_uri,
+    eval_summary,
+    open_hint,
+    open_rows,
+    sweep_summary,
+    training_summary,
+)
 
 
 def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):

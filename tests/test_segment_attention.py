@@ -14,13 +14,17 @@ import copy
 
 import pytest
 import torch
-
-from fspo.update.logprobs import response_log_probs
-from fspo.models.segment_attention import (SEGMENT_ATTENTION, enable_segment_attention, segment_runs,
-                                           uses_segment_attention)
-from fspo.models.tiny import build_tiny_model
-from fspo.update.packing import TokenUsage, pack_segments, segment_micro_batches
 from test_packing import batch_of, random_batch
+
+from fspo.models.segment_attention import (
+    SEGMENT_ATTENTION,
+    enable_segment_attention,
+    segment_runs,
+    uses_segment_attention,
+)
+from fspo.models.tiny import build_tiny_model
+from fspo.update.logprobs import response_log_probs
+from fspo.update.packing import TokenUsage, pack_segments, segment_micro_batches
 
 
 def test_segment_runs_by_hand():

@@ -103,7 +103,7 @@ def test_per_token_gradient_every_rule_every_mode(name, ratio_grad, mode):
     g, res, m = grad_of(build(ratio_grad), [r[:3] for r in rows], T, mode)
     lengths = [r[1] for r in rows]
     k = k_of(mode, lengths, T)
-    for i, (S, L, A, s) in enumerate(rows):
+    for i, (_S, L, A, s) in enumerate(rows):
         coef = 0.0 if s is None else -A * s * k[i] * (L if ratio_grad == "length_weighted" else 1)
         want = torch.zeros(T)
         want[:L] = coef

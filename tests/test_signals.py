@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume import ARGS, last_train_step, start_run
 
 from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
 from fspo.runtime.checkpoints.files import list_checkpoints
 from fspo.runtime.checkpoints.resume import latest_complete_checkpoint
-from test_resume import ARGS, last_train_step, start_run
 
 SIG_ARGS = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.every_n_steps="))] + \
     ["steps=40", "checkpoint.every_n_steps=0"]  # checkpoints only on the signal (and after step 40)

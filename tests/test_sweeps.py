@@ -16,15 +16,14 @@ import sys
 import time
 import urllib.request
 from itertools import product
-from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import REPO, SMALL, free_port
-from fspo.tracking.sweep_parent import effective_grid
 from fspo.sweeps import job_config, list_sweeps, sweep_jobs
+from fspo.tracking.sweep_parent import effective_grid
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +143,7 @@ def mlflow_server(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}")
+                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}") from None
                 time.sleep(1)
         yield base
     finally:

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_resume import last_train_step
 
 from conftest import REPO
+from fspo.rewards.base import RewardOutput
 from fspo.runtime.checkpoints.files import list_checkpoints, load_checkpoint, read_resume_meta
 from fspo.runtime.checkpoints.integrity import verify
-from fspo.rewards.base import RewardOutput
-from test_resume import last_train_step
 
 GRACE = 8  # torchrun --shutdown-timeout: seconds between the forwarded SIGTERM and the SIGKILL
 SLOW = 12.0  # seconds the reward sleeps per step from step 2 on: a step in progress outlasts the grace

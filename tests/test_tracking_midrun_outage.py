@@ -45,7 +45,7 @@ def start_server(tmp_path: Path, port: int) -> subprocess.Popen:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop(proc)
-                raise RuntimeError(f"mlflow server did not start: {(tmp_path / f'server-{port}.log').read_text()[-2000:]}")
+                raise RuntimeError(f"mlflow server did not start: {(tmp_path / f'server-{port}.log').read_text()[-2000:]}") from None
             time.sleep(0.5)
 
 
@@ -129,7 +129,7 @@ def test_server_killed_mid_run_training_goes_on_and_the_buffer_imports(tmp_path)
     server = start_server(tmp_path, port2)  # the same store, back again
     try:
         cmd = shlex.split(m.group(1))[1:] + ["--tracking-uri", base2]
-        for attempt in range(2):  # idempotent: the second import adds nothing
+        for _attempt in range(2):  # idempotent: the second import adds nothing
             p = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
             assert p.returncode == 0, p.stderr[-3000:]
         assert "0 metric values imported" in p.stdout, p.stdout

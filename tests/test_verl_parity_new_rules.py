@@ -16,16 +16,18 @@ import torch
 
 try:
     import verl
-    from verl.trainer.ppo.core_algos import (compute_policy_loss_cispo, compute_policy_loss_geo_mean,
-                                             compute_policy_loss_sapo)
+    from verl.trainer.ppo.core_algos import (
+        compute_policy_loss_cispo,
+        compute_policy_loss_geo_mean,
+        compute_policy_loss_sapo,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"verl is not importable ({exc!r}); install it as .ci/run does to run the verl parity "
                 "test", allow_module_level=True)
 if verl.__version__ != "0.9.1":  # pragma: no cover
     pytest.skip(f"the parity test pins verl 0.9.1, found {verl.__version__}", allow_module_level=True)
 
-from test_verl_parity import (INFOS, METRICS, RTOL, abs_scale, actor_config, assert_rel,  # noqa: E402
-                              grad_of, token_batch)
+from test_verl_parity import INFOS, METRICS, RTOL, abs_scale, actor_config, assert_rel, grad_of, token_batch  # noqa: E402
 
 from fspo.clipping.cispo import CISPOClip  # noqa: E402
 from fspo.clipping.gmpo import GMPOClip  # noqa: E402
@@ -122,7 +124,7 @@ def test_geo_mean(info, clips, name):
     cfg = actor_config(INFOS[info], **kw)
     ref, ref_metrics, g_ref = grad_of(lambda x: compute_policy_loss_geo_mean(old, x, adv, m, "token-mean", cfg), new)
     for mode in AGG_MODES:
-        ours, metrics, g_ours = grad_of(lambda x: get_policy_loss_fn(name)(old, x, adv, m, mode, cfg), new)
+        ours, metrics, g_ours = grad_of(lambda x, mode=mode: get_policy_loss_fn(name)(old, x, adv, m, mode, cfg), new)
         assert_rel(ours, ref, f"{name} loss {mode}")
         assert_rel(g_ours, g_ref, f"{name} grad {mode}")
         check_metrics(metrics, ref_metrics)

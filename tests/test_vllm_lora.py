@@ -32,8 +32,8 @@ def _perturb(model, seed: int, scale: float) -> None:
 def check(workdir: str) -> None:
     """The child's body: LoRA r 4 on the warm start, adapters moved, engine synced, log-probs compared."""
     import torch
-
     from test_vllm_engine import hf_response_logprobs, mean_abs
+
     from fspo.models.loading import load_policy
     from fspo.rollout.base import SamplingConfig
     from fspo.rollout.vllm import VLLMEngine

@@ -18,8 +18,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, cap_mask, check_choice, check_positive, prepare,
-                                   token_advantage, token_log_ratio)
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    cap_mask,
+    check_choice,
+    check_positive,
+    prepare,
+    token_advantage,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _get, _run, register_policy_loss
 

@@ -43,8 +43,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, RATIO_GRADS, check_choice, check_positive, prepare,
-                                   seq_advantage, seq_log_ratio_per_token, seq_result, token_log_ratio)
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    RATIO_GRADS,
+    check_choice,
+    check_positive,
+    prepare,
+    seq_advantage,
+    seq_log_ratio_per_token,
+    seq_result,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.calibration import CALIBRATORS as _MOMENT_CALIBRATORS
 from fspo.clipping.quantile_band import QuantileBand

@@ -11,8 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, check_positive, prepare, seq_advantage, token_advantage,
-                                   token_log_ratio)
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    check_positive,
+    prepare,
+    seq_advantage,
+    token_advantage,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _masked_mean, _ratio_kwargs, register_policy_loss
 from fspo.losses import aggregate

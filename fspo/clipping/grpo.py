@@ -8,8 +8,15 @@ from typing import Optional
 
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, RatioClipRule, cap_mask, prepare, ratio_clip,
-                                   token_advantage, token_log_ratio)
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    RatioClipRule,
+    cap_mask,
+    prepare,
+    ratio_clip,
+    token_advantage,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult
 
 

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fspo.clipping._common import (RatioClipRule, cap_mask, prepare, ratio_clip, seq_log_ratio_per_token,
-                                   token_advantage, token_log_ratio)
+from fspo.clipping._common import (
+    RatioClipRule,
+    cap_mask,
+    prepare,
+    ratio_clip,
+    seq_log_ratio_per_token,
+    token_advantage,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult
 
 #: verl clamps GSPO's log ratio from above only, at 10.

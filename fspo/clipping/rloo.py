@@ -9,9 +9,19 @@ from typing import Optional
 
 from torch import Tensor
 
-from fspo.clipping._common import (MAX_LOG_RATIO, RATIO_GRADS, RatioClipRule, cap_mask, check_choice,
-                                   prepare, ratio_clip, seq_advantage, seq_log_ratio_per_token,
-                                   seq_result, token_log_ratio)
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    RATIO_GRADS,
+    RatioClipRule,
+    cap_mask,
+    check_choice,
+    prepare,
+    ratio_clip,
+    seq_advantage,
+    seq_log_ratio_per_token,
+    seq_result,
+    token_log_ratio,
+)
 from fspo.clipping.base import ClipResult
 
 

@@ -5,13 +5,6 @@ fractions by length, the paper's LRE from acceptance and the binding-clip LRE,
 log-ratio statistics, rollout lengths), closed-form theory curves and figures. Leaves out: the
 clip decisions (fspo/clipping) and logging (the training module). Entry point: `FairnessMetrics`.
 """
-from fspo.diagnostics.bins import LengthBins, check_finite, label_edges
-from fspo.diagnostics.clip_fraction import ClipFractionByLength
-from fspo.diagnostics.collection import METRIC_NAME_RE, FairnessMetrics, check_metric_names
-from fspo.diagnostics.lengths import RolloutLengthStats
-from fspo.diagnostics.log_ratio import LogRatioStats, normal_quantiles
-from fspo.diagnostics.lre import acceptance, length_fairness, lre, min_len_mask, q_bar
-from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
 from fspo.clipping.theory import (
     c_fspo,
     c_fspo_symmetric,
@@ -20,6 +13,13 @@ from fspo.clipping.theory import (
     c_rloo,
     c_rloo_symmetric,
 )
+from fspo.diagnostics.bins import LengthBins, check_finite, label_edges
+from fspo.diagnostics.clip_fraction import ClipFractionByLength
+from fspo.diagnostics.collection import METRIC_NAME_RE, FairnessMetrics, check_metric_names
+from fspo.diagnostics.lengths import RolloutLengthStats
+from fspo.diagnostics.log_ratio import LogRatioStats, normal_quantiles
+from fspo.diagnostics.lre import acceptance, length_fairness, lre, min_len_mask, q_bar
+from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
 
 __all__ = [
     "LengthBins", "label_edges", "check_finite",

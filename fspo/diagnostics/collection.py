@@ -127,7 +127,7 @@ class FairnessMetrics(torch.nn.Module):
         check_metric_names(out)
         bad = [k for k, v in out.items() if not math.isfinite(v)]
         if bad:  # should never happen; drop rather than poison the run's logs
-            warnings.warn(f"FairnessMetrics: dropping non-finite metrics {bad}")
+            warnings.warn(f"FairnessMetrics: dropping non-finite metrics {bad}", stacklevel=2)
             out = {k: v for k, v in out.items() if k not in bad}
         self._last = out
         return out

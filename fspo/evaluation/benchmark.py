@@ -24,7 +24,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
-
 from fspo.rollout.base import SamplingConfig
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[s
         have = [e for e in ckpts if b in e["metrics"]]
         if not have:
             continue
-        pick = lambda e: {"value": e["metrics"][b][metric], "step": e.get("step"),  # noqa: E731
+        pick = lambda e, b=b: {"value": e["metrics"][b][metric], "step": e.get("step"),
                           "checkpoint": e.get("checkpoint")}
         i_best, i_last = best_last([e["metrics"][b][metric] for e in have])
         benches[b] = {"best": pick(have[i_best]), "last": pick(have[i_last]),

@@ -64,8 +64,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
     for start, count, length in runs:
         end = start + count * length
 
-        def batch(x):  # [1, h, count * length, d] -> [count, h, length, d] (a strided view)
-            return x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)
+        def batch(x, start=start, end=end, count=count, length=length):  # [1, h, count x length, d] -> [count, h, length, d]
+            return x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)  # (a strided view)
 
         out, _ = sdpa_attention_forward(module, batch(query), batch(key), batch(value), None, dropout=dropout,
                                         scaling=scaling, is_causal=True, **kwargs)

@@ -182,7 +182,7 @@ class AsyncEngine:
 
                     log.warning("stop signal while waiting for the rollout engine: stopping this step")
                     self.kill()  # its work is not needed; a stopped child would block the interpreter's exit
-                    raise SIGTERMException()
+                    raise SIGTERMException() from None
                 if time.monotonic() > deadline:
                     pid = self.proc.pid
                     self.kill()
@@ -190,7 +190,7 @@ class AsyncEngine:
                         f"the rollout engine process (pid {pid}) sent nothing for {self.timeout_s:.0f} s "
                         f"(rollout.overlap.timeout_s): it is stopped or hung, and was killed. Continue from the "
                         f"last checkpoint with resume=auto; raise rollout.overlap.timeout_s if one step's "
-                        f"generation really takes that long")
+                        f"generation really takes that long") from None
 
     def close(self) -> None:
         """Stop the child (requests still queued are dropped); a stopped or hung child is killed."""

@@ -39,16 +39,21 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from fspo.runtime.launch.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
-from fspo.runtime.checkpoints.resume_state import rng_states, set_rng_states
-from fspo.runtime.checkpoints.stop_signal import (StepInterrupted, agree_stop, interruptible, rewind_to_last_step_end,
-                                                 synced_stops)
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.engine_memory import rollout_memory
 from fspo.rollout.group_filter import GroupFilter
 from fspo.rollout.pipeline import RolloutPipeline
+from fspo.runtime.checkpoints.resume_state import rng_states, set_rng_states
+from fspo.runtime.checkpoints.stop_signal import (
+    StepInterrupted,
+    agree_stop,
+    interruptible,
+    rewind_to_last_step_end,
+    synced_stops,
+)
+from fspo.runtime.launch.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.types import RolloutBatch
 
 log = logging.getLogger(__name__)

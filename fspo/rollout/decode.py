@@ -39,8 +39,13 @@ from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from fspo.rollout.base import SamplingConfig
 from fspo.runtime.checkpoints.stop_signal import StepInterrupted, synced_stop_wanted

@@ -30,9 +30,9 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from fspo.runtime.launch.distributed import is_sharded
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.decode import decode_compact
+from fspo.runtime.launch.distributed import is_sharded
 from fspo.types import RolloutBatch
 
 

@@ -32,11 +32,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.runtime.checkpoints.files import RUN_ID_FILE
-from fspo.runtime.launch.rank_zero import is_rank_zero
 from fspo.runtime.checkpoints.resume import ResumePlan
 from fspo.runtime.checks.store_check import NotAnMLflowServer, prepare_store
-from fspo.tracking.outage_buffer import install as install_buffer
+from fspo.runtime.launch.rank_zero import is_rank_zero
 from fspo.tracking.naming import default_run_name, describe_experiment
+from fspo.tracking.outage_buffer import install as install_buffer
 
 log = logging.getLogger(__name__)
 

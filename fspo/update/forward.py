@@ -21,12 +21,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from fspo.update.microbatches import token_budget_micro_batches
-from fspo.runtime.launch.distributed import dp_rank_size, sync_count
-from fspo.update.logprobs import response_log_probs
 from fspo.models.segment_attention import uses_segment_attention
-from fspo.update.packing import TokenUsage, packed_micro_batches, row_width, segment_micro_batches
+from fspo.runtime.launch.distributed import dp_rank_size, sync_count
 from fspo.types import RolloutBatch
+from fspo.update.logprobs import response_log_probs
+from fspo.update.microbatches import token_budget_micro_batches
+from fspo.update.packing import TokenUsage, packed_micro_batches, row_width, segment_micro_batches
 
 
 def micro_batches(module, batch: RolloutBatch) -> Tuple[List[Optional[torch.Tensor]], Optional[int]]:

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from fspo.models.segment_attention import uses_segment_attention
+from fspo.types import RolloutBatch
 from fspo.update.lm_head import chunked_token_logprobs
 from fspo.update.packing import TokenUsage, pack_batch, pack_segments
-from fspo.types import RolloutBatch
 
 T = TypeVar("T")
 R = TypeVar("R")

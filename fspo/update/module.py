@@ -35,17 +35,27 @@ from typing import Dict, Optional
 import lightning as L
 import torch
 
-from fspo.update import forward as passes
-from fspo.runtime.launch.distributed import (any_rank, clip_grad_norm, configure_sharding, dp_rank_size, gather_group_ids,
-                              gather_rollout, rank_offset, reduce_step_stats, reduce_sum, share)
-from fspo.update.metric_logging import emit_metrics
-from fspo.update.guard import DivergenceGuard, UpdateMeter
-from fspo.update.settings import PPOConfig
-from fspo.update.update_ratio import UpdateRatio
 from fspo.models.lora import is_lora
 from fspo.models.segment_attention import enable_segment_attention
-from fspo.update.stats import StepStats, peak_memory_mib
+from fspo.runtime.launch.distributed import (
+    any_rank,
+    clip_grad_norm,
+    configure_sharding,
+    dp_rank_size,
+    gather_group_ids,
+    gather_rollout,
+    rank_offset,
+    reduce_step_stats,
+    reduce_sum,
+    share,
+)
 from fspo.types import RolloutBatch
+from fspo.update import forward as passes
+from fspo.update.guard import DivergenceGuard, UpdateMeter
+from fspo.update.metric_logging import emit_metrics
+from fspo.update.settings import PPOConfig
+from fspo.update.stats import StepStats, peak_memory_mib
+from fspo.update.update_ratio import UpdateRatio
 
 
 class RLModule(L.LightningModule):

@@ -18,8 +18,16 @@ from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
 from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
 from fspo.evaluation.report.law import law_markdown, law_rows
-from fspo.evaluation.report.table import (fairness_markdown, fairness_rows, group_runs, run_rows, seeds_markdown, table1,
-                               table1_markdown, write_csv)
+from fspo.evaluation.report.table import (
+    fairness_markdown,
+    fairness_rows,
+    group_runs,
+    run_rows,
+    seeds_markdown,
+    table1,
+    table1_markdown,
+    write_csv,
+)
 
 log = logging.getLogger(__name__)
 QQ_ARTIFACT = "plots/logratio_qq.png"

@@ -41,13 +41,19 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from fspo.runtime.checkpoints.integrity import (CheckpointCorrupt, manifest_path, nonfinite_tensors, quarantine,
-                                       shard_digests, write_manifest)
-from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
-from fspo.runtime.launch.distributed import is_sharded
 from fspo.models.lora import adapter_state, is_lora
+from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
+from fspo.runtime.checkpoints.integrity import (
+    CheckpointCorrupt,
+    manifest_path,
+    nonfinite_tensors,
+    quarantine,
+    shard_digests,
+    write_manifest,
+)
 from fspo.runtime.checkpoints.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
 from fspo.runtime.checkpoints.stop_signal import install_sigterm, request_stop, reset, stop_requested
+from fspo.runtime.launch.distributed import is_sharded
 
 log = logging.getLogger(__name__)
 

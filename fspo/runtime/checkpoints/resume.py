@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify
 from fspo.runtime.checkpoints.files import RUN_ID_FILE, RUN_ID_KEY, checkpoint_dir, list_checkpoints, read_resume_meta
+from fspo.runtime.checkpoints.integrity import CheckpointCorrupt, manifest_path, quarantine, verify
 from fspo.runtime.launch.rank_zero import launch_rank
 
 log = logging.getLogger(__name__)

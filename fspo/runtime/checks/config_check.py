@@ -29,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
 from fspo.runtime.launch.precision import master_weight_problem
-from fspo.runtime.launch.vllm_support import FIX as VLLM_FIX, installed_vllm_version, vllm_version_problem
+from fspo.runtime.launch.vllm_support import FIX as VLLM_FIX
+from fspo.runtime.launch.vllm_support import installed_vllm_version, vllm_version_problem
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,6 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         if isinstance(v, float) and not math.isfinite(v):
             raise _fail(f"reward.{k}", v, "must be a finite number (a non-finite reward gives no learning signal)",
                         f"set reward.{k} to a finite number, e.g. reward.{k}=1.0")
-    strategy = str(_get(cfg, "trainer.strategy._target_"))
     engine_target = str(_get(cfg, "rollout.engine._target_"))
     installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None
     if installed is not None and vllm_version_problem(installed) is not None:  # not installed: the engine says so

@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from fspo.runtime.checkpoints.files import read_resume_meta
-from fspo.runtime.launch.rank_zero import launch_rank
 from fspo.runtime.checkpoints.stored_config import check_stored_targets
+from fspo.runtime.launch.rank_zero import launch_rank
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.yaml"
