@@ -42,6 +42,7 @@ def test_checkpoints_path_that_is_a_file_is_refused_before_anything(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_wandb_without_key_or_offline_fails_at_start_with_one_line(tmp_path):
     pytest.importorskip("wandb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "HYDRA_FULL_ERROR"}

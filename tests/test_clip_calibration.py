@@ -168,6 +168,7 @@ def _worker(rank, world, port, out_dir):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_all_reduced_update_equals_single_process(tmp_path):
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     synced = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

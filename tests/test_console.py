@@ -81,6 +81,7 @@ print("filters on rank_zero:", len(logging.getLogger("lightning.pytorch.utilitie
 """
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_quiet_third_party_in_a_fresh_process():
     """A fresh process (the filters are process-wide): Hydra-like root handler, then the known noise."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -162,6 +162,7 @@ def _rank_worker(rank: int, port: int, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_two_ranks_agree_on_rounds_and_groups():
     results = mp.Manager().dict()
     mp.spawn(_rank_worker, args=(free_port(), results), nprocs=2, join=True)

@@ -127,6 +127,7 @@ def _check_csv(log_dir, steps=2):
     return rows
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_csv_run(tmp_path):
     out = tmp_path / "out"
     final = _train(["logger=csv"], out)
@@ -136,6 +137,7 @@ def test_csv_run(tmp_path):
     assert not (out / "mlflow_run_id").exists()  # no MLflow logger, no run id file
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_tensorboard_run(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -172,6 +174,7 @@ def test_mlflow_and_csv_at_once(tmp_path):
     assert {f"plots/{n}.png" for n in FIGURES} | {"config.yaml"} <= arts
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_wandb_offline_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb not installed (pip install wandb)")
     import wandb

@@ -60,6 +60,7 @@ def test_eval_sets_rows_and_references():
 
 
 @needs_data
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_train_set_dedup_counts():
     t = load_math_source("dapo_aime_train")
     d = t.stats["dedup"]

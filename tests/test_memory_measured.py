@@ -84,6 +84,7 @@ def test_activation_formula_covers_the_measured_bytes(autocast, hidden, heads, k
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast_bf16"])
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_dense_head_formula_covers_the_measured_bytes(autocast):
     small, large = (_peak(2, 512, 8, 4, 1536, v, autocast) for v in (8192, 16384))
     per_element = (sum(large) - sum(small)) / (B * T * 8192)  # logits are kept for the response tokens only

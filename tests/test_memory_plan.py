@@ -249,6 +249,7 @@ def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
     assert "\n  optimizer " in proc.stdout  # the plan was printed first
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_dry_run_8b_lora_on_one_80gb_gpu(tmp_path):
     """Issue 32: Qwen3-8B with LoRA r 64 on one 80 GiB GPU. A float32 base does not fit (131 GiB); the refusal
     names the recipe that does (bf16 frozen base, chunked head), and that recipe's dry run exits 0."""

@@ -97,6 +97,7 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_gather_group_ids_matches_gather_rollout():
     """The plan is drawn from `gather_group_ids` before the gather; it must number the groups exactly
     as `gather_rollout` then does (rank order, offset past the previous ranks' groups)."""

@@ -51,6 +51,7 @@ def history(cfg, key: str):
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}, client.get_run(run_id)
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_nan_log_probs_skip_the_update_and_are_counted(compose_cfg, monkeypatch):
     from fspo.train import train
 
@@ -67,6 +68,7 @@ def test_nan_log_probs_skip_the_update_and_are_counted(compose_cfg, monkeypatch)
     assert updates == {0: 2.0, 1: 0.0, 2: 2.0}
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_nonfinite_raise_stops_with_clear_error_and_keeps_checkpoint(compose_cfg, monkeypatch):
     from fspo.train import train
 
@@ -134,6 +136,7 @@ class PoisonReward:
         return RewardOutput(scores=s, components={"correct": [0.0] * len(s)})
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_bad_reward_samples_are_logged_and_training_goes_on(compose_cfg, monkeypatch):
     from hydra.utils import instantiate
 
@@ -179,6 +182,7 @@ def test_unreachable_tracking_uri_fails_fast_with_clear_message(compose_cfg):
     assert not (Path(cfg.output_dir) / "mlflow_run_id").exists()
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_unreachable_tracking_uri_falls_back_to_local_store(compose_cfg, caplog):
     from mlflow.tracking import MlflowClient
 

@@ -53,6 +53,7 @@ def server(tmp_path, monkeypatch):
             stop(p)
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_writes_during_an_outage_are_buffered_and_flushed_when_the_server_is_back(tmp_path, server):
     port, procs = server
     base = f"http://127.0.0.1:{port}"

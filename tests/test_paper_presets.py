@@ -135,6 +135,7 @@ def _leaves(tree, prefix=""):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_preset_with_method_has_the_papers_values(preset, method):
     cfg = compose_config([f"+experiment={preset}", f"+method={method}"])
     c = OmegaConf.to_container(cfg, resolve=True)

@@ -111,6 +111,7 @@ def _engine_pid(sid: int) -> int:
     return next(p for p in session_pids(sid) if "spawn_main" in _cmdline(p))
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_a_stopped_engine_ends_the_wait_with_a_clear_error():
     from fspo.models.tiny import build_tiny_model, build_tokenizer
     from fspo.rollout.async_engine import AsyncEngine, EngineUnresponsive

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from omegaconf import open_dict
 
 from conftest import SMALL
@@ -16,6 +17,7 @@ from conftest import SMALL
 BASE = [o for o in SMALL if not o.startswith("steps=")] + ["val.size=0", "checkpoint.every_n_steps=1"]
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_resume_into_a_new_output_dir_starts_its_own_tagged_run(compose_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -88,6 +88,7 @@ def test_training_stops_on_a_reward_that_cannot_teach(compose_cfg, cls, match):
     assert msg is not None and "\n" not in msg and match in msg, msg
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_some_raising_samples_stop_at_zero_threshold_and_go_on_above(compose_cfg, monkeypatch):
     from fspo.train import train
 
@@ -101,6 +102,7 @@ def test_some_raising_samples_stop_at_zero_threshold_and_go_on_above(compose_cfg
     assert final["reward/errors"] == 1 and final["reward/raised"] == pytest.approx(1 / 16)
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_run_with_nan_reward_setting_exits_2_before_any_work(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")

@@ -268,6 +268,7 @@ def test_checkpoint_save_writes_manifest_and_prunes_with_it(tmp_path):
     assert verify(ck / "step_000006.ckpt") is False  # no stale manifest left for a rewritten checkpoint
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_nonfinite_parameters_after_loading_stop_and_move_the_checkpoint_aside(compose_cfg):
     """A checkpoint of an older version (no manifest) whose weights load as NaN: a clear error before the
     first step, the checkpoint moved to damaged/, and the next resume=auto continues from the one before."""

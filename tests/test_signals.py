@@ -56,6 +56,7 @@ def test_signal_saves_at_step_boundary_and_exits_0(tmp_path, sig):
 
 
 @pytest.mark.parametrize("hook", ["on_train_batch_start", "on_validation_batch_start"])
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_sigterm_near_a_validation_saves_after_it(compose_cfg, monkeypatch, hook):
     """SIGTERM during step 2's update (validation follows: the save waits for it) or during the
     validation after step 2 (Lightning stops after it): either way step_000002.ckpt follows the
@@ -153,6 +154,7 @@ StepCheckpoint(Path(sys.argv[1]), keep_last=1)._save(FakeTrainer(slow), 4)
 """
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_kill9_during_write_keeps_previous_checkpoint(tmp_path):
     ck = tmp_path / "checkpoints"
     StepCheckpoint(ck, keep_last=1)._save(FakeTrainer(good_writer(2)), 2)

@@ -80,6 +80,7 @@ def _policy(ckpt: Path):
     return {k: v for k, v in sd.items() if k.startswith("policy.")}
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_sigterm_in_reward_abandons_step_and_resume_matches(tmp_path, monkeypatch, mlflow_uri):
     from conftest import compose_config
     from fspo.train import train
@@ -157,6 +158,7 @@ def _synced_decoder(rank: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_synced_generation_stops_on_every_rank_at_the_same_token(tmp_path):
     import json
 

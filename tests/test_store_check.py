@@ -109,6 +109,7 @@ def timed(fn, *a, **kw):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_readonly_existing_store(tmp_path, readonly):
     uri = new_store(tmp_path / "store")
     ro = readonly(tmp_path / "store")
@@ -263,6 +264,7 @@ def test_plain_web_server_is_not_an_mlflow_store(server):
     assert uri in line and "not an MLflow tracking server" in line and "logger_fallback=local" in line, line
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_plain_web_server_falls_back_when_asked(server, tmp_path):
     from omegaconf import open_dict
 

@@ -82,6 +82,7 @@ def _half_created(db: Path, runs: bool) -> None:
         con.execute("CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_half_created_store_without_runs_is_moved_aside_and_created_again(tmp_path, caplog):
     from fspo.runtime.checks.store_check import prepare_store
 
@@ -93,6 +94,7 @@ def test_half_created_store_without_runs_is_moved_aside_and_created_again(tmp_pa
     assert len(aside) == 1 and "moved to" in caplog.text
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_half_migrated_store_with_runs_is_refused_and_untouched(tmp_path):
     from fspo.runtime.checks.errors import user_error
     from fspo.runtime.checks.sqlite_store import HalfMigratedStore

@@ -74,6 +74,7 @@ def test_fspo_z():
 
 
 @pytest.mark.parametrize("model", [None, "qwen3_1_7b"])
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_methods(model):
     extra = [f"+model={model}"] if model else []
     jobs = _jobs("methods", extra)

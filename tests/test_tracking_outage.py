@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 DRIVER = """
@@ -29,6 +31,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_evaluate_with_an_unreachable_server_fails_fast_with_one_line(tmp_path):
     uri = f"http://127.0.0.1:{closed_port()}"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}

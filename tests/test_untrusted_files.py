@@ -82,6 +82,7 @@ def test_clean_distributed_checkpoint_loads_and_crafted_ones_are_refused(tmp_pat
     assert not marker.exists()
 
 
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_evaluate_on_a_crafted_checkpoint_exits_2_and_runs_nothing(tmp_path):
     f, marker = crafted_ckpt(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}

@@ -176,6 +176,7 @@ def _spawn(with_engine, tmp_path, target=None):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
 def test_iter_full_state_dict_gathers_fsdp2_dtensors(tmp_path):
     out = _spawn(False, tmp_path)
     expected = sorted(build_tiny_model(seed=3).state_dict())
