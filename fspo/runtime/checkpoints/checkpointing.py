@@ -1,6 +1,6 @@
 """Resumable checkpoints: every N RL steps, on SIGTERM / SIGUSR1, written atomically, keep-last-k.
 
-Owns: `StepCheckpoint` (the Lightning callback), `atomic_commit` and `slurm_plugins`. Leaves out:
+Owns: `StepCheckpoint` (the Lightning callback) and `slurm_plugins`. Leaves out:
 reading checkpoints (fspo/runtime/checkpoints/files.py), choosing the checkpoint to resume from
 (fspo/runtime/checkpoints/resume.py) and the MLflow run (fspo/tracking/logger.py).
 
@@ -45,6 +45,7 @@ from fspo.models.lora import adapter_state, is_lora
 from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
 from fspo.runtime.checkpoints.integrity import (
     CheckpointCorrupt,
+    atomic_commit,
     manifest_path,
     nonfinite_tensors,
     quarantine,
@@ -56,25 +57,6 @@ from fspo.runtime.checkpoints.stop_signal import install_sigterm, request_stop, 
 from fspo.runtime.launch.distributed import is_sharded
 
 log = logging.getLogger(__name__)
-
-
-def _fsync(path: Path) -> None:
-    for q in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()] + [path]:
-        fd = os.open(q, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_commit(tmp, final) -> None:
-    """fsync ``tmp`` (file or folder), rename it to ``final`` (replacing it) and fsync the parent folder."""
-    tmp, final = Path(tmp), Path(final)
-    _fsync(tmp)
-    if final.is_dir() and tmp.is_dir():  # os.replace cannot replace a non-empty folder
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(final.parent)
 
 
 def _remove(path: Path) -> None:

@@ -5,7 +5,8 @@ Owns: `write_manifest` / `verify` / `manifest_path` (``step_N.ckpt.sha256`` next
 ``step_N.ckpt``, in ``sha256sum`` format: ``cd <output_dir>/checkpoints && sha256sum -c
 step_N.ckpt.sha256`` checks it by hand), `shard_digests` (each rank hashes its own shards of a
 sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to
-``checkpoints/damaged/``), `nonfinite_tensors` and `CheckpointCorrupt`. Leaves out: when checkpoints
+``checkpoints/damaged/``), `atomic_commit` (fsync, rename into place, fsync the folder), `nonfinite_tensors`
+and `CheckpointCorrupt`. Leaves out: when checkpoints
 are written and pruned (fspo/runtime/checkpoints/checkpointing.py) and which one a run resumes from (fspo/runtime/checkpoints/resume.py).
 
 Contract:
@@ -24,6 +25,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
@@ -145,3 +147,22 @@ def nonfinite_tensors(named: Iterable) -> List[str]:
         if local.numel() and not bool(torch.isfinite(local.detach()).all()):
             bad.append(name)
     return bad
+
+
+def _fsync(path: Path) -> None:
+    for q in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()] + [path]:
+        fd = os.open(q, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_commit(tmp, final) -> None:
+    """fsync ``tmp`` (file or folder), rename it to ``final`` (replacing it) and fsync the parent folder."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync(tmp)
+    if final.is_dir() and tmp.is_dir():  # os.replace cannot replace a non-empty folder
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)

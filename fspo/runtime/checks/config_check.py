@@ -20,184 +20,29 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import List
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.losses import AGG_MODES
+from fspo.runtime.checks.config_rules import (
+    _ABSENT,
+    FLOAT32_MAX,
+    GROUP_ADVANTAGES,
+    LR_WARN,
+    RULES,
+    SETTINGS_OBJECTS,
+    ConfigError,
+    _check_rule,
+    _fail,
+    _get,
+)
 from fspo.runtime.launch.precision import master_weight_problem
 from fspo.runtime.launch.vllm_support import FIX as VLLM_FIX
 from fspo.runtime.launch.vllm_support import installed_vllm_version, vllm_version_problem
 
 log = logging.getLogger(__name__)
-
-_ABSENT = object()
-FLOAT32_MAX = 3.4028234663852886e38
-LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always diverges
-GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
-SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")  # pure values: built here
-
-
-class ConfigError(ValueError):
-    """A setting has the wrong type or range, or settings that cannot train together; the message names
-    the key and the fix."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``key`` must be a ``kind`` ("int": a whole number, "number", "choice") within [lo, hi] (open
-    ends when ``lo_open`` / ``hi_open``) or one of ``choices``; ``null`` only when ``nullable``.
-    ``meaning`` says what the key is, ``example`` a valid value for the fix."""
-
-    key: str
-    kind: str
-    lo: Optional[float] = None
-    hi: Optional[float] = None
-    lo_open: bool = False
-    hi_open: bool = False
-    choices: Tuple[Any, ...] = ()
-    nullable: bool = False
-    meaning: str = ""
-    example: Any = None
-
-    def requirement(self) -> str:
-        if self.kind == "choice":
-            return "one of " + ", ".join(str(c) for c in self.choices)
-        what = "a whole number" if self.kind == "int" else "a number"
-        lo = None if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        hi = None if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
-        if lo and hi:
-            what += f" in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        elif lo or hi:
-            what += f" {lo or hi}"
-        return what + (" or null" if self.nullable else "")
-
-
-def _int(key, lo=None, meaning="", example=None, nullable=False, hi=None) -> Rule:
-    return Rule(key, "int", lo=lo, hi=hi, meaning=meaning, example=example, nullable=nullable)
-
-
-def _pos(key, meaning="", example=None, nullable=False) -> Rule:
-    return Rule(key, "number", lo=0, lo_open=True, meaning=meaning, example=example, nullable=nullable)
-
-
-RULES: Tuple[Rule, ...] = (
-    _int("steps", 1, "RL steps in the run", 60),
-    _int("prompts_per_step", 1, "prompts per RL step", 16),
-    _int("seed", None, "the run's random seed", 42),
-    _int("cpu_threads", 1, "torch intra-op threads", 1, nullable=True),
-    Rule("logger_fallback", "choice", choices=(None, "local"), meaning="what to do when the tracking "
-         "server does not answer", example="local"),
-    Rule("loss_agg_mode", "choice", choices=AGG_MODES, meaning="how token losses are aggregated",
-         example="token-mean"),
-    Rule("model.source", "choice", choices=("warmstart", "random", "pretrained"), meaning="where the "
-         "policy comes from", example="pretrained"),
-    _int("model.lora.rank", 0, "LoRA rank r; 0 turns LoRA off (full fine-tuning)", 8),
-    _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A", 16),
-    _pos("model.lora.lr", "AdamW's learning rate for the LoRA adapters (null: ppo.lr)", 5e-4, nullable=True),
-    Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input",
-         example=0.0),
-    Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
-         "parameter dtype", example="float32"),
-    # rollouts
-    _int("rollout.sampling.n", 1, "completions per prompt, the group of the advantages", 8),
-    _int("rollout.sampling.max_new_tokens", 1, "the longest response sampled", 128),
-    _int("rollout.sampling.min_new_tokens", 0, "tokens before EOS is allowed", 0),
-    _pos("rollout.sampling.temperature", "the training sampling temperature; training needs samples "
-         "that differ and finite log-probs", 1.0),
-    Rule("rollout.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="nucleus sampling mass",
-         example=1.0),
-    _int("rollout.sampling.top_k", None, "top-k filter (<= 0: off)", 0),
-    _int("rollout.engine.batch_size", 1, "sequences the engine decodes at once", 256),
-    # the update
-    _int("ppo.mini_batch_size", 1, "one optimizer update's share of the step's batch", 32),
-    Rule("ppo.mini_batch_unit", "choice", choices=("sequences", "prompts"), meaning="what "
-         "ppo.mini_batch_size counts", example="sequences"),
-    _int("ppo.epochs", 1, "passes over each step's batch", 1),
-    _int("ppo.micro_batch_max_tokens", 1, "the token budget of one forward/backward", 8192),
-    _int("ppo.lm_head_chunk_rows", 0, "positions per chunk of the chunked LM-head log-prob; 0: dense", 1024),
-    Rule("ppo.pack_row_factor", "number", lo=1, meaning="packed row width relative to the longest "
-         "sequence", example=2.0),
-    _pos("ppo.lr", "AdamW's learning rate", 2e-5),
-    _pos("ppo.max_grad_norm", "the gradient norm clipped to", 1.0),
-    Rule("ppo.weight_decay", "number", lo=0, meaning="AdamW's weight decay", example=0.0),
-    _int("ppo.warmup_steps", 0, "linear learning-rate warm-up in RL steps", 0),
-    Rule("ppo.nonfinite", "choice", choices=("skip", "raise"), meaning="what a NaN/inf loss or gradient "
-         "does", example="skip"),
-    Rule("ppo.old_log_probs", "choice", choices=("engine", "recompute"), meaning="where old log-probs "
-         "come from", example="recompute"),
-    # validation and diagnostics
-    _int("val.size", 0, "held-out prompts; 0 turns validation off", 256),
-    _int("val.every_n_steps", 1, "RL steps between validations", 20),
-    _int("val.batch_size", 1, "prompts per validation batch", 128),
-    _int("val.sampling.n", 1, "validation samples per prompt (Avg@n)", 2),
-    Rule("val.sampling.temperature", "number", lo=0, meaning="validation temperature (0: greedy)",
-         example=0.6),
-    Rule("val.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="validation nucleus mass",
-         example=0.95),
-    _int("data.max_prompt_len", 1, "the longest prompt in tokens", 64),
-    Rule("dry_run", "choice", choices=(True, False), meaning="print the memory plan and exit", example="true"),
-    _pos("memory_plan.device_gib", "GiB per rank the memory plan assumes instead of the device found", 80,
-         nullable=True),
-    _int("diagnostics.bin_width", 1, "clip-fraction length bin width in tokens", 16),
-    Rule("diagnostics.lre_min_len", "number", lo=0, meaning="shortest length counted in the LRE",
-         example=0),
-    _int("diagnostics.reservoir_size", 1, "log-ratio samples kept for the Gaussianity checks", 4096),
-    # console progress (fspo/tracking/progress.py)
-    Rule("progress.mode", "choice", choices=("auto", "bar", "lines", "off"), meaning="the console progress: "
-         "auto is a bar on a terminal, else log lines", example="lines"),
-    _int("progress.every_n_steps", 1, "RL steps between progress lines", 5),
-    # checkpoints
-    _int("checkpoint.every_n_steps", 0, "RL steps between checkpoints (0: only the last)", 10),
-    _int("checkpoint.keep_last", 1, "checkpoints kept", 2),
-    # divergence guard (fspo/update/guard.py)
-    Rule("guard.action", "choice", choices=("stop", "skip", "warn", "off"), meaning="what a breached "
-         "divergence limit does", example="stop"),
-    _pos("guard.max_grad_norm", "divergence limit on the gradient norm before clipping", 1e4, nullable=True),
-    _pos("guard.max_loss", "divergence limit on the mini-batch's mean token loss", 1e3, nullable=True),
-    _pos("guard.max_kl", "divergence limit on the mean KL(old || current) per token", 1.0, nullable=True),
-    Rule("reward_guard.max_error_frac", "number", lo=0, hi=1, meaning="the fraction of a step's samples the reward "
-         "may raise on before the run stops", example=0.0),
-)
-
-
-def _get(cfg: DictConfig, key: str) -> Any:
-    """The resolved value at ``key`` (interpolations resolved, errors propagate), or `_ABSENT`."""
-    return OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
-
-
-def _fail(key: str, value: Any, problem: str, fix: str) -> ConfigError:
-    shown = "null" if value is None else value
-    return ConfigError(f"{key}={shown}: {problem}; {fix}")
-
-
-def _check_rule(rule: Rule, value: Any) -> None:
-    fix = f"set {rule.key}={rule.example}" if rule.example is not None else f"set {rule.key}"
-    meaning = f" ({rule.meaning})" if rule.meaning else ""
-    bad = _fail(rule.key, value, f"must be {rule.requirement()}{meaning}", fix)
-    if value is None:
-        if rule.nullable or (rule.kind == "choice" and None in rule.choices):
-            return
-        raise bad
-    if rule.kind == "choice":
-        if value not in rule.choices:
-            raise bad
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad
-    if rule.kind == "int" and not float(value).is_integer():
-        raise bad
-    v = float(value)
-    if math.isnan(v) or (rule.kind == "int" and math.isinf(v)):
-        raise bad
-    if rule.lo is not None and (v < rule.lo or (rule.lo_open and v == rule.lo)):
-        raise bad
-    if rule.hi is not None and (v > rule.hi or (rule.hi_open and v == rule.hi)):
-        raise bad
-
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask: a SLURM or cgroup limit counts)."""
