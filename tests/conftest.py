@@ -52,6 +52,24 @@ def torchrun_two_ranks(worker: Path, out: Path, scenarios: str, timeout: int = 8
     return out
 
 
+def sweep_arms(sweep: str) -> dict:
+    """{arm name: resolved job config} of sweeps/<sweep>.yaml's default grid (jobs read the parent run id
+    from the environment, set by the Hydra callback at launch; a placeholder stands in for it here)."""
+    from omegaconf import OmegaConf
+
+    from fspo.sweeps import job_config, sweep_jobs
+
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
+        for job in sweep_jobs(sweep, []):
+            (arm,) = [o.split("=", 1)[1] for o in job if o.startswith("+arm=")]
+            cfg = job_config(sweep, job)
+            OmegaConf.resolve(cfg)
+            out[arm] = cfg
+    return out
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a test's own process group (gloo / vLLM rendezvous)."""
     with socket.socket() as s:

@@ -9,8 +9,8 @@ import math
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
+from conftest import sweep_arms
 from fspo.sweeps import job_config, sweep_jobs
 
 L_MED, SIGMA = 72, 0.030
@@ -19,17 +19,7 @@ BAND = SIGMA * math.sqrt(L_MED)  # 0.2546: the interval of S every matched band 
 
 @pytest.fixture(scope="module")
 def arms():
-    """{arm name: resolved job config} for the sweep's default grid (jobs read the parent run id from
-    the environment, set by the Hydra callback at launch)."""
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
-        for job in sweep_jobs("length_fairness", []):
-            (arm,) = [o.split("=", 1)[1] for o in job if o.startswith("+arm=")]
-            cfg = job_config("length_fairness", job)
-            OmegaConf.resolve(cfg)
-            out[arm] = cfg
-    return out
+    return sweep_arms("length_fairness")
 
 
 def test_arms_compose_with_tags(arms):

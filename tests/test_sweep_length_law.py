@@ -12,10 +12,9 @@ import statistics
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
+from conftest import sweep_arms
 from fspo.data.arithmetic import worked_solution
-from fspo.sweeps import job_config, sweep_jobs
 
 L_MED, SIGMA = 288, 0.030
 BAND = SIGMA * math.sqrt(L_MED)  # 0.5091
@@ -23,15 +22,7 @@ BAND = SIGMA * math.sqrt(L_MED)  # 0.5091
 
 @pytest.fixture(scope="module")
 def arms():
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
-        for job in sweep_jobs("length_law", []):
-            (arm,) = [o.split("=", 1)[1] for o in job if o.startswith("+arm=")]
-            cfg = job_config("length_law", job)
-            OmegaConf.resolve(cfg)
-            out[arm] = cfg
-    return out
+    return sweep_arms("length_law")
 
 
 def test_task_spans_8x_up_to_512_tokens(arms):

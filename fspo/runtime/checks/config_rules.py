@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fspo.losses import AGG_MODES
 
-_ABSENT = object()
+ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
 LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always diverges
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
@@ -145,20 +145,20 @@ RULES: Tuple[Rule, ...] = (
 )
 
 
-def _get(cfg: DictConfig, key: str) -> Any:
-    """The resolved value at ``key`` (interpolations resolved, errors propagate), or `_ABSENT`."""
-    return OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
+def get_setting(cfg: DictConfig, key: str) -> Any:
+    """The resolved value at ``key`` (interpolations resolved, errors propagate), or `ABSENT`."""
+    return OmegaConf.select(cfg, key, default=ABSENT, throw_on_missing=False)
 
 
-def _fail(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     shown = "null" if value is None else value
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
 
 
-def _check_rule(rule: Rule, value: Any) -> None:
+def check_rule(rule: Rule, value: Any) -> None:
     fix = f"set {rule.key}={rule.example}" if rule.example is not None else f"set {rule.key}"
     meaning = f" ({rule.meaning})" if rule.meaning else ""
-    bad = _fail(rule.key, value, f"must be {rule.requirement()}{meaning}", fix)
+    bad = setting_error(rule.key, value, f"must be {rule.requirement()}{meaning}", fix)
     if value is None:
         if rule.nullable or (rule.kind == "choice" and None in rule.choices):
             return
