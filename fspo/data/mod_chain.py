@@ -1,0 +1,95 @@
+"""The length-law task: a modular chain whose every line is the same kind of step.
+
+Owns: `ModChainTask` (deterministic prompts per split), `chain_lines` (the reference chain) and
+`demonstration` (the warm start's noisy demonstrations). Leaves out: scoring
+(fspo/rewards/mod_chain.py).
+
+A problem is a start digit v0 and a line count n (log-uniform in ``min_lines..max_lines``)::
+
+    prompt:   "Q:3,005\nA:"                        (always 10 characters: n is zero-padded)
+    response: "005:0\n004:7\n003:4\n002:1\n001:8"     (+ EOS)
+
+Line k (k = 1..n) is ``{n - k + 1:03d}:{v_k}`` with v_k = (v_{k-1} + step) mod 10: the counter counts
+down to 001 (so the model knows where to stop without counting lines) and the digit follows the line
+before. Every line is 6 tokens (the tiny model's tokens are characters), so a response is 6 n tokens
+with its EOS: 24..600 for n in 4..100, a 25x range spread evenly in log L.
+
+Why it isolates the length law S_L ~ N(mu_L, sigma^2 L) (docs/length_law.md):
+* the prompt has the same length for every n, so per-token sensitivity does not change with the answer's length;
+* every line is the same step (copy the counter minus one, add ``step`` to the digit), so the per-token
+  log-ratios are comparable terms along the response;
+* the reward (the fraction of lines consistent with the line before) has the same mean at every n, so
+  advantages are not tied to length: a warm start trained on demonstrations that slip on a fraction of
+  lines earns partial credit in every length bin and nearly every group has reward variance.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import List, Optional
+
+from fspo.data.base import ListSource, Sample
+
+
+def render_prompt(v0: int, n: int) -> str:
+    return f"Q:{v0},{n:03d}\nA:"
+
+
+def chain_lines(v0: int, n: int, step: int = 7) -> List[str]:
+    """The n reference lines ``{counter:03d}:{digit}`` (no newlines)."""
+    out, v = [], v0
+    for k in range(n):
+        v = (v + step) % 10
+        out.append(f"{n - k:03d}:{v}")
+    return out
+
+
+def demonstration(v0: int, n: int, slip: float, rng: random.Random, step: int = 7) -> str:
+    """A demonstration whose digit slips (a wrong digit, drawn uniformly from the other nine) on a fraction
+    ``slip`` of the lines; the next line continues from the slipped digit, so each slip costs one line."""
+    out, v = [], v0
+    for k in range(n):
+        right = (v + step) % 10
+        v = rng.choice([d for d in range(10) if d != right]) if rng.random() < slip else right
+        out.append(f"{n - k:03d}:{v}")
+    return "\n".join(out)
+
+
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return min(hi, max(lo, int(math.floor(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))))
+
+
+class ModChainTask:
+    """Deterministic train / validation / test prompt sets of the modular chain.
+
+    ``split`` is "train", "val" or "test" (different seeds, as `ArithmeticTask`); ``size`` problems with
+    n log-uniform in ``min_lines..max_lines`` (1 <= min_lines <= max_lines <= 999) and v0 uniform in 0..9.
+    The prompt set is small (10 x the number of n values), so prompts repeat across splits by design: the
+    task measures the clip, not generalisation. ``answer`` is ``"v0,n"``; ``meta`` holds v0, n and step.
+    """
+
+    SEED_OFFSET = {"train": 0, "val": 1_000_003, "test": 2_000_003}
+
+    def __init__(self, split: str = "train", size: int = 20000, seed: int = 0, min_lines: int = 4,
+                 max_lines: int = 100, step: int = 7, exclude_size: Optional[int] = None):
+        if split not in self.SEED_OFFSET:
+            raise ValueError(f"data.split must be 'train', 'val' or 'test', got {split!r}")
+        if not 1 <= min_lines <= max_lines <= 999:
+            raise ValueError(f"need 1 <= min_lines <= max_lines <= 999 (a 3-digit counter), got {min_lines}, {max_lines}")
+        if size < 1:
+            raise ValueError(f"data size must be >= 1, got {size}: the prompt set would be empty")
+        if step % 10 == 0:
+            raise ValueError(f"data step must not be a multiple of 10 (the digit would never change), got {step}")
+        rng = random.Random(seed + self.SEED_OFFSET[split])
+        out = []
+        for i in range(size):
+            n, v0 = _log_uniform_int(rng, min_lines, max_lines), rng.randrange(10)
+            out.append(Sample(prompt=render_prompt(v0, n), answer=f"{v0},{n}",
+                              meta={"source": "mod_chain", "row": i, "v0": v0, "n": n, "step": step}))
+        self.source = ListSource(out, name=f"mod_chain/{split}")
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.source[i]
