@@ -17,6 +17,8 @@ from typing import Any, Dict
 import numpy as np
 from omegaconf import OmegaConf
 
+from fspo.diagnostics.law_summary import law_summary, law_table
+from fspo.diagnostics.ledger import ledger_arrays, write_csv
 from fspo.diagnostics.metric_keys import display_key
 from fspo.tracking import sinks
 from fspo.tracking.logger import as_list, mlflow_logger
@@ -46,6 +48,9 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
         return
     metrics = diag.compute()
     step = int(module.rl_step)
+    ledger = getattr(module, "ledger", None)
+    records = ledger.compute() if ledger is not None else None  # a collective, like diag.compute()
+    metrics.update(_law_metrics(records, cfg))
     for lg in loggers:  # one section, `run` (fspo/diagnostics/metric_keys.py)
         lg.log_metrics({display_key(f"run/{k}"): float(v) for k, v in metrics.items()}, step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
@@ -73,10 +78,28 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         for lg in loggers:
             _unless_down(down, "config.yaml", sinks.log_file, lg, p, step)
+    if records is not None and cfg.get("output_dir") and getattr(trainer, "is_global_zero", True):
+        # the records behind run/law/* (fspo/diagnostics/ledger.py), in the output folder and the MLflow run
+        p = write_csv(records, Path(cfg.output_dir) / "diagnostics" / "sequences.csv")
+        if ml is not None and ml.run_id is not None:  # MLflow: artifact diagnostics/sequences.csv
+            _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p), "diagnostics")
     if down:  # one line; the same files are in the output folder's other loggers / run_config.yaml
         log.warning("MLflow server is down: not logged to the MLflow run: %s", ", ".join(down))
     for lg in loggers:
         sinks.finish(lg)
+
+
+def _law_metrics(records, cfg) -> Dict[str, float]:
+    """``law/*`` of the run's sequence records (fspo/diagnostics/law_summary.py); {} without records."""
+    if records is None:
+        return {}
+    law = OmegaConf.select(cfg, "diagnostics.law", default=None) or {}
+    out = law_summary(ledger_arrays(records), per_octave=int(law.get("per_octave", 2)),
+                      min_count=int(law.get("min_count", 50)), n_boot=int(law.get("n_boot", 200)),
+                      seed=int(cfg.seed))
+    if out:
+        log.info("length law of this run (run/law/*):\n  %s", "\n  ".join(law_table(out)))
+    return out
 
 
 def _unless_down(down: list, what: str, fn, *args) -> None:

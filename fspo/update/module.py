@@ -64,11 +64,12 @@ class RLModule(L.LightningModule):
     ``policy`` is an HF causal LM; ``clip`` a `ClipRule`; ``aggregator`` maps
     (token_loss, response_mask, total_tokens=, total_seqs=) to an object with ``.loss``;
     ``diagnostics`` a `FairnessMetrics` (per-step, reset every step) and ``run_diagnostics`` a
-    second one accumulated over the whole run (for end-of-run plots).
+    second one accumulated over the whole run (for end-of-run plots); ``ledger`` a `SequenceLedger`
+    (fspo/diagnostics/ledger.py) that records every measured sequence for the length-law statistics, or None.
     """
 
     def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
-                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None):
+                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None, ledger=None):
         super().__init__()
         self.policy = policy
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
@@ -85,6 +86,7 @@ class RLModule(L.LightningModule):
         self.ppo = ppo
         self.diagnostics = diagnostics
         self.run_diagnostics = run_diagnostics
+        self.ledger = ledger
         self.seed = seed
         self.automatic_optimization = False
         self.timings: Dict[str, float] = {}  # this step's seconds per phase: the rollout's, then the update's
@@ -177,7 +179,7 @@ class RLModule(L.LightningModule):
             self._update(mb, opt, stats, on_policy=(updates == 0 and (not supplied or lag == 0)),
                          old_from_loss=(updates == 0 and not supplied),
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
-                         rows=share(torch.arange(mb.batch_size), rank, world))
+                         rows=share(torch.arange(mb.batch_size), rank, world), update=updates)
         sched.step()
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
@@ -187,7 +189,7 @@ class RLModule(L.LightningModule):
         self.rl_step += 1
 
     def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,
-                rows=None, gap: bool = False) -> None:
+                rows=None, gap: bool = False, update: int = 0) -> None:
         """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches); with
         ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones;
         with ``gap`` the loss pass's log-probs are compared with the engine's (``rollout/logprob_gap``).
@@ -231,6 +233,9 @@ class RLModule(L.LightningModule):
             for d in self._diagnostics():
                 d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy,
                               token_log_ratio=None if on_policy else (logp.detach() - old))
+            if self.ledger is not None and not on_policy:  # one record per measured sequence (the length law)
+                self.ledger.update(int(self.rl_step), update, micro.group_ids, micro.lengths, logp.detach() - old,
+                                   micro.response_mask, micro.advantages, res.in_band)
             stats.metrics_time += time.perf_counter() - t_m
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)

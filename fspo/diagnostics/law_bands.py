@@ -1,0 +1,191 @@
+"""Bands on the sequence log-ratio S, judged on the same sequences: the length law's out-of-band tests.
+
+Owns: the bands as limits in S space (`SqrtBand` FSPO, `RatioBand` RLOO, `TokenRatioBand` GSPO, and the
+calibrated `AffineBand` / `BinQuantileBand` fit on data), `matched_bands` (every band equal to FSPO's at the
+median length), `judge` (c(L) per bin with Wilson CIs, homogeneity p, LRE and its noise floor, the Gaussian
+prediction) and `out_of_sample` (fit on steps before t, judged at step t). Leaves out: the statistics
+(law_stats.py) and the records (ledger.py).
+
+Band limits (S = sum_t log pi_new / pi_old over the L response tokens; out of band: S < lo or S > hi):
+  FSPO   lo, hi = -c sqrt(L), +c sqrt(L)                    (the paper's band, mu_L = 0)
+  RLOO   lo, hi = log(1 - low), log(1 + high)               (a fixed band on S)
+  GSPO   lo, hi = L log(1 - low), L log(1 + high)           (a fixed band on S / L)
+  affine lo, hi = mu_L -+ z sqrt(tau^2 + sigma^2 L)          (mu_L = m L; m, tau^2, sigma^2 fit on data)
+  quantile lo, hi = mu_L -+ q_b(L)                           (q_b the erf(z / sqrt 2) quantile of |S - mu_L| in L's bin)
+Matched at L_med (the rule of the length-law sweep): RLOO's xi = c sqrt(L_med), GSPO's xi / L_med, so at
+L_med every band is the same interval of S and they differ only in how it moves with L.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from fspo.diagnostics import law_stats as st
+
+
+class SqrtBand:
+    """FSPO: |S| <= c sqrt(L)."""
+
+    def __init__(self, c: float):
+        self.c = float(c)
+
+    def limits(self, L):
+        h = self.c * np.sqrt(np.asarray(L, float))
+        return -h, h
+
+
+class RatioBand:
+    """RLOO: 1 - low <= exp(S) <= 1 + high."""
+
+    def __init__(self, low: float, high: float):
+        self.lo, self.hi = math.log(1 - low), math.log(1 + high)
+
+    def limits(self, L):
+        z = np.zeros(np.shape(L))
+        return z + self.lo, z + self.hi
+
+
+class TokenRatioBand(RatioBand):
+    """GSPO: 1 - low <= exp(S / L) <= 1 + high."""
+
+    def limits(self, L):
+        L = np.asarray(L, float)
+        return L * self.lo, L * self.hi
+
+
+class AffineBand:
+    """mu_L -+ z sqrt(tau^2 + sigma^2 L), fit by `fit(L, S)`: mu_L = m L (least squares through 0), then the
+    affine variance fit of the residuals over geometric bins (law_stats.affine_variance); tau^2 < 0 is
+    clamped to 0 and sigma^2 to a tiny positive value."""
+
+    def __init__(self, z: float = 1.0, per_octave: int = 2, min_count: int = 10):
+        self.z, self.per_octave, self.min_count = float(z), per_octave, min_count
+        self.m, self.tau2, self.sigma2 = 0.0, 0.0, 1e-12
+
+    def fit(self, L, S) -> "AffineBand":
+        L, S = np.asarray(L, float), np.asarray(S, float)
+        self.m = float((L * S).sum() / max((L * L).sum(), 1e-12))
+        edges = st.geometric_edges(max(1.0, L.min()), L.max() + 1, self.per_octave)
+        fit = st.affine_variance(st.bin_moments(L, S - self.m * L, edges), self.min_count)
+        if fit["sigma2"] is None:  # too few bins: the sqrt law through the mean square
+            self.tau2, self.sigma2 = 0.0, float(np.mean((S - self.m * L) ** 2 / np.maximum(L, 1)))
+        else:
+            self.tau2, self.sigma2 = max(fit["tau2"], 0.0), max(fit["sigma2"], 1e-12)
+        return self
+
+    def limits(self, L):
+        L = np.asarray(L, float)
+        h = self.z * np.sqrt(self.tau2 + self.sigma2 * L)
+        return self.m * L - h, self.m * L + h
+
+
+class BinQuantileBand(AffineBand):
+    """mu_L -+ q_b: the erf(z / sqrt 2) quantile of |S - mu_L| in L's geometric bin (the affine band where a
+    bin has fewer than ``min_count`` sequences). Exact coverage for any shape of S_L, at the cost of noise."""
+
+    def fit(self, L, S) -> "BinQuantileBand":
+        super().fit(L, S)
+        L, S = np.asarray(L, float), np.asarray(S, float)
+        self.edges = st.geometric_edges(max(1.0, L.min()), L.max() + 1, self.per_octave)
+        idx, cover = st.bin_index(L, self.edges), math.erf(self.z / math.sqrt(2))
+        self.q = np.full(len(self.edges) - 1, np.nan)
+        for b in range(len(self.q)):
+            r = np.abs(S[idx == b] - self.m * L[idx == b])
+            if len(r) >= self.min_count:
+                self.q[b] = np.quantile(r, cover)
+        return self
+
+    def limits(self, L):
+        lo, hi = super().limits(L)
+        idx = st.bin_index(np.asarray(L, float), self.edges)
+        q = np.where(idx >= 0, self.q[np.maximum(idx, 0)], np.nan)
+        mid = self.m * np.asarray(L, float)
+        return np.where(np.isnan(q), lo, mid - q), np.where(np.isnan(q), hi, mid + q)
+
+
+def matched_bands(c: float, l_med: float) -> Dict[str, object]:
+    """FSPO's c sqrt(L) band and the RLOO / GSPO bands equal to it at ``l_med`` (module docstring)."""
+    xi = c * math.sqrt(l_med)
+    return {"fspo": SqrtBand(c), "rloo": RatioBand(1 - math.exp(-xi), math.exp(xi) - 1),
+            "gspo": TokenRatioBand(1 - math.exp(-xi / l_med), math.exp(xi / l_med) - 1)}
+
+
+def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0) -> Dict[str, object]:
+    """The out-of-band test of one band on sequences (L, S) with flags ``outside``, over ``edges``:
+    per populated bin n, k, c = k / n and its Wilson CI; ``p_homogeneity`` (chi-square across bins);
+    ``ratio_last_first``; ``lre`` and ``lre_floor`` (mean and p95 of an exactly flat band's LRE at these
+    counts); ``span`` (last bin's mean L / first's); with ``limits`` (lo, hi per sequence) the Gaussian
+    prediction of c per bin from each bin's mean and std of S (``c_gauss``)."""
+    L, S, out = np.asarray(L, float), np.asarray(S, float), np.asarray(outside, bool)
+    idx = st.bin_index(L, edges)
+    nb = len(edges) - 1
+    n = np.bincount(idx[idx >= 0], minlength=nb)
+    keep = np.flatnonzero(n >= min_count)
+    k = np.array([out[idx == b].sum() for b in keep], float)
+    nn = n[keep].astype(float)
+    mean_l = np.array([L[idx == b].mean() for b in keep])
+    lo_ci, hi_ci = st.wilson(k, nn)
+    c = k / np.maximum(nn, 1)
+    res = {"bins": [(edges[b], edges[b + 1]) for b in keep], "n": nn.tolist(), "k": k.tolist(), "c": c.tolist(),
+           "ci_lo": lo_ci.tolist(), "ci_hi": hi_ci.tolist(), "mean_l": mean_l.tolist(),
+           "p_homogeneity": st.homogeneity_p(k, nn), "lre": st.lre_from_counts(k, nn)}
+    res["span"] = float(mean_l[-1] / mean_l[0]) if len(keep) >= 2 else None
+    res["ratio_last_first"] = _ratio(c[-1], c[0]) if len(keep) >= 2 else None
+    res["ratio_first_last"] = _ratio(c[0], c[-1]) if len(keep) >= 2 else None
+    if len(keep):
+        rate = float(k.sum() / nn.sum())
+        res["lre_floor"] = st.lre_noise_floor(nn, rate, seed=seed)
+        res["out_rate"] = rate
+    if limits is not None:
+        lo, hi = (np.asarray(x, float) for x in limits)
+        gauss = []
+        for b in keep:
+            m = idx == b
+            gauss.append(float(st.gaussian_out_frac(L[m], lo[m], hi[m], S[m].mean(), S[m].std(ddof=1)).mean()))
+        res["c_gauss"] = gauss
+    return res
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    """a / b; inf where only b is 0 (a bin with no sequence out of band); None where both are."""
+    if b > 0:
+        return float(a / b)
+    return math.inf if a > 0 else None
+
+
+def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_update: bool = True,
+                  min_history: int = 64, window: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """Fit ``make_band()`` on the sequences of steps t - ``window`` .. t - 1 (all earlier steps when None; of
+    the same mini-batch index ``update`` when ``by_update``: later mini-batches see a policy moved further)
+    and judge step t's sequences with it. A window follows a policy whose scale changes as it trains.
+    Returns ``judged`` (rows with >= ``min_history`` sequences to fit on) and ``outside`` (their flags), and
+    the limits per row (NaN where not judged)."""
+    L, S = np.asarray(L, float), np.asarray(S, float)
+    step, update = np.asarray(step), np.asarray(update)
+    judged, outside = np.zeros(len(L), bool), np.zeros(len(L), bool)
+    lo, hi = np.full(len(L), np.nan), np.full(len(L), np.nan)
+    for t in np.unique(step):
+        for u in (np.unique(update[step == t]) if by_update else [None]):
+            now = (step == t) & ((update == u) if u is not None else True)
+            past = (step < t) & ((step >= t - window) if window else True) & ((update == u) if u is not None else True)
+            if past.sum() < min_history:
+                continue
+            band = make_band().fit(L[past], S[past])
+            a, b = band.limits(L[now])
+            lo[now], hi[now] = a, b
+            judged[now] = True
+            outside[now] = (S[now] < a) | (S[now] > b)
+    return {"judged": judged, "outside": outside, "lo": lo, "hi": hi}
+
+
+def outside_of(band, L, S) -> np.ndarray:
+    """Flags S < lo(L) or S > hi(L) for a band with ``limits``."""
+    lo, hi = band.limits(L)
+    return (np.asarray(S) < lo) | (np.asarray(S) > hi)
+
+
+def median_length(L) -> Optional[float]:
+    L = np.asarray(L, float)
+    return float(np.median(L)) if len(L) else None

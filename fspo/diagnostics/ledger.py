@@ -1,0 +1,95 @@
+"""`SequenceLedger`: one record per measured sequence of a run, for the length-law statistics.
+
+Owns: the per-sequence records (a torchmetrics Metric with ``cat`` states, so the records of every rank
+are joined on `compute()` and, like every metric state, saved in resumable checkpoints) and
+`ledger_arrays` / `write_csv`. Leaves out: the statistics (law_stats.py, law_bands.py) and when records
+are added (fspo/update/module.py: every mini-batch that is not on-policy, once per optimizer update).
+
+Columns (float64; one row per sequence):
+    step     RL step of the rollout batch
+    update   index of the mini-batch in the step (0 = the on-policy one, never recorded)
+    group    prompt index within the step's global batch (a group's sequences share a prompt: the
+             bootstrap resamples (step, group) clusters)
+    length   L, response tokens
+    s        S = sum_t d_t, d_t = log pi_current - log pi_old (the policy before this update)
+    d2       sum_t d_t^2 (Var(S) / E[d2] is the variance inflation; 1 for martingale terms)
+    adv      the sequence's advantage
+    out      the run's own rule: fraction of the sequence's tokens outside its band (0/1 for sequence rules)
+Why records and not only binned sums: bands other than the run's own, cluster bootstraps, out-of-sample
+fits and tests need the sequences themselves. A run of 3,000 measured sequences holds 200 kB.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fspo.diagnostics._base import DiagnosticMetric
+
+COLUMNS = ("step", "update", "group", "length", "s", "d2", "adv", "out")
+
+
+class SequenceLedger(DiagnosticMetric):
+    """Per-sequence records (module docstring); `update` takes one micro-batch's tensors."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+    def add_state(self, name, default, dist_reduce_fx=None, persistent: bool = False) -> None:
+        if isinstance(default, list):  # list states have no dtype to keep
+            return super(DiagnosticMetric, self).add_state(name, default, dist_reduce_fx=dist_reduce_fx,
+                                                           persistent=persistent)
+        return super().add_state(name, default, dist_reduce_fx, persistent)
+
+    @torch.no_grad()
+    def update(self, step: int, update: int, group_ids: Tensor, lengths: Tensor, token_log_ratio: Tensor,
+               response_mask: Tensor, advantages: Tensor, in_band: Tensor) -> None:
+        """Record a micro-batch: ``token_log_ratio`` [B, T] (d_t, 0 on padding), ``response_mask`` [B, T],
+        ``advantages`` [B] or [B, T], ``in_band`` [B, T] bool (the rule's acceptance event)."""
+        m = response_mask.to(torch.float64)
+        d = token_log_ratio.to(torch.float64) * m
+        L = m.sum(-1)
+        adv = advantages.to(torch.float64)
+        if adv.dim() == 2:
+            adv = (adv * m).sum(-1) / L.clamp(min=1)
+        out = ((~in_band.bool()).to(torch.float64) * m).sum(-1) / L.clamp(min=1)
+        B = d.shape[0]
+        g = group_ids.to(torch.float64) if group_ids is not None else torch.full((B,), -1.0, dtype=torch.float64)
+        row = torch.stack([torch.full((B,), float(step), dtype=torch.float64), torch.full((B,), float(update),
+                           dtype=torch.float64), g.cpu(), lengths.to(torch.float64).cpu(), d.sum(-1).cpu(),
+                           (d * d).sum(-1).cpu(), adv.cpu(), out.cpu()], 1)
+        self.rows.append(row.to(self.device) if self.device.type != "cpu" else row)
+
+    def compute(self) -> Tensor:
+        rows = self.rows
+        if isinstance(rows, list):
+            return torch.cat(rows) if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        return rows
+
+
+def ledger_arrays(rows: Tensor) -> Dict[str, np.ndarray]:
+    """{column: numpy array} of a `SequenceLedger.compute()` result."""
+    a = rows.detach().cpu().numpy().reshape(-1, len(COLUMNS))
+    return {c: a[:, j] for j, c in enumerate(COLUMNS)}
+
+
+def write_csv(rows: Tensor, path: Path) -> Path:
+    """The records as CSV with a header (``COLUMNS``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for r in rows.detach().cpu().numpy().reshape(-1, len(COLUMNS)):
+            w.writerow([int(x) if j < 4 else f"{x:.9g}" for j, x in enumerate(r)])
+    return path
+
+
+def read_csv(path: Path) -> Dict[str, np.ndarray]:
+    """`write_csv`'s file back as {column: numpy array}."""
+    a = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
+    return {c: (a[:, j] if len(a) else np.zeros(0)) for j, c in enumerate(COLUMNS)}
