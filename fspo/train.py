@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
+from fspo.diagnostics.ledger import SequenceLedger
 from fspo.models.loading import load_policy
 from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
 from fspo.rollout.callback import RolloutCallback
@@ -43,6 +44,7 @@ from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
 from fspo.tracking.outage_buffer import flush_or_report
 from fspo.tracking.progress import make_progress
+from fspo.update.direction_probe import RandomDirectionGate
 from fspo.update.module import RLModule
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,18 @@ log = logging.getLogger(__name__)
 
 def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
-    bins = LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
+    edges = d.get("bin_edges")  # explicit (e.g. geometric) edges win over bin_width / max_len
+    bins = LengthBins(edges=[int(e) for e in edges]) if edges else LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
     return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
                            acceptance_on_policy=bool(d.get("acceptance_on_policy", False)),
                            figure_min_count=int(d.get("figure_min_count", 20)))
+
+
+def _probes(cfg: DictConfig) -> list:
+    """The length-law probe's random-direction gate (fspo/update/direction_probe.py) when
+    ``diagnostics.law.random_direction`` is set (conf/probe/law.yaml); after the rollout callback."""
+    eps = OmegaConf.select(cfg, "diagnostics.law.random_direction", default=None)
+    return [RandomDirectionGate(float(eps), seed=int(cfg.seed))] if eps else []
 
 
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -106,6 +116,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
                       ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
                       run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed),
+                      ledger=SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True) else None,
                       guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
                       else None)  # train-inference mismatch correction (fspo/rollout/correction.py)
@@ -120,7 +131,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                               is not None else None,  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
                               pipeline=build_pipeline(cfg),  # rollout.overlap (fspo/rollout/pipeline.py)
                               max_reward_error_frac=float(OmegaConf.select(cfg, "reward_guard.max_error_frac",
-                                                                           default=0.0) or 0.0))
+                                                                           default=0.0) or 0.0),
+                              advantage_mask=instantiate(am) if (am := cfg.get("advantage_mask")) else None)
 
     # logging and checkpoints
     log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
@@ -135,7 +147,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                              int(OmegaConf.select(cfg, "progress.every_n_steps", default=5)), int(cfg.steps)) \
         if OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) else None  # fspo/tracking/progress.py
     trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=loggers,
-                          callbacks=[rollout, ckpt] + ([progress] if progress is not None else []),
+                          callbacks=[rollout, ckpt] + ([progress] if progress is not None else []) + _probes(cfg),
                           enable_progress_bar=progress is not None, plugins=slurm_plugins(),
                           val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)

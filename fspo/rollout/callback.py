@@ -65,7 +65,8 @@ class RolloutCallback(L.Callback):
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
                  seed: int = 0, group_filter: Optional[GroupFilter] = None,
-                 pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0):
+                 pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0,
+                 advantage_mask: Optional[Callable] = None):
         self.engine = engine
         self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac (fspo/rewards/guard.py)
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
@@ -77,7 +78,14 @@ class RolloutCallback(L.Callback):
         self.max_prompt_len = max_prompt_len
         self.seed = seed
         self.pipeline = pipeline  # rollout.overlap: training rollouts from an engine process, k steps ahead
+        self.advantage_mask = advantage_mask  # (lengths, group_ids) -> [B] multiplier (fspo/rollout/knockout.py)
         self._ready = False
+
+    def _advantages(self, rollout: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
+        adv = self.advantage_fn(rewards, rollout.group_ids).float()
+        if self.advantage_mask is not None:
+            adv = adv * self.advantage_mask(rollout.lengths, rollout.group_ids).to(adv.device)
+        return adv
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer, pl_module, stage):
@@ -160,7 +168,7 @@ class RolloutCallback(L.Callback):
             self._abandon_step(trainer, step, before)
         rewards = torch.tensor(out.scores, dtype=torch.float32, device=rollout.response_ids.device)
         rollout.rewards = rewards
-        rollout.advantages = self.advantage_fn(rewards, rollout.group_ids).float()
+        rollout.advantages = self._advantages(rollout, rewards)
         timings["time/reward"] = time.perf_counter() - t0
         # fraction of prompts whose G rewards are all equal (zero advantage: no learning signal)
         g = rollout.group_ids
@@ -271,7 +279,7 @@ class RolloutCallback(L.Callback):
 
         first = (rollout, self.group_filter.values(out.scores, out.components))
         kept, metrics = self.group_filter.run(first, more, target, pl_module.device)
-        kept.advantages = self.advantage_fn(kept.rewards, kept.group_ids).float()
+        kept.advantages = self._advantages(kept, kept.rewards)
         return kept, metrics
 
     # ------------------------------------------------------------------ validation

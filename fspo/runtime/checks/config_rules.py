@@ -127,6 +127,13 @@ RULES: Tuple[Rule, ...] = (
     Rule("diagnostics.lre_min_len", "number", lo=0, meaning="shortest length counted in the LRE",
          example=0),
     _int("diagnostics.reservoir_size", 1, "log-ratio samples kept for the Gaussianity checks", 4096),
+    Rule("diagnostics.law.records", "choice", choices=(True, False), meaning="record every measured sequence "
+         "for run/law/*", example="true"),
+    _int("diagnostics.law.per_octave", 1, "geometric length bins per doubling of L in run/law/*", 2),
+    _int("diagnostics.law.min_count", 2, "sequences a length bin needs in run/law/*", 50),
+    _int("diagnostics.law.n_boot", 0, "bootstrap draws of the std exponent's CI (0: none)", 200),
+    _pos("diagnostics.law.random_direction", "relative size of the probe's random parameter direction", 1e-3,
+         nullable=True),
     # console progress (fspo/tracking/progress.py)
     Rule("progress.mode", "choice", choices=("auto", "bar", "lines", "off"), meaning="the console progress: "
          "auto is a bar on a terminal, else log lines", example="lines"),

@@ -1,0 +1,70 @@
+"""`RandomDirectionGate`: the length law a random parameter direction gives, the gate of the law probe.
+
+Owns: a Lightning callback that, on each training rollout batch before its update, moves the policy by a
+small random direction, measures S_rand = sum_t (log pi_{theta + eps u} - log pi_theta) on every sequence
+and puts the weights back exactly; the records go to the module's `SequenceLedger` with ``update = -1``.
+Leaves out: the statistics (fspo/diagnostics/law_summary.py reports them as ``law/gate/*``).
+
+Why: std(S_L) ~ L^gamma measured after a real update mixes two things: what the data did to the policy and
+how sensitive the model's per-token log-probs are along the response. A random direction u has no data in
+it: to first order S_rand = eps u . sum_t grad log pi(y_t), a sum of score terms with zero conditional mean,
+so Var(S_rand) = eps^2 sum_t E[(u . grad log pi(y_t))^2] and its exponent is 1/2 exactly when the per-token
+sensitivity is the same at every position. An exponent well below 1/2 here means the model and task cannot
+show the sqrt(L) law whatever the update does (e.g. later tokens nearly deterministic); an exponent near 1/2
+here but not in training points at the update (advantages tied to length, siblings in later mini-batches).
+
+Direction: u_p ~ N(0, 1) per parameter tensor p, scaled to ||u_p|| = ``eps`` ||p|| (a relative step, the
+same for every tensor; from a generator seeded by (seed, step), so reruns draw the same u). One process only
+(sharded parameters are skipped with a warning). Costs two forward passes over the batch per step.
+"""
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+
+from fspo.runtime.launch.distributed import dp_rank_size
+from fspo.update import forward as passes
+
+log = logging.getLogger(__name__)
+
+
+class RandomDirectionGate(L.Callback):
+    """See the module docstring. ``eps``: relative size of the direction (1e-3)."""
+
+    def __init__(self, eps: float = 1e-3, seed: int = 0):
+        if not float(eps) > 0:
+            raise ValueError(f"diagnostics.law.random_direction must be > 0 (a relative step such as 1e-3), got {eps}")
+        self.eps, self.seed, self._warned = float(eps), int(seed), False
+
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        rollout = batch.get("rollout") if isinstance(batch, dict) else None
+        if rollout is None or getattr(pl_module, "ledger", None) is None:
+            return
+        if dp_rank_size(pl_module)[1] > 1:
+            if not self._warned:
+                log.warning("the random-direction gate runs on one process only; skipped under %d ranks",
+                            dp_rank_size(pl_module)[1])
+                self._warned = True
+            return
+        step = int(pl_module.rl_step)
+        base = passes.old_log_probs(pl_module, rollout)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        moved = []
+        for p in pl_module.policy.parameters():
+            if not p.requires_grad:
+                continue
+            u = torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.device)
+            u = u * (self.eps * p.detach().float().norm() / u.norm().clamp(min=1e-12))
+            moved.append((p, p.detach().clone()))
+            p.add_(u.to(p.dtype))
+        try:
+            shifted = passes.old_log_probs(pl_module, rollout)
+        finally:
+            for p, saved in moved:  # exactly the weights before
+                p.copy_(saved)
+        pl_module.ledger.update(step, -1, rollout.group_ids, rollout.lengths, shifted - base,
+                                rollout.response_mask, torch.zeros(rollout.batch_size),
+                                torch.ones_like(rollout.response_mask, dtype=torch.bool))
