@@ -60,7 +60,7 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
     n_params = sum(p.numel() for p in policy.parameters())
     load_peak = rss_mib("VmHWM")
     diag = FairnessMetrics(LengthBins(width=16, max_len=96))
-    module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, lr=1e-5,
+    module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, mini_batch_unit="sequences", lr=1e-5,
                       micro_batch_max_tokens=budget, lm_head_chunk_rows=head_chunk), diag, seed=0)
     full = synthetic_rollout()
     record = {}

@@ -29,7 +29,7 @@ SMALL = [
     "steps=2",
     "prompts_per_step=4",
     "rollout.sampling.n=4",
-    "ppo.mini_batch_size=8",
+    "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences",
     "rollout.sampling.max_new_tokens=24",
     "val.size=8",
 ]

@@ -34,7 +34,7 @@ from fspo.types import RolloutBatch  # noqa: E402
 # AdamW step at lr 1e-3 amplifies to ~3e-5 in the parameters; packing is pinned in test_packing.py.
 # small micro-batches (uneven counts across ranks -> dummy micro-batches), 2 updates per step,
 # FSPO with the EMA band (its observe() all-reduces), a clip-fraction bin width that fits 12 tokens
-OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8", "ppo.micro_batch_max_tokens=40",
+OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=40",
              "ppo.lr=1e-3", "data.length_bin_width=4", "rollout.sampling.max_new_tokens=12"]
 G, PROMPTS = 4, 4
 # activation checkpointing (the sharding option that changes the computation on CPU)
@@ -239,7 +239,7 @@ def run_e2e(out: Path) -> None:
 
     # the warm start (a local folder): under trainer=fsdp built on meta, each rank reading its shard
     cfg = compose_config(["model.source=warmstart", "trainer=fsdp", "steps=2", "prompts_per_step=4",
-                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "rollout.sampling.max_new_tokens=16",
+                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=16",
                           "val.size=6", "val.batch_size=6", "val.every_n_steps=2"],
                          output_dir=out / "e2e", tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
                          artifact_location=out / "artifacts")

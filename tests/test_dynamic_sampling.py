@@ -190,7 +190,7 @@ STEPS, EVERY = 6, 2
 DS = ["rollout.dynamic_sampling.enable=true", "rollout.dynamic_sampling.metric=hit",
       "rollout.dynamic_sampling.max_rounds=3", f"reward._target_={__name__}.HitReward"]
 RUN_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "ppo.lr=5e-4", "rollout.sampling.max_new_tokens=24", "val.size=8",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4", "rollout.sampling.max_new_tokens=24", "val.size=8",
             "val.every_n_steps=3", f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=10", "seed=7", *DS]
 
 
@@ -198,7 +198,7 @@ RUN_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "roll
 def test_tiny_run_logs_the_metrics_to_mlflow(tmp_path):
     from test_resume import metric_rows, start_run, wait
 
-    args = ["model.source=random", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
+    args = ["model.source=random", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences",
             "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=8", *DS]
     wait(start_run(tmp_path, "ds", args=args), tmp_path)
     rows = metric_rows(tmp_path / "ds.db")
@@ -290,7 +290,7 @@ def test_fsdp_two_ranks_train_on_the_same_number_of_groups(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]))
     args = ["model.source=random", "trainer=fsdp", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "rollout.sampling.max_new_tokens=24", "val.size=4", "val.batch_size=4",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=4", "val.batch_size=4",
             "val.every_n_steps=3", "seed=7", *DS]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            str(tmp_path), *args]

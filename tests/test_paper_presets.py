@@ -112,11 +112,15 @@ def test_bad_batch_fails_before_the_model_loads(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
-def test_default_run_batch_is_unchanged():
-    """The root default counts mini-batches in sequences: 16 prompts x 8 = 128 sequences, 4 updates."""
+def test_default_run_has_whole_group_mini_batches():
+    """The root default counts mini-batches in prompts, as verl and the paper: 16 prompts x 8 = 128 sequences,
+    4 updates of 4 whole groups (32 sequences), so no mini-batch holds a sibling of a row trained before it."""
     cfg = compose_config([])
-    assert (cfg.prompts_per_step, cfg.rollout.sampling.n, cfg.ppo.mini_batch_size) == (16, 8, 32)
-    assert cfg.ppo.mini_batch_unit == "sequences" and updates_per_step(cfg) == 4
+    assert (cfg.prompts_per_step, cfg.rollout.sampling.n, cfg.ppo.mini_batch_size) == (16, 8, 4)
+    assert cfg.ppo.mini_batch_unit == "prompts" and updates_per_step(cfg) == 4
+    from fspo.update.settings import PPOConfig
+
+    assert (PPOConfig.mini_batch_unit, PPOConfig.mini_batch_size) == ("prompts", 4)  # the dataclass agrees
 
 
 def test_both_presets_exist():

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 
 SHORT = ["steps=2", "val.size=8", "val.every_n_steps=2", "prompts_per_step=4", "rollout.sampling.n=2",
-         "ppo.mini_batch_size=8", "rollout.sampling.max_new_tokens=48"]
+         "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=48"]
 
 
 def readme_commands() -> list[str]:

@@ -46,7 +46,7 @@ class SlowReward:
 
 
 ARGS = ["trainer=fsdp", "model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",
-        "ppo.mini_batch_size=8", "rollout.sampling.max_new_tokens=16", "val.size=0", "checkpoint.every_n_steps=0",
+        "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=16", "val.size=0", "checkpoint.every_n_steps=0",
         "seed=7", f"reward._target_={__name__}.SlowReward"]
 
 

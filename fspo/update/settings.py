@@ -18,8 +18,10 @@ from fspo.update.microbatches import MINI_BATCH_UNITS, check_mini_batch, minibat
 class PPOConfig:
     """PPO-style update settings.
 
-    ``mini_batch_size`` counts ``mini_batch_unit``: ``"sequences"`` (the default) or ``"prompts"``
-    (whole groups of ``samples_per_prompt`` sequences, verl's ``ppo_mini_batch_size``). The paper
+    ``mini_batch_size`` counts ``mini_batch_unit``: ``"prompts"`` (the default: whole groups of
+    ``samples_per_prompt`` sequences, verl's ``ppo_mini_batch_size``) or ``"sequences"`` (rows shuffled singly:
+    a group's siblings then land in later mini-batches, correlated with the update that moved the policy, a
+    length-independent variance in S_L; docs/length_law.md). The paper
     (Table 2, run in verl) has 128 prompts x n 16 = 2,048 sequences per step and mini-batch 32
     prompts (512 sequences): 4 optimizer updates per step (conf/experiment/paper_*.yaml).
     ``prompts_per_step`` / ``samples_per_prompt`` mirror the root ``prompts_per_step`` and
@@ -27,8 +29,8 @@ class PPOConfig:
     are checked on construction (`fspo.update.microbatches.check_mini_batch`), before any model loads.
     """
 
-    mini_batch_size: int = 32
-    mini_batch_unit: str = "sequences"  # what mini_batch_size counts: "sequences" | "prompts"
+    mini_batch_size: int = 4
+    mini_batch_unit: str = "prompts"  # what mini_batch_size counts: "prompts" | "sequences"
     prompts_per_step: Optional[int] = None
     samples_per_prompt: Optional[int] = None
     epochs: int = 1
