@@ -55,11 +55,12 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.affine_band import AffineVarianceBand
 from fspo.clipping.calibration import CALIBRATORS as _MOMENT_CALIBRATORS
 from fspo.clipping.quantile_band import QuantileBand
 
 #: ``band`` name -> calibrator class: the moment bands (calibration.py) and the quantile band
-CALIBRATORS = {**_MOMENT_CALIBRATORS, "quantile": QuantileBand}
+CALIBRATORS = {**_MOMENT_CALIBRATORS, "quantile": QuantileBand, "affine": AffineVarianceBand}
 
 Scale = Union[float, Tensor]
 
@@ -86,7 +87,7 @@ class FSPOClip(ClipRule):
     ``c_dual=None`` a negative-advantage S above the float-safety cap 20 is ``clip_cap``, not dual.
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
-    "fixed" | "ema" | "power" | "per_bin" | "quantile" (``calibration``: keyword settings of the calibrator,
+    "fixed" | "ema" | "power" | "per_bin" | "quantile" | "affine" (``calibration``: keyword settings of the calibrator,
     e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
     running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
     """
