@@ -18,6 +18,7 @@ from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
 from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
 from fspo.evaluation.report.law import law_markdown, law_rows
+from fspo.evaluation.report.law_lab import download_records, lab_figure, lab_markdown, lab_rows, own_band, targets
 from fspo.evaluation.report.table import (
     fairness_markdown,
     fairness_rows,
@@ -30,6 +31,7 @@ from fspo.evaluation.report.table import (
 )
 
 log = logging.getLogger(__name__)
+LAB_MIN_COUNT = 50  # sequences a length bin needs in the length-law lab's tests (law_lab.py)
 QQ_ARTIFACT = "plots/logratio_qq.png"
 
 
@@ -125,6 +127,13 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     (out / "law.md").write_text(law_markdown(law))
 
     figs = F.clip_by_length_figures(groups)
+    records = download_records(tracking_uri, groups, out / "records")  # runs' diagnostics/sequences.csv
+    if records:  # the length-law lab: CIs, tests and the sweep's targets (law_lab.py)
+        rows = lab_rows(records, min_count=LAB_MIN_COUNT, own_bands={g: own_band(rs[0]) for g, rs in groups.items()})
+        lab_md = lab_markdown(rows, targets(rows))
+        (out / "law_lab.md").write_text(lab_md)
+        length_md += "\n## The length law, per sequence (law_lab.md)\n\n" + lab_md
+        figs["length_law"] = lab_figure(rows, title)
     figs["clip_fraction_by_length_grid"] = F.clip_by_length_grid(groups, min_bin_count)
     figs["logratio_std_vs_sqrt_len"] = F.std_vs_sqrt_len_figure(groups)
     figs["lre"] = F.lre_figure(groups)

@@ -1,0 +1,190 @@
+"""The length-law lab's report: every arm's sequence records judged with CIs and tests, and the targets.
+
+Owns: `download_records` (each run's ``diagnostics/sequences.csv`` from MLflow), `lab_rows` (per group: the
+std exponent with its bootstrap CI, tau^2 / sigma^2 / L*, the variance inflation, c(L) of its own band per
+geometric bin with Wilson CIs, the homogeneity p, the LRE beside its noise floor, the span, and for RLOO / GSPO
+the Gaussian prediction from each bin's std; for the measure-only arm every band on the same sequences),
+`targets` (the sweep's pass / fail list), `lab_markdown` and `lab_figure`. Leaves out: the statistics
+(fspo/diagnostics/law_stats.py, law_bands.py, law_summary.py) and the rest of the report (build.py).
+
+Groups are named by the report's ``--group-by`` (``method,bands`` for the length-law sweep: e.g.
+``method=fspo,bands=law``); a group's runs (seeds) are pooled. The knock-out arm is the group whose name
+contains ``knock``; the measure-only arm the group whose method is ``measure``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from fspo.diagnostics import law_bands as lb
+from fspo.diagnostics import law_stats as st
+from fspo.diagnostics.law_summary import band_results
+from fspo.diagnostics.ledger import read_csv
+
+log = logging.getLogger(__name__)
+ARTIFACT = "diagnostics/sequences.csv"
+
+
+def download_records(tracking_uri: str, groups, folder: Path) -> Dict[str, Dict[str, np.ndarray]]:
+    """{group: pooled records} of the runs that logged ``diagnostics/sequences.csv`` (others are skipped)."""
+    import mlflow
+
+    out = {}
+    for g, runs in groups.items():
+        parts = []
+        for r in runs:
+            try:
+                p = mlflow.artifacts.download_artifacts(run_id=r.run_id, artifact_path=ARTIFACT,
+                                                        dst_path=str(folder / r.run_id), tracking_uri=tracking_uri)
+                parts.append(read_csv(Path(p)))
+            except Exception as e:  # noqa: BLE001 - a run without records must not sink the report
+                log.warning("run %s has no %s (%s)", r.run_id, ARTIFACT, type(e).__name__)
+        if parts:
+            rec = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            keep = (rec["update"] >= 0) & (rec["length"] > 0)
+            out[g] = {k: v[keep] for k, v in rec.items()}
+    return out
+
+
+def lab_rows(records: Dict[str, Dict[str, np.ndarray]], min_count: int = 50, n_boot: int = 400,
+             seed: int = 0, own_bands: Optional[Dict[str, object]] = None) -> Dict[str, dict]:
+    """Per group, the statistics of the module docstring (edges: geometric, 2 per octave, over all records);
+    ``own_bands`` {group: band} adds the Gaussian prediction of that band's c(L) (`own_band`)."""
+    allL = np.concatenate([r["length"] for r in records.values()])
+    edges = st.geometric_edges(max(1.0, allL.min()), allL.max() + 1, 2)
+    out = {}
+    for g, rec in records.items():
+        L, S = rec["length"], rec["s"]
+        m = st.bin_moments(L, S, edges, rec["d2"])
+        row = {"n_seq": len(L), "edges": edges, **{f"fit_{k}": v for k, v in st.std_exponent(m, min_count).items()}}
+        row["exponent_ci"] = st.bootstrap_exponent(L, S, rec["step"] * 1e6 + rec["group"], edges, min_count,
+                                                   n_boot, seed)
+        row.update(st.affine_variance(m, min_count))
+        row["var_inflation"] = st.variance_inflation(m, min_count)["pooled"]
+        ok = m.populated(min_count)
+        row["std_by_bin"] = [(float(m.mean_l[b]), float(math.sqrt(m.var_s[b])), int(m.n[b])) for b in np.flatnonzero(ok)]
+        band = (own_bands or {}).get(g)  # RLOO / GSPO: the Gaussian prediction of their own band per bin
+        own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, band.limits(L) if band else None, seed)
+        row["own"] = own
+        if "measure" in g:
+            row["panel"] = band_results(rec, edges, min_count, seed)
+        out[g] = row
+    return out
+
+
+def own_band(run) -> Optional[object]:
+    """The RLOO / GSPO band of a run from its logged params (``clip/clip_ratio_low`` / ``_high``), else None."""
+    method, p = run.value("method"), run.params
+    try:
+        low, high = float(p["clip/clip_ratio_low"]), float(p["clip/clip_ratio_high"])
+    except (KeyError, ValueError):
+        return None
+    return {"rloo": lb.RatioBand, "gspo": lb.TokenRatioBand}.get(method, lambda *a: None)(low, high)
+
+
+def targets(rows: Dict[str, dict]) -> List[dict]:
+    """The length-law sweep's targets, each with the measured value and whether it passes."""
+    def find(word):
+        return next((r for g, r in rows.items() if word in g and "knock" not in g), None)
+
+    fspo, rloo, gspo = find("fspo"), find("rloo"), find("gspo")
+    knock = next((r for g, r in rows.items() if "knock" in g), None)
+    out = []
+
+    def add(name, value, ok, ci=None):
+        out.append({"target": name, "measured": value, "ci": ci, "pass": bool(ok) if value is not None else None})
+
+    if fspo:
+        g = fspo["fit_exponent"]
+        add("FSPO std exponent in [0.4, 0.6]", g, g is not None and 0.4 <= g <= 0.6, fspo["exponent_ci"])
+        add("FSPO c(L) homogeneous (p >= 0.05)", fspo["own"]["p_homogeneity"], (fspo["own"]["p_homogeneity"] or 0) >= 0.05)
+    for name, r in (("fspo", fspo), ("rloo", rloo), ("gspo", gspo)):
+        if r:
+            add(f"{name} bins with >= 50 sequences span >= 16x", r["own"]["span"], (r["own"]["span"] or 0) >= 16)
+    if rloo:
+        add("RLOO c(L) rises >= 3x", rloo["own"]["ratio_last_first"], (rloo["own"]["ratio_last_first"] or 0) >= 3)
+    if gspo:
+        add("GSPO c(L) falls >= 3x", gspo["own"]["ratio_first_last"], (gspo["own"]["ratio_first_last"] or 0) >= 3)
+    if fspo and rloo and gspo:
+        half = 0.5 * min(rloo["own"]["lre"], gspo["own"]["lre"])
+        add("FSPO LRE <= half of min(RLOO, GSPO)", fspo["own"]["lre"], fspo["own"]["lre"] <= half)
+    if knock:
+        g = knock["fit_exponent"]
+        add("knock-out std exponent <= 0.25", g, g is not None and g <= 0.25, knock["exponent_ci"])
+    return out
+
+
+def _f(x, nd=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.{nd}g}" if isinstance(x, float) else str(x)
+
+
+def lab_markdown(rows: Dict[str, dict], tgt: Sequence[dict]) -> str:
+    lines = ["| target | measured | 95% CI | pass |", "|---|---|---|---|"]
+    for t in tgt:
+        ci = f"[{t['ci'][0]:.3f}, {t['ci'][1]:.3f}]" if t["ci"] else "-"
+        lines.append(f"| {t['target']} | {_f(t['measured'])} | {ci} | {'yes' if t['pass'] else 'no'} |")
+    lines += ["", "| group | seqs | exponent [95% CI] | tau^2 | sigma^2 | L* | Var(S)/E[sum d^2] | out rate | "
+              "homogeneity p | LRE (flat-band floor) | span |", "|---" * 11 + "|"]
+    for g, r in rows.items():
+        ci = r["exponent_ci"]
+        ex = f"{_f(r['fit_exponent'])} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else _f(r["fit_exponent"])
+        o = r["own"]
+        floor = o.get("lre_floor", {}).get("mean")
+        lines.append(f"| {g} | {r['n_seq']} | {ex} | {_f(r['tau2'])} | {_f(r['sigma2'])} | {_f(r['l_star'])} | "
+                     f"{_f(r['var_inflation'])} | {_f(o.get('out_rate'))} | {_f(o['p_homogeneity'])} | "
+                     f"{_f(o['lre'])} ({_f(floor)}) | {_f(o['span'])} |")
+    for g, r in rows.items():
+        lines += ["", f"### {g}: c(L) per bin (own band; Wilson 95% CI)", "", "| bin | mean L | n | c(L) | CI |",
+                  "|---|---|---|---|---|"]
+        o = r["own"]
+        for (lo, hi), ml, n, c, a, b in zip(o["bins"], o["mean_l"], o["n"], o["c"], o["ci_lo"], o["ci_hi"]):
+            lines.append(f"| [{lo}, {hi}) | {ml:.0f} | {int(n)} | {c:.3f} | [{a:.3f}, {b:.3f}] |")
+        for name, res in (r.get("panel") or {}).items():
+            floor = res.get("lre_floor", {}).get("mean")
+            lines.append(f"\n{g} panel band **{name}** on the same sequences: c(L) "
+                         + ", ".join(f"{c:.3f}" for c in res["c"]) + f"; homogeneity p {_f(res['p_homogeneity'])}; "
+                         f"LRE {_f(res['lre'])} (floor {_f(floor)}); last/first {_f(res['ratio_last_first'])}"
+                         + ("; Gaussian prediction " + ", ".join(f"{c:.3f}" for c in res["c_gauss"])
+                            if res.get("c_gauss") else ""))
+    return "\n".join(lines) + "\n"
+
+
+def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
+    """Left: c(L) of each arm's own band with Wilson CIs (log L). Right: std(S_L) by bin, log-log, with each
+    arm's fitted exponent and a sqrt(L) reference line."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for g, r in rows.items():
+        o = r["own"]
+        if o["c"]:
+            c = np.array(o["c"])
+            err = np.array([c - np.array(o["ci_lo"]), np.array(o["ci_hi"]) - c])
+            a.errorbar(o["mean_l"], c, yerr=err, marker="o", ms=3, capsize=2, label=g)
+        if r["std_by_bin"]:
+            x, y, _ = zip(*r["std_by_bin"])
+            ci = r["exponent_ci"]
+            lab = f"{g}: exponent {_f(r['fit_exponent'], 2)}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+            b.plot(x, y, marker="o", ms=3, label=lab)
+    xs = np.array([min(e for e in rows[next(iter(rows))]["edges"] if e > 0), max(rows[next(iter(rows))]["edges"])])
+    ys = [v for r in rows.values() for _, v, _ in r["std_by_bin"]]
+    if ys:
+        ref = np.median(ys) * np.sqrt(xs / np.sqrt(xs[0] * xs[1]))
+        b.plot(xs, ref, "k--", lw=1, label="slope 1/2 (the sqrt(L) law)")
+    a.set(xscale="log", xlabel="response length L (tokens)", ylabel="out-of-band fraction c(L)",
+          title="c(L) by length, 95% CIs (flat = fair)")
+    b.set(xscale="log", yscale="log", xlabel="response length L (tokens)", ylabel="std of S_L",
+          title="std(S_L) by length (law: slope 1/2)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
