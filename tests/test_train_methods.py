@@ -18,6 +18,9 @@ CLIP_TARGETS = {
     "grpo": "fspo.clipping.grpo.GRPOClip",
     "rloo": "fspo.clipping.rloo.RLOOClip",
     "gspo": "fspo.clipping.gspo.GSPOClip",
+    "vespo": "fspo.clipping.vespo.VESPOClip",
+    "dppo": "fspo.clipping.dppo.DPPOClip",
+    "cppo": "fspo.clipping.cppo.CPPOClip",
 }
 PER_STEP = ["clip/seq_frac", "fairness/lre", "reward/mean", "time/generate", "train/loss", "train/update_ratio"]
 BIN_KEY = re.compile(r"^clip/seq_frac\.len_\d{5}_(\d{5}|inf)$")
