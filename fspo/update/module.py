@@ -74,7 +74,7 @@ class RLModule(L.LightningModule):
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
         # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
-        if self.correction is not None and ppo.old_log_probs != "recompute":
+        if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
                              "have zero mismatch by construction)")
         self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
@@ -213,7 +213,8 @@ class RLModule(L.LightningModule):
                 stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
-            tok_loss = res.token_loss if self.correction is None else res.token_loss * self.correction.weights(micro)
+            fix = self.correction is not None and idx is not None  # the dummy's loss is multiplied by 0 anyway
+            tok_loss = res.token_loss * self.correction.weights(micro, logp.detach()) if fix else res.token_loss
             agg = self.aggregator(tok_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs, norm_len=norm_len)
             stats.loss_time += time.perf_counter() - t_l
