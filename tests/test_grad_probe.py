@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_report import store  # noqa: F401  (the report test's MLflow store fixture)
 
 from fspo.clipping.fspo import FSPOClip
 from fspo.diagnostics.bins import LengthBins
@@ -88,3 +89,59 @@ def test_tiny_model_on_policy_nothing_clipped():
     assert out["probe/cos"] == pytest.approx(1.0, abs=1e-6) and out["probe/lre"] == 0.0 and out["probe/lre_w"] == 0.0
     assert out["probe/kappa"] >= 1.0 - 1e-9  # E||g_L|| >= ||E g_L|| (triangle inequality)
     assert all(v > 0 for k, v in out.items() if k.startswith("probe/gnorm/"))
+
+
+def test_training_step_logs_the_probe_on_its_last_mini_batch():
+    """RLModule(probe_every=1): one RL step of 2 mini-batches logs probe/* (the second mini-batch is off-policy)."""
+    import test_module_update as tmu
+    from test_module_update import make_rollout, run_update
+
+    orig = tmu.RLModule.__init__
+
+    def with_probe(self, *a, **kw):
+        kw["probe_every"] = 1
+        orig(self, *a, **kw)
+
+    tmu.RLModule.__init__ = with_probe
+    try:
+        _, _, metrics = run_update(make_rollout(), clip_name="fspo", mini_batch_size=4)
+    finally:
+        tmu.RLModule.__init__ = orig
+    assert -1.0 <= metrics["probe/cos"] <= 1.0 and metrics["probe/kappa"] >= 1.0 - 1e-9
+    assert {"probe/lre", "probe/lre_w", "probe/partition_lre"} <= set(metrics)
+    assert any(k.startswith("probe/gnorm/") for k in metrics)
+    _, _, plain = run_update(make_rollout(), clip_name="fspo", mini_batch_size=4)
+    assert not any(k.startswith("probe/") for k in plain)  # off by default
+    with pytest.raises(ValueError, match="grad_probe_every must be >= 0"):
+        tmu.RLModule(policy=None, clip=None, aggregator=None, ppo=tmu.PPOConfig(), diagnostics=None, probe_every=-1)
+
+
+def test_report_reads_the_probe(store, tmp_path, capsys):  # noqa: F811
+    """fairness.csv / report.md carry LRE_w with the measured ||g_L||, cos(g^b, g*) and the group-reward LRE
+    (each run's last probed step), averaged over the group's runs."""
+    import csv
+
+    from test_report import _report
+
+    uri, exp, client = store
+    runs = client.search_runs([client.get_experiment_by_name(exp).experiment_id],
+                              "tags.method = 'fspo' and attributes.status = 'FINISHED'")
+    for r, v in zip(runs, (0.02, 0.04)):
+        client.log_metric(r.info.run_id, "probe/lre_w", 1.0, step=1)
+        client.log_metric(r.info.run_id, "probe/lre_w", v, step=2)  # the last probed step counts
+        client.log_metric(r.info.run_id, "probe/cos", 0.9, step=2)
+        client.log_metric(r.info.run_id, "probe/partition_lre", 0.1, step=2)
+    out = tmp_path / "report"
+    proc = _report(capsys, uri, out, "--experiment", exp, "--no-log")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fair = {r["group"]: r for r in csv.DictReader(open(out / "fairness.csv"))}
+    assert float(fair["fspo"]["lre_w_grad"]) == pytest.approx(0.03) and float(fair["fspo"]["probe_cos"]) == 0.9
+    assert fair["rloo"]["lre_w_grad"] == ""  # no probe: empty
+    assert "| 0.0300 | 0.900 | 0.1000 |" in (out / "report.md").read_text()
+
+
+def test_group_reward_is_the_groups_mean():
+    from fspo.update.grad_probe import group_reward
+
+    assert group_reward(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])).tolist() == [0.5, 0.5, 1.0, 1.0]
+    assert group_reward(torch.tensor([1.0, 0.0]), None).tolist() == [1.0, 0.0]

@@ -17,12 +17,14 @@ Logged (``probe/`` prefix): ``gnorm/<bin>`` = ||g*_b||; ``cos/<bin>`` = cos(q_b 
 stratification of Theorem 1); ``cos`` = cos(g^b, g*) (the theorem's left side); ``kappa`` = E_L||g*_L|| / ||g*||
 (E_L weighted by n_b / N); ``lre`` = the paper's LRE with q_b the in-band share (as ``fairness/lre``); ``lre_w``
 = 0.5 sum_b n_b ||g*_b|| |q_b / q_bar - 1| / sum_b n_b ||g*_b|| (the appendix's LRE_w with the measured norm);
-``q/<bin>``. Bins with one sequence or none are skipped. Cost: two backward passes per populated bin
+``q/<bin>``. Bins with one sequence or none are skipped; a cosine with a zero gradient (every A = 0) is not
+reported. Cost: two backward passes per populated bin
 (autograd.grad on the shared graph, parameters' .grad untouched). For a token-level rule, c_i uses its
 token ratios while u_i is the sequence-IS target: ``cos`` then measures how far the rule is from it.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -83,7 +85,9 @@ def gradient_probe(logp: Tensor, old_log_prob: Tensor, advantages: Tensor, respo
         gc = _grads(c_seq[rows].sum() / n_b, params)
         q_b = float(ok[rows].mean())
         norm = _dot(gu, gu) ** 0.5
-        out[f"probe/gnorm/{label}"], out[f"probe/cos/{label}"], out[f"probe/q/{label}"] = norm, _cos(gc, gu), q_b
+        out[f"probe/gnorm/{label}"], out[f"probe/q/{label}"] = norm, q_b
+        if math.isfinite(c_b := _cos(gc, gu)):  # undefined where a gradient is 0 (e.g. every A = 0): not logged
+            out[f"probe/cos/{label}"] = c_b
         n_list.append(n_b), q_list.append(q_b), g_list.append(norm)
         g_all = [x * n_b for x in gu] if g_all is None else [a + x * n_b for a, x in zip(g_all, gu)]
         c_all = [x * n_b for x in gc] if c_all is None else [a + x * n_b for a, x in zip(c_all, gc)]
@@ -93,11 +97,41 @@ def gradient_probe(logp: Tensor, old_log_prob: Tensor, advantages: Tensor, respo
     total = float(n.sum())
     g_all, c_all = [x / total for x in g_all], [x / total for x in c_all]
     g_norm = _dot(g_all, g_all) ** 0.5
-    out["probe/cos"] = _cos(c_all, g_all)
-    out["probe/kappa"] = float((n * g).sum() / total) / g_norm if g_norm > 0 else float("nan")
+    if math.isfinite(c := _cos(c_all, g_all)):
+        out["probe/cos"] = c
+    if g_norm > 0:
+        out["probe/kappa"] = float((n * g).sum() / total) / g_norm
     out["probe/lre"] = float(lre(q, n))
     out["probe/lre_w"] = float(lre(q, n * g, q_bar_weights=n))
     if partition is not None:
         keep = idx >= 0
         out["probe/partition_lre"] = partition_lre(torch.as_tensor(partition)[keep.cpu()], ok[keep])
     return out
+
+
+def group_reward(rewards: Tensor, group_ids: Optional[Tensor]) -> Tensor:
+    """Each sequence's group mean reward (the prompt's difficulty as the rollout measured it), rounded to 1e-6
+    so equal means form one cell; the sequence's own reward when there are no group ids."""
+    r = rewards.double()
+    if group_ids is None:
+        return torch.round(r * 1e6) / 1e6
+    out = torch.empty_like(r)
+    for gid in torch.unique(group_ids):
+        rows = group_ids == gid
+        out[rows] = r[rows].mean()
+    return torch.round(out * 1e6) / 1e6
+
+
+def probe_minibatch(module, mb) -> Dict[str, float]:
+    """`gradient_probe` on mini-batch ``mb`` of the training step (its old log-probs, the module's clip rule and
+    diagnostics bins, the group reward as the other partition), with one extra forward pass; {} on more than
+    one process (the probe needs the whole mini-batch's graph on one process)."""
+    from fspo.runtime.launch.distributed import dp_rank_size
+    from fspo.update import forward as passes
+
+    if dp_rank_size(module)[1] != 1 or mb.old_log_probs is None:
+        return {}
+    logp, _ = passes.log_probs(module, mb)
+    labels = group_reward(mb.rewards, mb.group_ids) if mb.rewards is not None else None
+    return gradient_probe(logp, mb.old_log_probs, mb.advantages, mb.response_mask, module.clip,
+                          list(module.policy.parameters()), module.diagnostics.bins, partition=labels)
