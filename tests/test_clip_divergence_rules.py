@@ -218,3 +218,16 @@ def test_registry_names():
     cfg = {"policy_loss": {"vespo": {"k_pos": 0.0, "lambda_pos": 0.0}}}
     loss, _ = get_policy_loss_fn("vespo")(lq, lp, torch.ones(2, 3), m, "token-sum", cfg)
     assert float(loss) == pytest.approx(-float((lp.detach() * m).sum()), rel=1e-6)  # phi = 1: -A logp summed
+
+
+@pytest.mark.parametrize("arm, L_med", [("vespo_matched", 72), ("vespo_law", 288)])
+def test_vespo_arms_match_fspo_at_the_median_length(arm, L_med):
+    """The arms' half-weight edges sit at +-0.030 sqrt(L_med), FSPO's matched band (conf/arm/fspo_matched.yaml)."""
+    from omegaconf import OmegaConf
+
+    from conftest import CONF
+
+    clip = OmegaConf.load(CONF / "arm" / f"{arm}.yaml").clip
+    for k, lam in ((clip.k_pos, clip.lambda_pos), (clip.k_neg, clip.lambda_neg)):
+        lo, hi = vespo_band(k, lam)
+        assert hi == pytest.approx(0.030 * math.sqrt(L_med), rel=2e-3) and -lo == pytest.approx(hi, rel=2e-3)
