@@ -215,9 +215,11 @@ def test_registry_names():
         loss, metrics = get_policy_loss_fn(name)(lq, lp, a[:, None] * m, m, "token-mean", None)
         assert torch.isfinite(loss) and set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
     # vespo reads the recipe's sub-config (policy_loss.vespo) and plain keys alike
-    cfg = {"policy_loss": {"vespo": {"k_pos": 0.0, "lambda_pos": 0.0}}}
+    cfg = {"policy_loss": {"vespo": {"k_pos": 0.0, "lambda_pos": 0.0}}}  # lambda floored at 1e-4 (TRL's, the recipe's)
     loss, _ = get_policy_loss_fn("vespo")(lq, lp, torch.ones(2, 3), m, "token-sum", cfg)
-    assert float(loss) == pytest.approx(-float((lp.detach() * m).sum()), rel=1e-6)  # phi = 1: -A logp summed
+    w = torch.exp((lp.detach() - lq).sum(-1) * 1.0)  # k = 0: phi = e^{1e-4 (1 - w)}, -A phi logp summed
+    want = -(torch.exp(1e-4 * (1 - w))[:, None] * lp.detach() * m).sum()
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
 
 
 @pytest.mark.parametrize("arm, L_med", [("vespo_matched", 72), ("vespo_law", 288)])

@@ -32,6 +32,8 @@ from fspo.clipping.registry import _get, _run, register_policy_loss
 
 #: log of the kernel weight below which a sequence counts as clipped (the weight has lost half)
 LOG_HALF = math.log(0.5)
+#: the recipe's and TRL's floors: log w >= log(1e-8) (their w.clamp(min=1e-8)), lambda >= 1e-4
+LOG_W_FLOOR, LAMBDA_FLOOR = math.log(1e-8), 1e-4
 LENGTH_SCALES = ("none", "sqrt")
 
 
@@ -64,8 +66,9 @@ def vespo_band(k: float, lam: float) -> Tuple[float, float]:
 class VESPOClip(ClipRule):
     """VESPO's soft sequence-level reweighting (REINFORCE form), as the authors' verl recipe and TRL.
 
-    Per sequence: S_i = sum_t clamp(d_t, -20, 20), x_i = clamp(S_i, -20, 20) (no 1 / L: the true
-    sequence IS weight w_i = e^{x_i}), (k, lam) = (k_pos, lambda_pos) if A_i >= 0 else (k_neg, lambda_neg),
+    Per sequence: S_i = sum_t clamp(d_t, -20, 20), x_i = clamp(S_i, log 1e-8, 20) (no 1 / L: the true
+    sequence IS weight w_i = e^{x_i}; the floor is TRL's and the recipe's), (k, lam) = (k_pos, max(lambda_pos,
+    1e-4)) if A_i >= 0 else (k_neg, max(lambda_neg, 1e-4)) (their lambda floor),
 
         phi_i = sg(w_i^k e^{lam (1 - w_i)}),    J = sum_t phi_i A_t logp_t,    d loss_t / d logp_t = -phi_i A_t.
 
@@ -100,10 +103,10 @@ class VESPOClip(ClipRule):
         self.ref_length = check_positive(own, "ref_length", ref_length)
 
     def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
-        """x_i: S_i (VESPO) or S_i sqrt(ref_length / L_i) (``length_scale="sqrt"``), clamped to +-20."""
+        """x_i: S_i (VESPO) or S_i sqrt(ref_length / L_i) (``length_scale="sqrt"``), clamped to [log 1e-8, 20]."""
         if self.length_scale == "sqrt":
             s = s * torch.sqrt(self.ref_length / lengths.clamp(min=1.0))
-        return s.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        return s.clamp(LOG_W_FLOOR, MAX_LOG_RATIO)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
@@ -114,7 +117,7 @@ class VESPOClip(ClipRule):
         a_seq = seq_advantage(advantages, p)
         pos = a_seq >= 0
         k = torch.where(pos, self.k_pos, self.k_neg)
-        lam = torch.where(pos, self.lambda_pos, self.lambda_neg)
+        lam = torch.where(pos, self.lambda_pos, self.lambda_neg).clamp(min=LAMBDA_FLOOR)
         log_phi = log_kernel(x, k, lam)
         phi = torch.nan_to_num(torch.exp(log_phi), nan=0.0, posinf=0.0, neginf=0.0)
         adv = token_advantage(advantages, p)
@@ -133,7 +136,7 @@ class VESPOClip(ClipRule):
         from fspo.clipping.theory import c_fspo, c_rloo
         out = 0.0
         for k, lam in ((self.k_pos, self.lambda_pos), (self.k_neg, self.lambda_neg)):
-            lo, hi = vespo_band(k, lam)
+            lo, hi = vespo_band(k, max(lam, LAMBDA_FLOOR))
             if self.length_scale == "sqrt":
                 r = math.sqrt(self.ref_length)
                 out = out + 0.5 * c_fspo(lengths, sigma, min(hi / r, 1e6), min(-lo / r, 1e6))
