@@ -185,7 +185,7 @@ def test_running_ema_band_keeps_its_state_between_calls():
     fn = core_algos.get_policy_loss_fn("fspo")
     for seed in (4, 5, 6):
         old, new, adv, m = batch(seed)
-        loss, metrics, g = grad_of(lambda x: fn(old, x, adv, m, "token-mean", cfg), new)
+        loss, metrics, g = grad_of(lambda x, o=old, a=adv, mm=m: fn(o, x, a, mm, "token-mean", cfg), new)
         x = new.detach().clone().requires_grad_(True)
         res = ref(x, old, adv, m)
         want = aggregate(res.token_loss, m, "token-mean").loss
