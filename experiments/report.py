@@ -4,11 +4,14 @@
     python experiments/report.py --experiment methods --experiment rloo_wide --out reports/rloo_wide
     python experiments/report.py --experiment fspo_c --group-by c --out reports/fspo_c
     python experiments/report.py --filter "tags.sweep = 'methods' and tags.model = 'tiny'" --out reports/x
+    python experiments/report.py --experiment methods --eval-run <evaluate run id> --out reports/methods
 
 Reads the runs from ``--tracking-uri`` (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db,
 as conf/logger/mlflow.yaml), groups them by ``--group-by`` (tags or params; default the method
 tag), writes ``--out`` (table1.md/.csv, fairness.csv, runs.csv, report.md, figures/, qq/) and logs
 the folder as artifacts of a run named ``report`` in the (first) experiment (``--no-log`` skips).
+``--eval-run`` (repeatable): an experiments/evaluate.py run's per-problem tables give Figure 4
+(difficulty.csv, figures/difficulty.png: fspo/evaluation/report/difficulty.py).
 Errors (no such experiment, no matching run) end with one line and exit code 2.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--include-unfinished", action="store_true", help="also RUNNING / FAILED / KILLED runs")
     p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
     p.add_argument("--title", default="FSPO report")
+    p.add_argument("--eval-run", action="append", default=[], help="evaluate run id for Figure 4 (repeatable)")
     p.add_argument("--min-bin-count", type=float, default=100.0,
                    help="sequences per run a length bin needs to count for the flatness column (default 100)")
     return p.parse_args(argv)
@@ -46,6 +50,9 @@ def main(argv=None) -> int:
     quiet_artifact_downloads()  # no per-run download bars in a log (fspo/runtime/checks/console.py)
     statuses = ("FINISHED", "RUNNING", "FAILED", "KILLED") if args.include_unfinished else ("FINISHED",)
     try:
+        if args.eval_run:  # first: the report run then logs it with the rest of the folder
+            from fspo.evaluation.report.difficulty import write_difficulty
+            print(f"Figure 4: {write_difficulty(args.tracking_uri, args.eval_run, args.out)}")
         res = make_report(args.tracking_uri, args.out, args.experiment, args.filter,
                           [k.strip() for k in args.group_by.split(",") if k.strip()], statuses,
                           log_to_mlflow=not args.no_log, title=args.title, min_bin_count=args.min_bin_count)

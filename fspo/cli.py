@@ -15,7 +15,7 @@ Owns:
 - the console scripts of pyproject.toml: ``fspo-train``, ``fspo-eval``, ``fspo-report``, ``fspo-warmstart``
   and ``fspo-export-lora`` run experiments/run.py, evaluate.py, report.py, warmstart.py and export_lora.py
   from this checkout, exactly as ``python experiments/<file>.py`` does (same Hydra app, config folder and
-  job name).
+  job name); ``fspo-export`` (any checkpoint -> a Hugging Face folder) is fspo/runtime/checkpoints/hf_export.py.
 Leaves out: what the entry points do (experiments/*.py, fspo/train.py).
 """
 from __future__ import annotations
@@ -288,3 +288,9 @@ def warmstart() -> None:
 def export_lora() -> None:
     """``fspo-export-lora CHECKPOINT OUT_DIR [--model-path BASE]``: ``python experiments/export_lora.py ...``."""
     _run_script("export_lora")
+
+
+def export() -> None:
+    """``fspo-export CHECKPOINT OUT_DIR [--model-path BASE] [--dtype D]``: fspo/runtime/checkpoints/hf_export.py."""
+    from fspo.runtime.checkpoints.hf_export import main
+    raise SystemExit(main())

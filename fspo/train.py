@@ -119,7 +119,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                       ledger=SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True) else None,
                       guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
-                      else None)  # train-inference mismatch correction (fspo/rollout/correction.py)
+                      else None,  # train-inference mismatch correction (fspo/rollout/correction.py)
+                      probe_every=int(OmegaConf.select(cfg, "diagnostics.grad_probe_every", default=0) or 0))
 
     # rollouts
     sampling = instantiate(cfg.rollout.sampling)

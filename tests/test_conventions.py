@@ -75,7 +75,8 @@ def test_entry_point_accepts_both_forms():
 def test_console_scripts():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     scripts = meta["project"]["scripts"]
-    assert set(scripts) == {"fspo-train", "fspo-eval", "fspo-report", "fspo-warmstart", "fspo-export-lora"}
+    assert set(scripts) == {"fspo-train", "fspo-eval", "fspo-report", "fspo-warmstart", "fspo-export-lora",
+                            "fspo-export"}
     for target in scripts.values():
         mod, _, fn = target.partition(":")
         assert callable(getattr(importlib.import_module(mod), fn)), target
@@ -92,9 +93,11 @@ def test_console_scripts():
 @pytest.mark.parametrize("fn, args, rc, text", [
     ("warmstart", ["--help"], 0, "usage: warmstart.py"),
     ("export_lora", ["/nonexistent.ckpt", "out"], 2, "error: FileNotFoundError: no checkpoint at /nonexistent.ckpt"),
+    ("export", ["/nonexistent.ckpt", "out"], 2, "error: FileNotFoundError: no checkpoint at /nonexistent.ckpt"),
+    ("export", ["--help"], 0, "usage: fspo-export"),
 ])
 def test_console_script_functions_run_their_entry_point(fn, args, rc, text, tmp_path):
-    """fspo-warmstart / fspo-export-lora (the functions pyproject names): experiments/<file>.py with the same
+    """fspo-warmstart / fspo-export-lora / fspo-export (the functions pyproject names): their entry point with the same
     arguments, from any folder; the bad checkpoint ends with one line and exit code 2, as the script does."""
     p = subprocess.run([sys.executable, "-c", f"from fspo.cli import {fn}; {fn}()", *args], cwd=tmp_path,
                        env=ENV, capture_output=True, text=True, timeout=120)

@@ -14,6 +14,7 @@ The distributed tests launch ``torchrun --standalone --nproc_per_node=2 tests/fs
 - `fspo.train.train` with ``trainer=fsdp``: HF generation in lockstep, validation, MLflow (one run,
   written by rank 0), a sharded checkpoint; the warm start built on meta and loaded shard by shard
   (its checkpoint holds the warm start's weights);
+- the sharded checkpoint exported by ``fspo-export`` to a Hugging Face folder with the trainer's log-probs;
 - the compact decoder in lockstep (``decode_compact(synced=True)``) on the sharded warm-start model,
   one rank running out of rows before the other: each rank's tokens and engine log-probs equal
   one process decoding that rank's prompts alone.
@@ -139,6 +140,27 @@ def test_train_with_trainer_fsdp_end_to_end(two_ranks):
     ref, _ = load_policy(source="warmstart")
     for k, v in ref.state_dict().items():
         assert (saved[f"policy.{k}"] - v).abs().max() < 1e-3, k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_checkpoint_exports_to_a_hugging_face_folder(two_ranks, tmp_path):
+    """fspo-export on the 2-rank run's sharded checkpoint: a folder transformers loads, with the log-probs of
+    the trainer's weights as torch's own converter (dcp_to_torch_save) reads them from the shards (rel 1e-5)."""
+    from omegaconf import OmegaConf
+    from test_hf_export import check_export
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fspo.runtime.checkpoints.files import read_resume_meta
+
+    ckpt = sorted((two_ranks / "e2e").rglob("step_*.ckpt"))[-1]
+    assert ckpt.is_dir() and (ckpt / ".metadata").exists()
+    dcp_to_torch_save(ckpt, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
+    state = {k[len("policy."):]: v for k, v in full.items() if k.startswith("policy.")}
+    run_cfg = OmegaConf.create(read_resume_meta(ckpt)["run_config"])
+    model_cfg = OmegaConf.to_container(run_cfg.model, resolve=True)
+    check_export(ckpt, tmp_path / "hf", state, model_cfg, int(run_cfg.get("seed", 0)))
 
 
 @pytest.mark.distributed

@@ -7,7 +7,11 @@
   importance-sampling ratio ([B, T] and [B, 1]);
 - on-policy (every ratio 1, nothing clipped) FSPO's loss and gradient equal GRPOTrainer's own
   ``_compute_loss`` for each supported loss_type: the aggregation map reproduces TRL's normalisation;
+- ``clip_rule``: VESPO through FSPOTrainer equals TRL's own ``loss_type="vespo"``; FSPO's EMA band observes
+  the training batches;
 - FSPOConfig's paper defaults and its one-line refusals.
+(The tests that use the trained example run come before the ones that build a failing trainer: that resets
+accelerate's state.)
 """
 from __future__ import annotations
 
@@ -138,6 +142,56 @@ def test_on_policy_equals_grpo_trainer(run, loss_type):
     assert_same_grads(g_ours, g_theirs)
 
 
+@pytest.mark.slow
+def test_clip_rule_vespo_equals_trls_own_vespo(run):
+    """FSPOConfig.clip_rule swaps the rule: VESPO (value="verl") under loss_type dapo gives TRL 1.16's own
+    loss_type="vespo" loss and gradient on an off-policy batch (both normalise by the batch's tokens)."""
+    from fspo.clipping.vespo import VESPOClip
+
+    trainer, captured = run
+    inputs = copy.deepcopy(captured[1])
+    mask = inputs["completion_mask"]
+    with torch.no_grad():
+        base = logps_of(trainer, inputs)
+    inputs["old_per_token_logps"] = base + torch.randn(mask.size(0), 1, generator=torch.Generator().manual_seed(1)) * 0.1
+    trainer.model.train()
+    saved_rule, saved_type = trainer._fspo_rule, trainer.loss_type
+    trainer._fspo_rule = VESPOClip(value="verl")
+    try:
+        ours = trainer._compute_loss(trainer.model, inputs)
+        g_ours = model_grads(trainer, ours)
+        trainer.loss_type = "vespo"
+        theirs = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        g_theirs = model_grads(trainer, theirs)
+    finally:
+        trainer._fspo_rule, trainer.loss_type = saved_rule, saved_type
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-8)
+    assert_same_grads(g_ours, g_theirs)
+
+
+@pytest.mark.slow
+def test_clip_rule_ema_band_observes_training_batches(run):
+    """FSPO's EMA band through clip_rule: its sigma_hat (a buffer of the trainer's rule) moves with each training
+    micro-batch's spread of S / sqrt(L), and the band in effect follows it."""
+    from fspo.clipping.fspo import FSPOClip
+
+    trainer, captured = run
+    inputs = copy.deepcopy(captured[1])
+    with torch.no_grad():
+        base = logps_of(trainer, inputs)
+    inputs["old_per_token_logps"] = base + torch.randn(inputs["completion_mask"].size(0), 1,
+                                                       generator=torch.Generator().manual_seed(2)) * 0.5
+    trainer.model.train()
+    saved = trainer._fspo_rule
+    trainer._fspo_rule = FSPOClip(band="ema", z=1.0, sigma0=0.03)
+    try:
+        trainer._compute_loss(trainer.model, inputs)
+        sigma = float(trainer._fspo_rule.sigma_hat)
+    finally:
+        trainer._fspo_rule = saved
+    assert sigma > 0.03  # S / sqrt(L) spread by the 0.5-nat shifts: the EMA moved up from sigma0
+
+
 def test_config_paper_defaults_and_refusals(tmp_path):
     kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     c = FSPOConfig(**kw)
@@ -162,3 +216,13 @@ def test_trainer_refuses_a_plain_grpo_config_before_loading(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="cispo")
     with pytest.raises(ValueError, match="loss_type='cispo'"):  # not the missing model's error
         FSPOTrainer(model=str(tmp_path / "no_such_model"), reward_funcs=example.answer_reward, args=args)
+
+
+def test_clip_rule_builds_or_is_one_line(tmp_path):
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert FSPOConfig(**kw, clip_rule={"_target_": "fspo.clipping.vespo.VESPOClip"}).clip_rule
+    for bad, match in (({"_target_": "fspo.clipping.vespo.VESPOClip", "k_pos": -1.0}, "k_pos must be"),
+                       ({"_target_": "fspo.losses.Aggregator"}, "not a fspo.clipping ClipRule")):
+        with pytest.raises(ValueError, match=match) as e:
+            FSPOConfig(**kw, clip_rule=bad)
+        assert "\n" not in str(e.value)

@@ -174,3 +174,28 @@ def test_env_var_registers_in_a_fresh_process_and_docs_check_runs():
     out = subprocess.run(["bash", "-c", DOCS_CHECK.split(" ", 1)[1]], env=env, capture_output=True, text=True,
                          timeout=600, cwd=REPO)
     assert out.returncode == 1 and "VERL_USE_EXTERNAL_MODULES" in out.stderr
+
+
+def test_running_ema_band_keeps_its_state_between_calls():
+    """band=ema: the plugin's loss on call k equals FSPOClip(band="ema") after the same k - 1 observed batches
+    (one observe per call with a gradient); a call without a gradient leaves the state alone."""
+    plugin._RULES.clear()
+    cfg = actor({}, band="ema", z=1.5, alpha=0.5, sigma0=0.02)
+    ref = FSPOClip(band="ema", z=1.5, alpha=0.5, sigma0=0.02)
+    fn = core_algos.get_policy_loss_fn("fspo")
+    for seed in (4, 5, 6):
+        old, new, adv, m = batch(seed)
+        loss, metrics, g = grad_of(lambda x, o=old, a=adv, mm=m: fn(o, x, a, mm, "token-mean", cfg), new)
+        x = new.detach().clone().requires_grad_(True)
+        res = ref(x, old, adv, m)
+        want = aggregate(res.token_loss, m, "token-mean").loss
+        torch.testing.assert_close(loss, want, rtol=1e-7, atol=0)
+        torch.testing.assert_close(g, torch.autograd.grad(want, x)[0], rtol=1e-7, atol=0)
+        assert metrics["actor/fspo/sigma_hat"] == pytest.approx(float(ref.sigma_hat))
+        mb = m.bool()
+        ref.observe(res.seq_log_ratio, mb.sum(-1), (new - old).float() * mb, mb)
+    assert float(ref.sigma_hat) != 0.02  # the band moved
+    before = float(next(iter(plugin._RULES.values())).sigma_hat)
+    fn(old, new, adv, m, "token-mean", cfg)  # no gradient: a metrics pass
+    assert float(next(iter(plugin._RULES.values())).sigma_hat) == before
+    plugin._RULES.clear()

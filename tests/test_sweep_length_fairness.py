@@ -11,6 +11,7 @@ import pytest
 from hydra.utils import instantiate
 
 from conftest import sweep_arms
+from fspo.clipping.vespo import vespo_band
 from fspo.sweeps import job_config, sweep_jobs
 
 L_MED, SIGMA = 72, 0.030
@@ -57,12 +58,12 @@ def test_calibrated_arms_target_z_one(arms):
 
 
 def test_optional_newer_baseline_arms_follow_the_same_rule():
-    """cispo / sapo / gmpo / luspo arms (not in the default grid: add them with ``+arm=...``)."""
-    extra = "+arm=cispo_matched,sapo_matched,gmpo_matched,luspo_matched"
+    """cispo / sapo / gmpo / luspo / vespo arms (not in the default grid: add them with ``+arm=...``)."""
+    extra = "+arm=cispo_matched,sapo_matched,gmpo_matched,luspo_matched,vespo_matched"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FSPO_MLFLOW_PARENT_RUN_ID", "0123abcd")
         jobs = {j[0].split("=", 1)[1]: job_config("length_fairness", j) for j in sweep_jobs("length_fairness", [extra])}
-    assert set(jobs) == {"cispo_matched", "sapo_matched", "gmpo_matched", "luspo_matched"}
+    assert set(jobs) == {"cispo_matched", "sapo_matched", "gmpo_matched", "luspo_matched", "vespo_matched"}
     for name, cfg in jobs.items():
         assert cfg.tags.bands == "matched" and cfg.tags.method == cfg.method == name[: -len("_matched")]
         instantiate(cfg.clip)
@@ -70,5 +71,9 @@ def test_optional_newer_baseline_arms_follow_the_same_rule():
     assert up == pytest.approx(SIGMA, rel=2e-3) and lo == pytest.approx(SIGMA, rel=2e-3)
     assert jobs["gmpo_matched"].clip.clip_ratio_high == jobs["gmpo_matched"].clip.clip_ratio_low == SIGMA  # log space
     assert jobs["sapo_matched"].clip.tau_pos == pytest.approx(1.7627 / SIGMA, rel=2e-3)  # gate weight 1/2 at |r-1| = xi
+    lo_v, hi_v = vespo_band(jobs["vespo_matched"].clip.k_pos, jobs["vespo_matched"].clip.lambda_pos)  # on S
+    assert hi_v == pytest.approx(BAND, rel=2e-3) and -lo_v == pytest.approx(BAND, rel=2e-3)
+    assert instantiate(jobs["vespo_matched"].clip).theory_clip_fraction([L_MED], SIGMA)[0] == pytest.approx(
+        2 * 0.15865525, rel=5e-3)  # 2 Phi(-1): FSPO's z = 1 at L_med
     up, lo = _log_bounds(jobs["luspo_matched"].clip)  # GSPO's band on S / L
     assert up * L_MED == pytest.approx(BAND, rel=2e-3) and lo * L_MED == pytest.approx(BAND, rel=2e-3)

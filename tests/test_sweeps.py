@@ -78,9 +78,10 @@ def test_fspo_z():
 def test_methods(model):
     extra = [f"+model={model}"] if model else []
     jobs = _jobs("methods", extra)
-    methods, seeds = ("fspo", "grpo", "rloo", "gspo"), (1, 2, 3)
+    methods, seeds = ("fspo", "grpo", "rloo", "gspo", "vespo"), (1, 2, 3)
     assert [j for j, _ in jobs] == [[f"+method={m}", f"seed={s}", *extra] for m, s in product(methods, seeds)]
-    targets = {"fspo": "FSPOClip", "grpo": "GRPOClip", "rloo": "RLOOClip", "gspo": "GSPOClip"}
+    targets = {"fspo": "FSPOClip", "grpo": "GRPOClip", "rloo": "RLOOClip", "gspo": "GSPOClip",
+               "vespo": "VESPOClip"}
     for (_, cfg), (m, s) in zip(jobs, product(methods, seeds)):
         _common(cfg, "methods")
         assert cfg.method == m and cfg.seed == s and cfg.clip._target_.endswith(targets[m])

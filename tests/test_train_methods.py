@@ -18,6 +18,9 @@ CLIP_TARGETS = {
     "grpo": "fspo.clipping.grpo.GRPOClip",
     "rloo": "fspo.clipping.rloo.RLOOClip",
     "gspo": "fspo.clipping.gspo.GSPOClip",
+    "vespo": "fspo.clipping.vespo.VESPOClip",
+    "dppo": "fspo.clipping.dppo.DPPOClip",
+    "cppo": "fspo.clipping.cppo.CPPOClip",
 }
 PER_STEP = ["clip/seq_frac", "fairness/lre", "reward/mean", "time/generate", "train/loss", "train/update_ratio"]
 BIN_KEY = re.compile(r"^clip/seq_frac\.len_\d{5}_(\d{5}|inf)$")
@@ -95,7 +98,7 @@ def test_two_steps_log_everything(method, compose_cfg, mlflow_uri, tmp_path):
 
     # artifacts: figures and the resolved config
     paths = _artifact_paths(client, run_id)
-    assert "config.yaml" in paths, paths
+    assert "config.yaml" in paths and "logratio_samples.csv" in paths, paths  # (L, S) sample: report Figure 1
     assert any(re.fullmatch(r"plots/[^/]+\.png", x) for x in paths), paths
     cfg_file = client.download_artifacts(run_id, "config.yaml", str(tmp_path))
     text = open(cfg_file).read()

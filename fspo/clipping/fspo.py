@@ -54,8 +54,8 @@ from fspo.clipping._common import (
     seq_result,
     token_log_ratio,
 )
-from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.affine_band import AffineVarianceBand
+from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.calibration import CALIBRATORS as _MOMENT_CALIBRATORS
 from fspo.clipping.quantile_band import QuantileBand
 

@@ -4,7 +4,9 @@ Owns: the paper's defaults as GRPOConfig fields, the settings FSPOTrainer cannot
 `FSPOConfig.__post_init__`, one line each), the map of TRL's ``loss_type`` to our aggregation
 (`aggregation`), and `FSPOTrainer._compute_loss`: TRL's log-prob pass, then fspo.clipping.registry's
 ``fspo`` (one implementation; settings by registry.fspo_settings, the mapping verl.py shares), then
-TRL's metrics plus per-length clip fractions. Leaves out: generation, rewards, advantages, old
+TRL's metrics plus per-length clip fractions; ``clip_rule`` (a Hydra node) swaps in any rule of
+fspo.clipping (FSPO's EMA / calibrated bands, whose running state lives in the trainer and observes every
+training micro-batch, or VESPO, DPPO, ...). Leaves out: generation, rewards, advantages, old
 log-probs and vLLM (TRL's own code, untouched: colocate and server modes work unchanged; with
 ``vllm_importance_sampling_correction`` TRL's ``importance_sampling_ratio`` multiplies the token loss,
 as in GRPOTrainer). TRL range: requirements.SUPPORTED.
@@ -38,8 +40,9 @@ from typing import Any, Dict, Optional, Tuple  # noqa: E402
 import torch  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from fspo.clipping.base import ClipRule  # noqa: E402
 from fspo.clipping.fspo import FSPOClip  # noqa: E402
-from fspo.clipping.registry import FSPO_DEFAULTS, fspo_loss, fspo_settings  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, fspo_settings  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
 from fspo.diagnostics.length_counts import fractions, length_counts  # noqa: E402
 from fspo.losses import aggregate  # noqa: E402
@@ -75,6 +78,10 @@ class FSPOConfig(GRPOConfig):
     c_dual: Optional[float] = _paper(FSPO_DEFAULTS["c_dual"], "dual clip c for A < 0 (None: off)")
     ratio_grad: str = _paper(FSPO_DEFAULTS["ratio_grad"], "per-token gradient of the sequence ratio")
     length_bin_width: int = _paper(200, "length bins of 200 tokens for the per-length clip fractions")
+    clip_rule: Optional[dict] = field(default=None, metadata={"help": "another clip rule of fspo.clipping instead "
+                                      "of the fixed FSPO band, as a Hydra node, e.g. {'_target_': "
+                                      "'fspo.clipping.fspo.FSPOClip', 'band': 'ema', 'z': 1.0} or "
+                                      "{'_target_': 'fspo.clipping.vespo.VESPOClip'}; the c_* settings are then unused"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -101,7 +108,29 @@ def check_args(args: GRPOConfig) -> None:
     for bad, msg in refuse:
         if bad:
             raise ValueError(f"FSPOConfig: {msg}")
-    FSPOClip(**fspo_settings(args))
+    if getattr(args, "clip_rule", None) is None:
+        FSPOClip(**fspo_settings(args))
+    else:
+        build_rule(args)
+
+
+def build_rule(args) -> Optional[ClipRule]:
+    """The `ClipRule` of ``args.clip_rule`` (a Hydra node: ``_target_`` a ClipRule class and its settings),
+    or None (the fixed band of ``c_*``); ValueError("FSPOConfig: clip_rule: ...") in one line otherwise."""
+    spec = getattr(args, "clip_rule", None)
+    if spec is None:
+        return None
+    from hydra.utils import instantiate
+
+    try:
+        rule = instantiate(dict(spec))
+    except Exception as e:  # noqa: BLE001 - a bad node: one line naming it
+        cause = e.__cause__ or e
+        raise ValueError(f"FSPOConfig: clip_rule={dict(spec)!r} does not build ({type(cause).__name__}: "
+                         f"{str(cause).splitlines()[0]}); give _target_ a ClipRule of fspo.clipping and its settings") from None
+    if not isinstance(rule, ClipRule):
+        raise ValueError(f"FSPOConfig: clip_rule={dict(spec)!r} is a {type(rule).__name__}, not a fspo.clipping ClipRule")
+    return rule
 
 
 def aggregation(loss_type: str, rows: int, max_completion_length: int, num_items_in_batch: Any,
@@ -134,6 +163,9 @@ class FSPOTrainer(GRPOTrainer):
         width = int(getattr(self.args, "length_bin_width", 200))
         self._fspo_bins = LengthBins(width=width, max_len=max(int(self.max_completion_length or width), width))
         self._fspo_counts: Dict[str, Optional[torch.Tensor]] = {"train": None, "eval": None}
+        self._fspo_rule = build_rule(self.args)  # None: the fixed band; a rule with state (EMA band) keeps it here
+        if self._fspo_rule is not None:
+            self._fspo_rule.to(self.accelerator.device)
 
     def _compute_loss(self, model, inputs):
         mask = inputs["completion_mask"]
@@ -154,7 +186,14 @@ class FSPOTrainer(GRPOTrainer):
         weights = inputs["importance_sampling_ratio"] if self.use_vllm and self.vllm_importance_sampling_correction \
             else None
         config = SimpleNamespace(**fspo_settings(self.args), global_batch_info=info)
-        loss, _, res = fspo_loss(old, logps, inputs["advantages"], mask, agg_mode, config, weights)
+        if self._fspo_rule is None:
+            loss, _, res = fspo_loss(old, logps, inputs["advantages"], mask, agg_mode, config, weights)
+        else:  # any rule; a calibrated / EMA band observes every training micro-batch (all processes)
+            loss, _, res = _run_full(self._fspo_rule, old, logps, inputs["advantages"], mask, agg_mode, config,
+                                     rollout_is_weights=weights)
+            if mode == "train":
+                m = mask.bool()
+                self._fspo_rule.observe(res.seq_log_ratio, m.sum(-1), (logps.detach() - old).float() * m, m)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps) - (ref - logps) - 1

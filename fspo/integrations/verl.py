@@ -4,9 +4,11 @@ Owns: the registration (`compute_policy_loss_fspo` in verl.trainer.ppo.core_algo
 ``POLICY_LOSS_REGISTRY``), `FSPOPolicyLossConfig` (verl's PolicyLossConfig plus FSPO's settings,
 for ``actor_rollout_ref.actor.policy_loss._target_``), the per-length metrics it adds to verl's
 ``pg_metrics`` and `by_length_fractions` (those metrics, after verl's reduction, as fractions).
-Leaves out: the loss itself (fspo.clipping.registry's ``fspo``, called as is: one implementation) and
-the stateful bands (EMA, calibrated: they need running state across calls and checkpoints; not
-registered).
+Leaves out: the loss itself (fspo.clipping.registry's ``fspo``, called as is: one implementation).
+FSPO's running bands (``band: ema | power | per_bin`` with ``z``, ``alpha``, ``sigma0``, ``calibration``, as
+conf/clip/fspo_*.yaml) keep one `FSPOClip` per process and setting (`running_rule`) that observes every call with a
+gradient (each micro-batch; every rank all-reduces its statistics); that state is not in verl's checkpoints
+(a resumed job restarts it from ``sigma0``).
 
 Loading, in every verl process (driver and Ray workers): ``VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl``
 (verl/__init__.py imports the modules listed there) or ``actor_rollout_ref.model.external_lib=
@@ -40,13 +42,14 @@ from fspo.integrations.requirements import require
 require("verl")
 
 from dataclasses import dataclass  # noqa: E402
-from typing import Any, Dict, Optional  # noqa: E402
+from typing import Any, Dict, Optional, Tuple  # noqa: E402
 
 from torch import Tensor  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import PolicyLossConfig  # noqa: E402
 
-from fspo.clipping.registry import FSPO_DEFAULTS, fspo_loss, setting  # noqa: E402
+from fspo.clipping.fspo import FSPOClip  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, setting  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
 from fspo.diagnostics.length_counts import count_metrics, length_counts  # noqa: E402
 
@@ -66,6 +69,11 @@ class FSPOPolicyLossConfig(PolicyLossConfig):
     ratio_grad: str = FSPO_DEFAULTS["ratio_grad"]
     length_bin_width: int = BIN_WIDTH
     length_bin_max: int = BIN_MAX
+    band: str = "fixed"  # fixed (c_*) | ema | power | per_bin: FSPO's running bands (module docstring)
+    z: float = 1.0
+    alpha: float = 0.1
+    sigma0: float = 0.03
+    calibration: Optional[Dict[str, Any]] = None
 
 
 def length_bins(config: Any) -> LengthBins:
@@ -74,14 +82,44 @@ def length_bins(config: Any) -> LengthBins:
                       max_len=int(setting(config, "length_bin_max", BIN_MAX)))
 
 
+#: this process's running-band rules, one per distinct setting (the state of ``band`` != fixed)
+_RULES: Dict[Tuple, FSPOClip] = {}
+BAND_KEYS = ("band", "z", "alpha", "sigma0", "c_dual", "ratio_grad")
+
+
+def running_rule(config: Any) -> Optional[FSPOClip]:
+    """None for ``band: fixed``; else this process's `FSPOClip` for the config's band settings (created once,
+    then kept: its sigma_hat / calibrator moments carry over between calls)."""
+    kw = {k: setting(config, k, d) for k, d in zip(BAND_KEYS, ("fixed", 1.0, 0.1, 0.03, FSPO_DEFAULTS["c_dual"],
+                                                              FSPO_DEFAULTS["ratio_grad"]))}
+    if kw["band"] == "fixed":
+        return None
+    calibration = setting(config, "calibration", None)
+    key = (*kw.values(), repr(sorted(dict(calibration or {}).items())))
+    if key not in _RULES:
+        _RULES[key] = FSPOClip(**kw, calibration=dict(calibration) if calibration else None)
+    return _RULES[key]
+
+
 @core_algos.register_policy_loss("fspo")
 def compute_policy_loss_fspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                              response_mask: Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                              rollout_is_weights: Optional[Tensor] = None):
     """verl's policy-loss signature; (loss, pg_metrics) = fspo.clipping.registry's ``fspo`` plus the
-    per-length counts (module docstring)."""
-    loss, metrics, res = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                                   rollout_is_weights)
+    per-length counts (module docstring); with a running band, that band, observing every call that
+    carries a gradient (``actor/fspo/sigma_hat`` logged)."""
+    rule = running_rule(config)
+    if rule is None:
+        loss, metrics, res = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                       rollout_is_weights)
+    else:
+        rule.to(log_prob.device)
+        loss, metrics, res = _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                       config, rollout_is_weights=rollout_is_weights)
+        metrics[f"{PREFIX}/sigma_hat"] = float(rule.sigma_hat)
+        if log_prob.requires_grad:  # a training call (not a metrics-only pass): update the running band
+            m = response_mask.bool()
+            rule.observe(res.seq_log_ratio, m.sum(-1), (log_prob.detach() - old_log_prob).float() * m, m)
     bins = length_bins(config)
     metrics.update(count_metrics(length_counts(res, response_mask, bins), bins, PREFIX))
     return loss, metrics

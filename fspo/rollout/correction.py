@@ -41,6 +41,10 @@ masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), 
 geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py, observed
 on each step's sequences before use, its state checkpointed), right for any law of S_L.
 
+``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; fspo/rollout/off_policy_mask.py) adds
+DeepSeek-V3.2's off-policy sequence mask or its length-fair variant on top of any mode (none included): it
+compares the behaviour log-probs with the current policy's in each micro-batch, so `weights` takes them.
+
 Masked sequences keep their tokens in the aggregation's denominators (their loss terms are 0), unlike
 verl, which drops rejected tokens from the mask; the gradient of every other token is unchanged.
 
@@ -68,6 +72,7 @@ from fspo.clipping.quantile_band import QuantileBand
 from fspo.diagnostics._base import DiagnosticMetric
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
+from fspo.rollout.off_policy_mask import OffPolicyMask
 from fspo.runtime.launch.distributed import reduce_sum
 
 MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_masked_is", "seq_fair_mask", "seq_fair_tis")
@@ -149,8 +154,11 @@ class RolloutCorrection(torch.nn.Module):
     def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
                  quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
                  bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0,
-                 cap_min: Optional[float] = None) -> None:
+                 cap_min: Optional[float] = None, off_policy_mask: str = "none",
+                 off_policy_threshold: Optional[float] = None) -> None:
         super().__init__()
+        self.opsm = OffPolicyMask(off_policy_mask, off_policy_threshold,
+                                  LengthBins(width=int(bin_width), max_len=int(max_len)))
         if mode not in MODES:
             raise ValueError(f"rollout_correction.mode must be one of {', '.join(MODES)}, got {mode!r}")
         if band not in BANDS:
@@ -166,24 +174,30 @@ class RolloutCorrection(torch.nn.Module):
         self.mode, self.cap, self.z, self.band_kind = mode, float(cap), float(z), band
         floor = cap_min if cap_min is not None else (1.0 / self.cap if mode == "seq_mask" else 0.0)
         self.log_floor = math.log(floor) if floor > 0 else -math.inf  # log of the fixed modes' ratio floor
-        if self.enabled and old_log_probs != "recompute":
+        if self.reweights and old_log_probs != "recompute":
             raise ValueError(
                 f"rollout_correction.mode={mode} needs ppo.old_log_probs=recompute (got {old_log_probs!r}): with the "
                 f"engine's log-probs as the old ones the mismatch is zero by construction; set "
                 f"rollout.old_log_probs=recompute (rollout=vllm does)")
         if self.enabled and float(temperature) != 1.0:
             raise ValueError(
-                f"rollout_correction.mode={mode} needs ppo.logprob_temperature 1 (got {temperature}): the engines "
+                f"rollout_correction.mode={mode}, off_policy_mask={off_policy_mask} needs ppo.logprob_temperature 1 (got {temperature}): the engines "
                 f"report untempered log-probs; set rollout.sampling.temperature=1.0 or rollout_correction.mode=none")
         self.band = QuantileBand(z=self.z, max_len=max(int(max_len), 2), **dict(quantile or {})) \
-            if self.enabled and band == "quantile" else None
+            if self.reweights and band == "quantile" else None
         self.metrics = CorrectionMetrics(LengthBins(width=int(bin_width), max_len=int(max_len)), lre_min_len) \
-            if self.enabled else None
+            if self.reweights else None
         self.m, self.s = 0.0, 0.0  # the step's drift per token and sqrt-law scale (the fair band's)
 
     @property
-    def enabled(self) -> bool:
+    def reweights(self) -> bool:
+        """A mismatch mode is on (it needs the trainer's recomputed old log-probs)."""
         return self.mode != "none"
+
+    @property
+    def enabled(self) -> bool:
+        """A mode or the off-policy mask is on."""
+        return self.reweights or self.opsm.enabled
 
     @property
     def fair(self) -> bool:
@@ -200,6 +214,8 @@ class RolloutCorrection(torch.nn.Module):
     @torch.no_grad()
     def fit(self, batch) -> None:
         """Once per step, on this rank's rollout with its old log-probs: the band's m and s over all ranks, the quantile band's observation (all ranks), and the diagnostics of this rank's rows."""
+        if not self.reweights:
+            return
         old, eng, mask = self._inputs(batch)
         d, seq, length = mismatch(old, eng, mask)
         pos = length > 0
@@ -253,17 +269,28 @@ class RolloutCorrection(torch.nn.Module):
 
     # ------------------------------------------------------------------ per micro-batch
     @torch.no_grad()
-    def weights(self, batch) -> Tensor:
-        """The detached per-token weights [B, T] of ``batch`` (a micro-batch), with the step's `fit`."""
-        old, eng, mask = self._inputs(batch)
-        d, seq, length = mismatch(old, eng, mask)
-        return self._weights(d, seq, length, mask)[0].to(old.device)
+    def weights(self, batch, current: Optional[Tensor] = None) -> Tensor:
+        """The detached per-token weights [B, T] of ``batch`` (a micro-batch), with the step's `fit`; with the
+        off-policy mask on, times keep_i from ``current`` (this micro-batch's log-probs under the policy now)."""
+        mask = batch.response_mask
+        w = torch.ones(mask.shape, device=mask.device) * mask
+        if self.reweights:
+            old, eng, mask = self._inputs(batch)
+            d, seq, length = mismatch(old, eng, mask)
+            w = self._weights(d, seq, length, mask)[0].to(old.device)
+        if self.opsm.enabled:
+            if current is None:
+                raise ValueError("rollout_correction.off_policy_mask needs the current log-probs: weights(batch, current)")
+            eng = batch.engine_log_probs if batch.engine_log_probs is not None else batch.old_log_probs
+            w = w * self.opsm.keep(eng, current, batch.advantages, mask)[:, None].to(w)
+        return w
 
     def compute_metrics(self) -> Dict[str, float]:
         """The step's diagnostics (reduced over ranks), then reset."""
+        out = self.opsm.compute_metrics()
         if self.metrics is None:
-            return {}
-        out = dict(self.metrics.compute()) if self.metrics.update_count else {}
+            return out
+        out.update(self.metrics.compute() if self.metrics.update_count else {})
         self.metrics.reset()
         out["rollout_corr/band_m"], out["rollout_corr/band_s"] = float(self.m), float(self.s)
         return out

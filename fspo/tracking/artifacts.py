@@ -2,8 +2,8 @@
 
 Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
-clip rule's theory curve as ``plots/<name>.png``, and the resolved config as ``config.yaml``, to every
-logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
+clip rule's theory curve as ``plots/<name>.png``, the resolved config as ``config.yaml`` and a uniform
+sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
 each kind of logger stores a figure or a file (fspo/tracking/sinks.py). With the MLflow server down
 (fspo/tracking/outage_buffer.py) the run metrics are buffered and the figures/config skipped for MLflow, in one warning line.
 """
@@ -76,8 +76,14 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "config.yaml"
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        files = [p]
+        samples = logratio_samples(diag)
+        if samples is not None:  # the (L, S) reservoir: the report's Figure 1 scatter (evaluation/report/scatter.py)
+            files.append(Path(tmp) / SAMPLES_FILE)
+            np.savetxt(files[-1], samples, delimiter=",", header="length,seq_log_ratio", comments="", fmt="%.9g")
         for lg in loggers:
-            _unless_down(down, "config.yaml", sinks.log_file, lg, p, step)
+            for f in files:
+                _unless_down(down, f.name, sinks.log_file, lg, f, step)
     if records is not None and cfg.get("output_dir") and getattr(trainer, "is_global_zero", True):
         # the records behind run/law/* (fspo/diagnostics/ledger.py), in the output folder and the MLflow run
         p = write_csv(records, Path(cfg.output_dir) / "diagnostics" / "sequences.csv")
@@ -100,6 +106,21 @@ def _law_metrics(records, cfg) -> Dict[str, float]:
     if out:
         log.info("length law of this run (run/law/*):\n  %s", "\n  ".join(law_table(out)))
     return out
+
+
+SAMPLES_FILE = "logratio_samples.csv"  # length,seq_log_ratio: a uniform sample of the run's (L_i, S_i)
+
+
+def logratio_samples(diag) -> Any:
+    """[n, 2] float array (L_i, S_i) of the run diagnostics' reservoir (a uniform sample of this rank's
+    sequences, fspo/diagnostics/log_ratio.py), or None when there is none."""
+    lr = getattr(diag, "log_ratio", None)
+    if lr is None or getattr(lr, "reservoir_size", 0) == 0:
+        return None
+    n = min(int(lr.n_seen), int(lr.res_s.numel()))
+    if n == 0:
+        return None
+    return np.stack([lr.res_len[:n].cpu().double().numpy(), lr.res_s[:n].cpu().numpy()], axis=1)
 
 
 def _unless_down(down: list, what: str, fn, *args) -> None:

@@ -51,6 +51,7 @@ from fspo.runtime.launch.distributed import (
 )
 from fspo.types import RolloutBatch
 from fspo.update import forward as passes
+from fspo.update.grad_probe import probe_minibatch
 from fspo.update.guard import DivergenceGuard, UpdateMeter
 from fspo.update.metric_logging import emit_metrics
 from fspo.update.settings import PPOConfig
@@ -69,13 +70,17 @@ class RLModule(L.LightningModule):
     """
 
     def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
-                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None, ledger=None):
+                 seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None, probe_every: int = 0,
+                 ledger=None):
         super().__init__()
         self.policy = policy
+        self.probe_every = int(probe_every)  # fspo/update/grad_probe.py every N steps on the last mini-batch; 0: off
+        if self.probe_every < 0:
+            raise ValueError(f"diagnostics.grad_probe_every must be >= 0 (0: off), got {probe_every!r}")
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
         # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
-        if self.correction is not None and ppo.old_log_probs != "recompute":
+        if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
                              "have zero mismatch by construction)")
         self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
@@ -173,8 +178,11 @@ class RLModule(L.LightningModule):
         # the current weights': recomputed, or the engine's with no policy lag; a stale batch (rollout.overlap:
         # the engine's weights ``policy_lag`` steps behind) is measured like every other mini-batch
         lag = int(batch.get("policy_lag", 0))
+        probed: Dict[str, float] = {}
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
+            if self.probe_every and len(plan) > 1 and updates == len(plan) - 1 and self.rl_step % self.probe_every == 0:
+                probed = probe_minibatch(self, mb)  # off-policy by now: the earlier mini-batches moved the policy
             # the gap of rows the old-log-prob pass did not compute is taken in the first loss pass
             self._update(mb, opt, stats, on_policy=(updates == 0 and (not supplied or lag == 0)),
                          old_from_loss=(updates == 0 and not supplied),
@@ -184,7 +192,7 @@ class RLModule(L.LightningModule):
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
         self.timings["time/train"] = time.perf_counter() - t0
-        extra = dict(batch.get("rollout_metrics", {}))
+        extra = {**batch.get("rollout_metrics", {}), **probed}
         self._log_step(local, stats, extra)
         self.rl_step += 1
 
@@ -215,7 +223,8 @@ class RLModule(L.LightningModule):
                 stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
-            tok_loss = res.token_loss if self.correction is None else res.token_loss * self.correction.weights(micro)
+            fix = self.correction is not None and idx is not None  # the dummy's loss is multiplied by 0 anyway
+            tok_loss = res.token_loss * self.correction.weights(micro, logp.detach()) if fix else res.token_loss
             agg = self.aggregator(tok_loss, micro.response_mask, total_tokens=total_tokens,
                                   total_seqs=total_seqs, norm_len=norm_len)
             stats.loss_time += time.perf_counter() - t_l

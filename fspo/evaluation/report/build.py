@@ -1,7 +1,8 @@
 """Build the report folder from MLflow runs and log it to a ``report`` run.
 
 Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
-``by_length.md`` (c(L) per bin with counts and flatness), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
+``by_length.md`` (c(L) per bin with counts and flatness), ``sl_band.csv`` and ``figures/sl_scatter.png`` (Figure 1
+left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
 (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as artifacts of a new run
 named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command line
 (experiments/report.py).
@@ -19,6 +20,7 @@ from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_l
 from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
 from fspo.evaluation.report.law import law_markdown, law_rows
 from fspo.evaluation.report.law_lab import download_records, lab_figure, lab_markdown, lab_rows, own_band, targets
+from fspo.evaluation.report.scatter import write_scatter
 from fspo.evaluation.report.table import (
     fairness_markdown,
     fairness_rows,
@@ -139,6 +141,9 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     figs["lre"] = F.lre_figure(groups)
     figs["learning_curves"] = F.learning_curves_figure(groups)
     figs["overlong_rate"] = F.overlong_figure(groups)
+    sl = write_scatter(tracking_uri, groups, {g: F.group_sigma(rs) for g, rs in groups.items()}, out)
+    if sl is not None:  # Figure 1 (left): S_L against L, mean +- 2 std per bin (scatter.py); sl_band.csv
+        figs["sl_scatter"] = sl
     qq = _download_qq(tracking_uri, groups, out / "qq")
     figs["logratio_qq_grid"] = F.image_grid_figure(qq, "Q-Q plots of standardised S_L (per run)")
     fig_paths = _save(figs, out / "figures")

@@ -25,7 +25,9 @@ FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_ba
             ("seq_clip_frac", "run/clip/seq_frac"), ("sigma_hat", "run/logratio/sigma_hat"),
             ("qq_slope", "run/logratio/qq_slope"), ("qq_r2", "run/logratio/qq_r2"),
             ("std_exponent", "run/logratio/std_exponent"), ("std_exponent_r2", "run/logratio/std_exponent_r2"),
-            ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"))
+            ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"),
+            # measured gradients (diagnostics.grad_probe_every, fspo/update/grad_probe.py): the last probed step's
+            ("lre_w_grad", "probe/lre_w"), ("probe_cos", "probe/cos"), ("partition_lre", "probe/partition_lre"))
 Row = Dict[str, object]
 
 
@@ -173,9 +175,12 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
     """Length-fairness summary: LRE (the paper's, mean +- std over runs), LRE_w, out-of-band
-    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, the std(S_L) ~ L^gamma fit, overlong rate."""
+    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, the std(S_L) ~ L^gamma fit, overlong rate;
+    and, for runs with the gradient probe, LRE_w with the measured ||g_L||, the Theorem 1 cosine and the
+    group-reward LRE (their last probed step)."""
     header = ["Method", "n", "LRE", "LRE_w", "out-of-band frac", "binding LRE", "binding clip frac", "sigma_hat",
-              "Q-Q slope", "Q-Q R2", "std exponent", "exponent R2", "overlong rate", "mean len", "reward (last)"]
+              "Q-Q slope", "Q-Q R2", "std exponent", "exponent R2", "overlong rate", "mean len", "reward (last)",
+              "LRE_w (measured g_L)", "cos(g^b, g*)", "group-reward LRE"]
     body = []
     for r in rows:
         pm = "" if r.get("lre std") is None else f" +- {_f(r['lre std'])}"
@@ -184,7 +189,8 @@ def fairness_markdown(rows: Sequence[Row]) -> str:
                      _f(r.get("seq_clip_frac")), _f(r.get("sigma_hat")), _f(r.get("qq_slope"), 3),
                      _f(r.get("qq_r2"), 3), _f(r.get("std_exponent"), 3), _f(r.get("std_exponent_r2"), 3),
                      _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
-                     _f(r.get("reward last"))])
+                     _f(r.get("reward last")), _f(r.get("lre_w_grad")), _f(r.get("probe_cos"), 3),
+                     _f(r.get("partition_lre"))])
     return _md(header, body)
 
 

@@ -1,0 +1,164 @@
+"""VESPO (arXiv 2602.10693; TRL ``loss_type="vespo"``): a smooth gamma kernel on the sequence's IS weight.
+
+Owns: `VESPOClip`, `vespo_band` (the S interval where the kernel keeps at least half its weight) and
+the registry name ``vespo``. verl 0.9.1 has no VESPO; the equation is the authors' verl recipe
+(github.com/FloyedShen/VESPO, ``recipe/vespo/code/core_algos.py``) and TRL's ``get_gamma_weights``, pinned
+by hand in tests/test_clip_divergence_rules.py. Leaves out: aggregation (fspo/losses.py; the recipe and
+TRL aggregate token-mean, conf/method/vespo.yaml).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Tuple
+
+import numpy as np
+import torch
+from scipy.optimize import brentq
+from torch import Tensor
+
+from fspo.clipping._common import (
+    MAX_LOG_RATIO,
+    VALUE_FORMS,
+    check_choice,
+    check_positive,
+    prepare,
+    seq_advantage,
+    seq_result,
+    token_advantage,
+    token_log_ratio,
+)
+from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.registry import _get, _run, register_policy_loss
+
+#: log of the kernel weight below which a sequence counts as clipped (the weight has lost half)
+LOG_HALF = math.log(0.5)
+#: the recipe's and TRL's floors: log w >= log(1e-8) (their w.clamp(min=1e-8)), lambda >= 1e-4
+LOG_W_FLOOR, LAMBDA_FLOOR = math.log(1e-8), 1e-4
+LENGTH_SCALES = ("none", "sqrt")
+
+
+def log_kernel(x, k: float, lam: float):
+    """log phi(e^x) = lam + k x - lam e^x: the gamma kernel phi(w) = w^k e^{lam (1 - w)}, phi(1) = 1."""
+    return lam + k * x - lam * (torch.exp(x) if isinstance(x, Tensor) else np.exp(x))
+
+
+def vespo_band(k: float, lam: float) -> Tuple[float, float]:
+    """(x_lo, x_hi): the interval of x = log w where phi(e^x) >= 1/2 (log phi is concave in x, 0 at x = 0).
+
+    x_lo = -inf when k = 0 (phi -> e^lam >= 1 as w -> 0); x_hi = +inf when lam = 0 (phi = w^k grows)."""
+    f = lambda x: float(log_kernel(x, k, lam)) - LOG_HALF  # noqa: E731
+    top = math.log(k / lam) if k > 0 and lam > 0 else (0.0 if k == 0 else math.inf)
+
+    def root(start: float, step: float) -> float:
+        a, b = start, start + step
+        while f(b) >= 0:
+            a, b = b, b + step
+            step *= 2
+            if abs(b) > 1e3:
+                return math.copysign(math.inf, step)
+        return brentq(f, min(a, b), max(a, b), xtol=1e-14)
+
+    lo = -math.inf if k == 0 else root(min(0.0, top), -1.0)
+    hi = math.inf if lam == 0 else root(max(0.0, top) if math.isfinite(top) else 0.0, 1.0)
+    return lo, hi
+
+
+class VESPOClip(ClipRule):
+    """VESPO's soft sequence-level reweighting (REINFORCE form), as the authors' verl recipe and TRL.
+
+    Per sequence: S_i = sum_t clamp(d_t, -20, 20), x_i = clamp(S_i, log 1e-8, 20) (no 1 / L: the true
+    sequence IS weight w_i = e^{x_i}; the floor is TRL's and the recipe's), (k, lam) = (k_pos, max(lambda_pos,
+    1e-4)) if A_i >= 0 else (k_neg, max(lambda_neg, 1e-4)) (their lambda floor),
+
+        phi_i = sg(w_i^k e^{lam (1 - w_i)}),    J = sum_t phi_i A_t logp_t,    d loss_t / d logp_t = -phi_i A_t.
+
+    phi(1) = 1 (the on-policy gradient), phi -> 0 as w -> 0 (k > 0) and as w -> inf (lam > 0): a soft
+    variance bound with no hard cut. ``value="surrogate"`` (default): token_loss = -phi_i A_t (1 + logp_t -
+    sg(logp_t)), value -A on-policy like every rule here; ``value="verl"``: -phi_i A_t logp_t (the recipe's
+    and TRL's value). Same gradient. Defaults: TRL's and the recipe's code, k_pos 2, lambda_pos 3, k_neg 3,
+    lambda_neg 2 (the recipe's docstring lists other numbers; its code and TRL agree on these).
+
+    ``length_scale="sqrt"`` (a length-fair variant, ours, not VESPO's): the kernel reads
+    x_i = clamp(S_i sqrt(ref_length / L_i), -20, 20), so with S_L ~ N(0, sigma^2 L) the kernel's input has the
+    same spread sigma sqrt(ref_length) at every length (FSPO's sqrt(L) argument); at L = ref_length it is
+    VESPO. ``"none"`` (default) is VESPO.
+    Diagnostics (a soft kernel has no band; our reading, as for SAPO): a sequence is clipped where the
+    kernel has taken at least half its weight, phi_i < 1/2, i.e. x_i outside `vespo_band(k, lam)` of its
+    sign; ``clip_upper`` x_i above the band, ``clip_lower`` below (A != 0), per sequence; ``in_band`` phi_i
+    >= 1/2 (any sign of A); no dual, no cap (the +-20 clamp only moves the weight).
+    """
+
+    level = "sequence"
+
+    def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
+                 value: str = "surrogate", length_scale: str = "none", ref_length: float = 72.0) -> None:
+        super().__init__()
+        own = type(self).__name__
+        self.k_pos = check_positive(own, "k_pos", k_pos, allow_zero=True)
+        self.lambda_pos = check_positive(own, "lambda_pos", lambda_pos, allow_zero=True)
+        self.k_neg = check_positive(own, "k_neg", k_neg, allow_zero=True)
+        self.lambda_neg = check_positive(own, "lambda_neg", lambda_neg, allow_zero=True)
+        self.value = check_choice(own, "value", value, VALUE_FORMS)
+        self.length_scale = check_choice(own, "length_scale", length_scale, LENGTH_SCALES)
+        self.ref_length = check_positive(own, "ref_length", ref_length)
+
+    def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
+        """x_i: S_i (VESPO) or S_i sqrt(ref_length / L_i) (``length_scale="sqrt"``), clamped to [log 1e-8, 20]."""
+        if self.length_scale == "sqrt":
+            s = s * torch.sqrt(self.ref_length / lengths.clamp(min=1.0))
+        return s.clamp(LOG_W_FLOOR, MAX_LOG_RATIO)
+
+    def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                response_mask: Tensor) -> ClipResult:
+        p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
+        d = token_log_ratio(p).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        s = d.sum(-1).detach()
+        x = self.kernel_input(s, p.lengths)
+        a_seq = seq_advantage(advantages, p)
+        pos = a_seq >= 0
+        k = torch.where(pos, self.k_pos, self.k_neg)
+        lam = torch.where(pos, self.lambda_pos, self.lambda_neg).clamp(min=LAMBDA_FLOOR)
+        log_phi = log_kernel(x, k, lam)
+        phi = torch.nan_to_num(torch.exp(log_phi), nan=0.0, posinf=0.0, neginf=0.0)
+        adv = token_advantage(advantages, p)
+        lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
+        factor = lp if self.value == "verl" else 1.0 + lp - lp.detach()
+        loss = -phi.unsqueeze(-1) * adv * factor
+        ok = log_phi >= LOG_HALF
+        bind = ~ok & (a_seq != 0)
+        zero = torch.zeros_like(ok)
+        return seq_result(loss, s, bind & (x > 0), bind & (x < 0), zero, ok, zero, p)
+
+    def theory_clip_fraction(self, lengths, sigma: float):
+        """c(L) = P(phi < 1/2) for S ~ N(0, sigma^2 L), averaged over the two signs of A (P(A >= 0) = 1/2):
+        VESPO's band is a fixed interval of S, so c(L) grows with L as RLOO's; ``length_scale="sqrt"``
+        scales it with sqrt(L / ref_length), flat in L as FSPO's."""
+        from fspo.clipping.theory import c_fspo, c_rloo
+        out = 0.0
+        for k, lam in ((self.k_pos, self.lambda_pos), (self.k_neg, self.lambda_neg)):
+            lo, hi = vespo_band(k, max(lam, LAMBDA_FLOOR))
+            if self.length_scale == "sqrt":
+                r = math.sqrt(self.ref_length)
+                out = out + 0.5 * c_fspo(lengths, sigma, min(hi / r, 1e6), min(-lo / r, 1e6))
+            else:
+                out = out + 0.5 * c_rloo(lengths, sigma, math.expm1(min(hi, 700.0)), min(-math.expm1(lo), 1.0 - 1e-15))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"k_pos={self.k_pos}, lambda_pos={self.lambda_pos}, k_neg={self.k_neg}, lambda_neg={self.lambda_neg}, "
+                f"value={self.value}, length_scale={self.length_scale}, ref_length={self.ref_length}")
+
+
+VESPO_KEYS = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "length_scale", "ref_length")
+
+
+@register_policy_loss("vespo")
+def policy_loss_vespo(old_log_prob, log_prob, advantages, response_mask,
+                      loss_agg_mode: str = "token-mean", config: Any = None):
+    """VESPO: `VESPOClip(value="verl")` (config ``k_pos``, ``lambda_pos``, ``k_neg``, ``lambda_neg``, also
+    under ``config.policy_loss.vespo`` as the authors' recipe reads them; unset: TRL's defaults) +
+    `aggregate` with ``loss_agg_mode``. ``actor/pg_clipfrac``: token share of sequences with phi < 1/2."""
+    sub = _get(_get(config, "policy_loss"), "vespo")
+    kw = {key: (_get(sub, key) if _get(sub, key) is not None else _get(config, key)) for key in VESPO_KEYS}
+    rule = VESPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")
+    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)

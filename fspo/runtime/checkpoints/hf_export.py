@@ -1,0 +1,88 @@
+"""Exporting any training checkpoint as a Hugging Face model folder (config, tokenizer, safetensors).
+
+Owns: `export_hf(checkpoint, out_dir)` (its command is ``fspo-export``, fspo/cli.py). The checkpoint may be a
+one-process Lightning ``.ckpt`` file, a sharded ``torch.distributed.checkpoint`` folder (trainer=fsdp, one
+shard per rank: the full tensors are read from the shards, never the optimizer state) or a run folder (its
+newest checkpoint). The model is rebuilt from the run's ``model`` config saved in the checkpoint
+(``run_config``, fspo/runtime/checkpoints/checkpointing.py), the policy weights loaded into it (LoRA adapters
+merged into the base, W = W0 + (alpha / r) B A) and written with ``save_pretrained`` (safetensors) beside the
+tokenizer: a folder ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``model.source=pretrained
+model.path=<out_dir>`` load. The weights keep the checkpoint's dtype (float32 master weights: log-probs equal
+the trainer's) unless ``dtype`` casts them (e.g. bfloat16 for serving). Only tensors are ever unpickled
+(fspo/runtime/checkpoints/safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
+Leaves out: training and evaluating (experiments/evaluate.py takes checkpoints directly).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from fspo.models.loading import DTYPES, load_policy
+from fspo.models.lora import is_lora
+from fspo.runtime.checkpoints.files import find_checkpoints, load_checkpoint, load_into, read_resume_meta
+
+
+def newest_checkpoint(checkpoint) -> Path:
+    """``checkpoint`` itself (a file or shard folder), or the newest ``step_N.ckpt`` under a run folder."""
+    return sorted(find_checkpoints(checkpoint), key=lambda p: p.name)[-1]
+
+
+def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None) -> Path:
+    """Write the model of ``checkpoint`` to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
+
+    ``model_path`` overrides the run's ``model.path`` (its base weights moved; LoRA runs and warm starts
+    read them); ``dtype`` (float32 | bfloat16 | float16) casts the written weights, None keeps the
+    checkpoint's. Raises ValueError (one line) for a checkpoint without a run config or whose weights do not
+    fit the model its config builds, FileNotFoundError for a path with no checkpoint."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), got {dtype!r}")
+    path = newest_checkpoint(checkpoint)
+    run_config = read_resume_meta(path).get("run_config")
+    if not run_config:
+        raise ValueError(f"{path} holds no run config to rebuild the model from (written before run configs were "
+                         f"saved): evaluate it with experiments/evaluate.py and model.* instead")
+    run_cfg = OmegaConf.create(run_config)
+    model_cfg = OmegaConf.to_container(run_cfg.model, resolve=True)
+    if model_path is not None:
+        model_cfg["path"] = model_path
+    model_cfg["meta"] = False
+    state, _ = load_checkpoint(path)
+    stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
+    policy, tokenizer = load_policy(**model_cfg, seed=int(run_cfg.get("seed", 0)))  # source=random: the run's seed
+    if not is_lora(policy):
+        policy = policy.to(stored)  # the trainer's master weights, not model.dtype's copy
+    load_into(policy, state)
+    if is_lora(policy):
+        policy = policy.merge_and_unload()
+    if dtype is not None:
+        policy = policy.to(DTYPES[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> int:
+    """``fspo-export CHECKPOINT OUT_DIR [--model-path BASE] [--dtype D]``; exit 2 with one line on bad input."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="fspo-export", description="Export a training checkpoint (a .ckpt file, a "
+                                 "sharded checkpoint folder or a run folder: its newest) as a Hugging Face model folder.")
+    ap.add_argument("checkpoint")
+    ap.add_argument("out_dir")
+    ap.add_argument("--model-path", default=None, help="local folder of the base weights (overrides model.path)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast the written weights (default: as stored)")
+    a = ap.parse_args(argv)
+    try:
+        out = export_hf(a.checkpoint, a.out_dir, a.model_path, a.dtype)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line; anything else keeps its traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(f"model written to {out} (load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) or "
+          f"model.source=pretrained model.path={out})")
+    return 0
