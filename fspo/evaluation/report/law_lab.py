@@ -157,34 +157,48 @@ def lab_markdown(rows: Dict[str, dict], tgt: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _c_curve(ax, res: dict, label: str) -> None:
+    c = np.array(res["c"])
+    if len(c):
+        err = np.maximum(0.0, np.array([c - np.array(res["ci_lo"]), np.array(res["ci_hi"]) - c]))  # float noise
+        ax.errorbar(res["mean_l"], c, yerr=err, marker="o", ms=3, capsize=2, label=label)
+
+
 def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
-    """Left: c(L) of each arm's own band with Wilson CIs (log L). Right: std(S_L) by bin, log-log, with each
-    arm's fitted exponent and a sqrt(L) reference line."""
+    """Left: c(L) of each in-loop arm's own band with Wilson CIs (log L). Middle: every band on the measure-only
+    arm's sequences (the same S for all). Right: std(S_L) by bin, log-log, each arm's fitted exponent with its
+    CI and a slope-1/2 reference line."""
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, m, b) = plt.subplots(1, 3, figsize=(17, 4.8))
     for g, r in rows.items():
-        o = r["own"]
-        if o["c"]:
-            c = np.array(o["c"])
-            err = np.array([c - np.array(o["ci_lo"]), np.array(o["ci_hi"]) - c])
-            a.errorbar(o["mean_l"], c, yerr=err, marker="o", ms=3, capsize=2, label=g)
+        if "measure" not in g:
+            _c_curve(a, r["own"], g)
+        for name, res in (r.get("panel") or {}).items():
+            _c_curve(m, res, name + (" (fit on earlier steps)" if name in ("affine", "quantile") else " (matched)"))
         if r["std_by_bin"]:
             x, y, _ = zip(*r["std_by_bin"])
             ci = r["exponent_ci"]
             lab = f"{g}: exponent {_f(r['fit_exponent'], 2)}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
             b.plot(x, y, marker="o", ms=3, label=lab)
-    xs = np.array([min(e for e in rows[next(iter(rows))]["edges"] if e > 0), max(rows[next(iter(rows))]["edges"])])
+    edges = rows[next(iter(rows))]["edges"]
+    xs = np.array([min(e for e in edges if e > 0), max(edges)], float)
     ys = [v for r in rows.values() for _, v, _ in r["std_by_bin"]]
     if ys:
-        ref = np.median(ys) * np.sqrt(xs / np.sqrt(xs[0] * xs[1]))
-        b.plot(xs, ref, "k--", lw=1, label="slope 1/2 (the sqrt(L) law)")
+        b.plot(xs, np.median(ys) * np.sqrt(xs / np.sqrt(xs[0] * xs[1])), "k--", lw=1, label="slope 1/2 (the sqrt(L) law)")
     a.set(xscale="log", xlabel="response length L (tokens)", ylabel="out-of-band fraction c(L)",
-          title="c(L) by length, 95% CIs (flat = fair)")
+          title="each arm's own band (flat = fair), 95% CIs")
+    m.set(xscale="log", xlabel="response length L (tokens)", ylabel="out-of-band fraction c(L)",
+          title="every band on the same sequences (measure-only arm)")
     b.set(xscale="log", yscale="log", xlabel="response length L (tokens)", ylabel="std of S_L",
-          title="std(S_L) by length (law: slope 1/2)")
-    a.legend(fontsize=7)
-    b.legend(fontsize=7)
+          title="std(S_L) by length (the law: slope 1/2)")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for ax in (a, m, b):
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())  # log axes: plain tick labels, no overlapping minors
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
