@@ -40,7 +40,7 @@ def _lora_bf16_base(cfg) -> Iterator[List[Tuple[str, object]]]:
 
 
 def _chunked_head(cfg) -> Iterator[List[Tuple[str, object]]]:
-    if int(_select(cfg, "ppo.lm_head_chunk_rows", 0)) == 0 and _select(cfg, "ppo.autocast") != "bf16":
+    if int(_select(cfg, "ppo.lm_head_chunk_rows", 0)) == 0:
         yield [("ppo.lm_head_chunk_rows", CHUNK_ROWS)]
 
 
