@@ -166,6 +166,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
              {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
+    rollout.engine.shutdown()  # the last step (vLLM: frees its memory; it may tear down the process group)
     return final
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bench_host_syncs import count_step
+
 from fspo.update.guard import UpdateMeter
 from fspo.update.stats import StepStats
 from fspo.update.update_ratio import UpdateRatio
