@@ -61,3 +61,19 @@ def test_count_step_counts_reads_and_ops():
     x = torch.ones(3)
     _, reads, ops = _reads(lambda: (float(x.sum()), bool(x.any()), x.tolist(), int(x[0]), x[1].item()))
     assert reads == 5 and ops >= 4
+
+
+def test_rank_reduction_includes_the_device_sums(monkeypatch):
+    """`reduce_step_stats` (trainer=fsdp) sums the step's accumulators over the ranks; it must read the device
+    sums first. Two identical ranks are simulated by a reduce_sum that doubles: every sum doubles. (Without the
+    flush the device sums were added after the reduction, once: tests/test_fsdp.py's train/entropy differed.)"""
+    from fspo.runtime.launch import distributed
+
+    monkeypatch.setattr(distributed, "reduce_sum", lambda values, device=None: [2 * float(v) for v in values])
+    stats = StepStats()
+    logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -1.0]])
+    stats.add_micro(torch.tensor(0.5), logp, old, torch.tensor([[0.5, 0.25]]), torch.tensor([[1, 1]]))
+    distributed.reduce_step_stats(stats)
+    m = stats.compute()
+    assert (stats.loss_sum, stats.tokens, stats.ent_tokens) == (1.0, 4.0, 4.0)
+    assert m["train/entropy"] == pytest.approx(0.375)

@@ -11,7 +11,6 @@ machine (the GPU unused, silently) and, on a CPU machine, failed on a host-RAM m
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
@@ -124,14 +123,14 @@ def test_bad_model_device_is_one_line():
 
 @pytest.mark.slow  # a full import of the stack
 def test_the_flagship_command_without_a_gpu_exits_in_one_line(tmp_path):
+    """Measured alone on the 2-core machine: 10.6 s in all (`/usr/bin/time`); here the seconds after the
+    imports are bounded, as in tests/test_bad_input.py (a loaded machine took 43 s for the imports alone)."""
     from test_bad_input import run, single_error_line
 
-    t0 = time.monotonic()
-    proc, _ = run(["+method=fspo", "+model=qwen3_8b"], tmp_path)
-    elapsed = time.monotonic() - t0
+    proc, elapsed = run(["+method=fspo", "+model=qwen3_8b"], tmp_path, clock=True)
     line = single_error_line(proc)
     assert "trains on CUDA GPUs and none is visible" in line, line
-    assert elapsed <= 20, f"took {elapsed:.1f} s"
+    assert elapsed <= 20, f"took {elapsed:.1f} s after the imports"
 
 
 def test_hf_engine_decodes_under_bf16_autocast():
