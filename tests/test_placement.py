@@ -154,3 +154,14 @@ def test_hf_engine_decodes_under_bf16_autocast():
     with pytest.raises(ValueError, match="rollout.engine.autocast"):
         HFEngine(autocast="fp8")
     assert OmegaConf.select(compose_config([]), "rollout.engine.autocast") is None
+
+
+def test_gpus_left_idle_by_the_launch_are_named(caplog):
+    with caplog.at_level(logging.WARNING, logger="fspo.runtime.launch.placement"):
+        _placed(["+model=qwen3_8b"], Machine(cuda=True, gpus=8, world=1, vllm=False))
+    assert "8 CUDA GPUs are visible and 1 process(es) were launched, one GPU each: 7 stay unused" in caplog.text
+    assert "torchrun --nproc_per_node=8" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fspo.runtime.launch.placement"):
+        _placed(["+model=qwen3_8b"], Machine(cuda=True, gpus=8, world=8, vllm=False))
+    assert caplog.text == ""

@@ -22,7 +22,7 @@ With no GPU visible the run stops with one line saying what it needs (``trainer.
 command line trains on the CPU anyway); ``dry_run=true`` is placed as on a machine with one GPU per
 process, and plans for it (memory_plan.device_gib).
 A model meant for the CPU (``model.device: cpu``, the tiny default) stays there, with a warning when a GPU
-is visible and unused.
+is visible and unused; a launch with fewer processes than visible GPUs says how many stay idle.
 """
 from __future__ import annotations
 
@@ -128,6 +128,10 @@ def place(cfg, overrides: Optional[Sequence[str]] = None, machine: Optional[Mach
             f"dry_run=true memory_plan.device_gib=80, or add trainer.accelerator=cpu to train on the CPU anyway")
     if accel == "cpu":
         _set(cfg, "trainer.accelerator", "gpu", names, choices, f"{m.gpus} CUDA GPU(s) visible")
+    if m.gpus > m.world and not OmegaConf.select(cfg, "dry_run"):  # one GPU per process: say what stays idle
+        log.warning("%d CUDA GPUs are visible and %d process(es) were launched, one GPU each: %d stay unused; "
+                    "launch one process per GPU to use them (torchrun --nproc_per_node=%d experiments/run.py ...)",
+                    m.gpus, m.world, m.gpus - m.world, m.gpus)
     sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "") == FSDP
     if m.world > 1 and not sharded and not _named(names, "trainer.strategy"):
         with open_dict(cfg):
