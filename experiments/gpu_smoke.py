@@ -168,17 +168,17 @@ def main(argv=None) -> dict:
     device = torch.cuda.get_device_name() if cuda else "cpu"
     if peak is None and cuda:
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
-    gpu = ["trainer.accelerator=gpu", "ppo.autocast=bf16"] if cuda else []
+    gpu = ["trainer.accelerator=gpu", "ppo.autocast=bf16"] if cuda else ["trainer.accelerator=cpu"]
+    over = [f"+model={a.model}", f"steps={a.steps}", "val.size=0", "logger=csv", "ppo.old_log_probs=recompute",
+            "checkpoint.every_n_steps=0", "progress.mode=off", *gpu, *a.overrides]
     with tempfile.TemporaryDirectory() as tmp:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3", job_name="gpu_smoke"):
-            cfg = compose(config_name="config", overrides=[
-                f"+model={a.model}", f"steps={a.steps}", "val.size=0", "logger=csv", "ppo.old_log_probs=recompute",
-                "checkpoint.every_n_steps=0", "progress.mode=off", *gpu, *a.overrides])
+            cfg = compose(config_name="config", overrides=over)
         with open_dict(cfg):
             cfg.output_dir = str(Path(tmp) / "out")
         meter = Meter(model_shape(cfg.model), cuda)
         instrument(meter)
-        train(cfg)
+        train(cfg, overrides=over)  # as on the command line: these settings are kept by placement and auto-fit
     res = {"device": device, "model": a.model, "steps": a.steps, "peak_tflops": peak,
            "phases": summarize(meter.rows, peak), "calls": meter.rows}
     print(f"gpu_smoke: {a.model} on {device}, {a.steps} RL steps; MFU against "

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from fspo.data.datamodule import PromptDataModule
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.diagnostics.ledger import SequenceLedger
-from fspo.models.loading import load_policy
+from fspo.models.loading import enable_activation_checkpointing, load_policy
 from fspo.models.lora import check_lora_targets, lora_update_settings, param_counts
 from fspo.rollout.callback import RolloutCallback
 from fspo.rollout.pipeline import build_pipeline
@@ -38,7 +38,9 @@ from fspo.runtime.checks.console import quiet_third_party
 from fspo.runtime.checks.run_config import resume_config
 from fspo.runtime.checks.run_lock import hold_output_dir
 from fspo.runtime.checks.store_check import check_writable
+from fspo.runtime.launch.auto_fit import auto_fit
 from fspo.runtime.launch.memory_plan import check_memory_plan, dry_run
+from fspo.runtime.launch.placement import place
 from fspo.runtime.launch.rank_zero import RankZeroStub, launch_rank
 from fspo.tracking.artifacts import flatten_params, log_final_artifacts
 from fspo.tracking.logger import build_logger, log_params_once, mark_preempted, mlflow_logger, record_run_id
@@ -72,6 +74,9 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py)."""
     quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
     check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
+    if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs (fspo/runtime/launch/placement.py)
+        check_config(cfg)  # the placed settings together
+    auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)  # a plan that does not fit: settings that make it (fspo/runtime/launch/auto_fit.py)
     if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
         dry_run(cfg)
         return {}
@@ -104,6 +109,8 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
     # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
     sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
     policy, tokenizer = load_policy(**OmegaConf.to_container(cfg.model, resolve=True), seed=int(cfg.seed), meta=sharded)
+    if cfg.model.get("activation_checkpointing"):  # one device too; trainer=fsdp also has its strategy's switch
+        enable_activation_checkpointing(policy)
     policy.train()  # from_pretrained returns eval mode (a no-op here: no dropout; the engine switches to eval itself)
 
     # prompts
@@ -172,6 +179,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
              {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
     if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
         print(_summary(logger, out_dir, final), flush=True)
+    rollout.engine.shutdown()  # the last step (vLLM: frees its memory; it may tear down the process group)
     return final
 
 

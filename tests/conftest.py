@@ -8,14 +8,19 @@ and the second one sees non-zero log-ratios, 24 new tokens, 8 validation prompts
 into the test's temporary folder) and `mlflow_uri` (one SQLite store per test session: creating the
 MLflow schema costs seconds, so tests share the store and separate their runs by experiment name).
 
+`torchrun` launches multi-process tests with each worker's log kept whole and shown when the launch fails.
+
 Torch runs single-threaded in tests: the CI machines have 2 cores shared by several jobs, and the
 tiny model gains nothing from intra-op threads.
 """
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import pytest
 import torch
@@ -37,18 +42,35 @@ SMALL = [
 torch.set_num_threads(1)
 
 
-def torchrun_two_ranks(worker: Path, out: Path, scenarios: str, timeout: int = 840) -> Path:
-    """Run ``worker out scenarios`` on 2 gloo ranks with torchrun (one thread each); fail the test with the
-    tail of both logs when it exits non-zero. Returns ``out``."""
-    import os
-    import subprocess
-    import sys
+def torchrun(script: Path, args: Sequence[str], log_dir: Path, nproc: int = 2, cwd: Optional[Path] = None,
+             env: Optional[dict] = None, timeout: int = 840) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=nproc script *args`` (one thread per worker). Each worker's
+    stdout and stderr go whole to files under ``log_dir`` (torchrun's ``--log-dir``/``--redirects``); when the
+    launch exits non-zero the test fails showing every worker's full log, not a tail that may cut the first
+    error off."""
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--log-dir", str(log_dir), "--redirects", "3", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, cwd=str(cwd or REPO), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}\n{worker_logs(log_dir)}\n--- launcher stderr (tail)\n"
+                    f"{proc.stderr[-3000:]}", pytrace=False)
+    return proc
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(out), scenarios]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+def worker_logs(log_dir: Path) -> str:
+    """Every worker log file under ``log_dir`` (torchrun's ``<run>/attempt_<n>/<rank>/std{out,err}.log``), whole."""
+    parts = [f"--- {p.relative_to(log_dir)}\n{p.read_text(errors='replace')}"
+             for p in sorted(log_dir.rglob("*.log")) if p.stat().st_size]
+    return "\n".join(parts) or f"(no worker log under {log_dir})"
+
+
+def torchrun_two_ranks(worker: Path, out: Path, scenarios: str, timeout: int = 840) -> Path:
+    """Run ``worker out scenarios`` on 2 gloo ranks with `torchrun` (worker logs under ``out/logs``, shown
+    whole when it fails). Returns ``out``."""
+    torchrun(worker, [out, scenarios], out / "logs", timeout=timeout)
     return out
 
 

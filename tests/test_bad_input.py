@@ -24,8 +24,9 @@ from conftest import REPO, SMALL
 
 NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... in charge of the model
 # the Qwen3 configs carry their architecture (model.arch), so the memory plan of an 8B full fine-tune refuses a
-# CPU host before loading; the model-loading tests below turn that check off to reach the loader's own errors
-NO_PLAN = ["memory_plan.check=false"]
+# CPU host before loading, and they train on GPUs (model.device=cuda: with none visible, one line says so); the
+# model-loading tests below ask for the CPU and turn the plan off to reach the loader's own errors
+NO_PLAN = ["memory_plan.check=false", "trainer.accelerator=cpu"]
 
 
 DRIVER = """

@@ -45,9 +45,31 @@ def test_bf16_gradients_reach_the_float32_parameters():
 @pytest.mark.parametrize("kw, match", [
     (dict(autocast="fp8"), "ppo.autocast must be null or 'bf16'"),
     (dict(autocast="bf16", old_log_probs="engine"), "set ppo.old_log_probs=recompute"),
-    (dict(autocast="bf16", old_log_probs="recompute", lm_head_chunk_rows=64), "not supported yet"),
 ])
 def test_bf16_settings_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kw)
     PPOConfig(autocast="bf16", old_log_probs="recompute")  # the supported combination
+    PPOConfig(autocast="bf16", old_log_probs="recompute", lm_head_chunk_rows=64)  # with the chunked head too
+
+
+def test_chunked_head_under_bf16_autocast_equals_the_dense_head():
+    """ppo.autocast=bf16 with ppo.lm_head_chunk_rows > 0 (refused before: the chunks ran their matmul in bf16
+    forward but recomputed it in float32 in backward). Both heads see the same bf16 product: log-probs equal
+    to float noise, gradients of the float32 parameters (float32) within 0.2% of the dense ones."""
+    batch = batch_of([(SHORT_PROMPT, SHORT_RESP), (LONG_PROMPT, LONG_RESP)])
+    out = {}
+    for chunk in (0, 3):
+        model = build_tiny_model(seed=0, initializer_range=0.1)
+        module = _module(model, "bf16")
+        module.ppo.lm_head_chunk_rows = chunk
+        lp, _ = forward.log_probs(module, batch)
+        (lp * torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)).sum().backward()
+        out[chunk] = lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    (dense, gd), (chunked, gc) = out[0], out[3]
+    torch.testing.assert_close(chunked, dense, atol=1e-6, rtol=0)  # measured: identical
+    assert gd.keys() == gc.keys() and "model.embed_tokens.weight" in gc  # tied: the head's gradient too
+    for n, g in gd.items():
+        assert gc[n].dtype == torch.float32
+        # measured: 7.2e-4 relative; 9.3e-3 when backward recomputed the logits in float32 (autocast off there)
+        assert float((gc[n] - g).norm()) <= 2e-3 * float(g.norm()), n

@@ -278,12 +278,10 @@ def test_fsdp_two_ranks_train_on_the_same_number_of_groups(tmp_path):
     """`fspo.train.train` with trainer=fsdp on 2 gloo processes and dynamic sampling: the run completes
     (unequal group counts would stall FSDP's lockstep passes) and every step trains an even number of
     groups, the same on both ranks; extra rounds happen."""
-    import subprocess
-    import sys
 
     import mlflow
 
-    from conftest import REPO
+    from conftest import REPO, torchrun
 
     script = tmp_path / "ds_fsdp.py"
     script.write_text(FSDP_SCRIPT)
@@ -292,10 +290,7 @@ def test_fsdp_two_ranks_train_on_the_same_number_of_groups(tmp_path):
     args = ["model.source=random", "trainer=fsdp", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4",
             "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=4", "val.batch_size=4",
             "val.every_n_steps=3", "seed=7", *DS]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path), *args]
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun(script, [tmp_path, *args], tmp_path / "logs", cwd=tmp_path, env=env)  # worker logs kept whole
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     from fspo.diagnostics.metric_keys import display_key  # counts are shown in the last chart section

@@ -142,7 +142,7 @@ def test_vllm_engine_wakes_weights_then_kv_cache(monkeypatch):
     policy, opt = _trained_policy()
     engine = object.__new__(VLLMEngine)  # no vLLM here: the constructor's import is skipped
     engine.llm, engine.on_gpu, engine.enable_sleep_mode = FakeLLM(log), True, True
-    engine._asleep, engine._synced = set(), True
+    engine._asleep, engine._synced, engine.sleep_level = set(), True, 2
     engine.sleep()
     n = len(list(policy.state_dict()))  # tied embeddings: lm_head.weight is in the state dict already
     for _ in range(2):
@@ -150,10 +150,55 @@ def test_vllm_engine_wakes_weights_then_kv_cache(monkeypatch):
         with rollout_memory(engine, policy, [opt], empty_cache=lambda: None):
             assert engine._asleep == set()
         assert log == [("llm.wake_up", ("weights",)), ("llm.reload_weights", n), ("llm.reset_prefix_cache",),
-                       ("llm.wake_up", ("kv_cache",)), ("llm.sleep", 1)]
+                       ("llm.wake_up", ("kv_cache",)), ("llm.sleep", 2)]
     # outside rollout_memory a sync wakes the weights only, and generate's wake brings the rest
     del log[:]
     engine.sync_weights(policy)
     assert log[0] == ("llm.wake_up", ("weights",)) and engine._asleep == {"kv_cache"}
     engine.wake()
     assert log[-1] == ("llm.wake_up", ("kv_cache",)) and engine._asleep == set()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllm_sleep_level_2_discards_the_weights_until_the_next_sync(level):
+    """``rollout.engine.sleep_level`` (default 2, as verl and TRL: the weights are re-synced before every
+    generation, so level 1's copy to pinned host memory and back is wasted). After a level-2 sleep the
+    engine holds no weights: `generate` refuses until `sync_weights`; level 1 keeps them."""
+    from fspo.rollout.vllm import VLLMEngine
+
+    log = []
+    policy, _ = _trained_policy()
+    engine = object.__new__(VLLMEngine)  # no vLLM here: the constructor's import is skipped
+    engine.llm, engine.on_gpu, engine.enable_sleep_mode = FakeLLM(log), True, True
+    engine._asleep, engine._synced, engine.sleep_level = set(), True, level
+    engine.sleep()
+    assert log == [("llm.sleep", level)] and engine._synced == (level == 1)
+    if level == 2:
+        with pytest.raises(RuntimeError, match="call sync_weights"):
+            engine.generate([[1, 2]], None)
+    engine.sync_weights(policy)
+    assert engine._synced
+
+
+class ShutdownRecorder:
+    """The HF engine, recording `shutdown` calls (a class attribute: the run builds its own instance)."""
+    calls: list = []
+
+    def __new__(cls, *args, **kwargs):
+        from fspo.rollout.hf import HFEngine
+
+        class _Engine(HFEngine):
+            def shutdown(self):
+                ShutdownRecorder.calls.append("shutdown")
+        return _Engine(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_run_shuts_its_engine_down_at_the_end(compose_cfg):
+    """vLLM's memory and workers were never freed: `fspo.train.train` now calls ``engine.shutdown()`` once, last."""
+    from conftest import SMALL
+    from fspo.train import train
+
+    ShutdownRecorder.calls.clear()
+    train(compose_cfg([*SMALL, "steps=1", "val.size=0", f"rollout.engine._target_={__name__}.ShutdownRecorder"]))
+    assert ShutdownRecorder.calls == ["shutdown"]

@@ -18,14 +18,10 @@ compute (skipped without a GPU), and single-process checks of `in_root_forward` 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, torchrun
 
 WORKER = REPO / "tests" / "fsdp_head_worker.py"
 import fsdp_head_worker as hw  # noqa: E402  (tests/ is on pytest's path, as conftest)
@@ -35,11 +31,7 @@ SKIP_TIMING = ("time/", "perf/")
 
 
 def _torchrun(out, nproc: int, args) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), *args]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun(WORKER, [out, *args], out / "logs", nproc=nproc)  # worker logs kept whole (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +130,7 @@ def test_rl_step_with_chunked_head_under_fsdp_equals_one_process(two_ranks, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunked_head_under_fsdp_on_cuda_equals_dense(tmp_path):
-    """Issue 29 (c): FSDP2 on CUDA (NCCL, bf16 compute with fp32 masters: mixed_precision auto) on
+    """FSDP2 on CUDA (NCCL, bf16 compute with fp32 masters: mixed_precision auto) on
     min(2, GPUs) ranks; the chunked head equals the dense one. cuBLAS may round the [K, V] and the
     chunk's bf16 logits differently, so log-probs are compared at bf16 resolution."""
     n = min(2, torch.cuda.device_count())
@@ -159,17 +151,51 @@ def test_in_root_forward_runs_the_root_hooks_and_restores_forward():
 
     model = build_tiny_model()
     seen = []
-    model.register_forward_pre_hook(lambda m, a: seen.append("pre"))
+    model.register_forward_pre_hook(lambda m, a: seen.append(("pre", len(a))))
     model.register_forward_hook(lambda m, a, o: seen.append("post"))
-    assert in_root_forward(model, lambda: seen.append("fn") or 7) == 7
-    assert seen == ["pre", "fn", "post"] and "forward" not in vars(model)
+    x = torch.tensor([[5, 6]])
+    assert in_root_forward(model, lambda ids, k=0: seen.append(("fn", ids is x, k)) or 7, x, k=2) == 7
+    assert seen == [("pre", 1), ("fn", True, 2), "post"] and "forward" not in vars(model)
     with pytest.raises(ZeroDivisionError):
-        in_root_forward(model, lambda: 1 / 0)
+        in_root_forward(model, lambda ids: 1 / 0, x)
     assert "forward" not in vars(model)  # the class's forward is back after an error too
+    with pytest.raises(ValueError, match="positional input"):
+        in_root_forward(model, lambda: 3)  # the root is never called without inputs
     assert model(input_ids=torch.tensor([[5, 6]])).logits.shape == (1, 2, model.config.vocab_size)
     wrapped = model.forward  # an instance-level forward, as some wrappers install, survives the call
     model.forward = wrapped
-    assert in_root_forward(model, lambda: 3) == 3 and vars(model)["forward"] is wrapped
+    assert in_root_forward(model, lambda ids: 3, x) == 3 and vars(model)["forward"] is wrapped
+
+
+def _fsdp_cuda_root_pre_forward(module, args, kwargs):
+    """What FSDP2's root pre-forward does with the inputs on CUDA in torch < 2.13 (``_fsdp_state.py``:
+    ``_to_kwargs`` then ``args_tuple[0]``, with no guard for a call without inputs; pytorch#183943)."""
+    from torch.distributed.utils import _to_kwargs
+
+    args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, torch.device("cpu"), False)
+    return args_tuple[0], kwargs_tuple[0]
+
+
+@pytest.mark.parametrize("layout", list(hw.LAYOUTS))
+def test_chunked_head_calls_the_root_with_inputs_as_fsdp_on_cuda_needs(layout):
+    """The chunked head runs inside the root's forward call; FSDP2's root pre-forward on CUDA (torch < 2.13)
+    indexes the moved inputs, so a call with none raised IndexError (every ppo.lm_head_chunk_rows > 0 run
+    under trainer=fsdp on a GPU). Here that pre-forward is replayed on CPU: every root call gets inputs
+    and the chunked log-probs equal the dense ones."""
+    from fspo.models.segment_attention import enable_segment_attention
+    from fspo.update.logprobs import response_log_probs
+
+    model = hw.build_model(False)
+    if layout == "segment":
+        enable_segment_attention(model)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append(len(a) + len(k)), with_kwargs=True)
+    model.register_forward_pre_hook(_fsdp_cuda_root_pre_forward, with_kwargs=True)
+    batch = hw.fsdp_worker.fixed_rollout()
+    dense, _ = response_log_probs(model, batch, pack_width=hw.LAYOUTS[layout])
+    chunked, _ = response_log_probs(model, batch, pack_width=hw.LAYOUTS[layout], head_chunk_rows=hw.CHUNK)
+    torch.testing.assert_close(chunked, dense, atol=1e-5, rtol=0)
+    assert calls and min(calls) >= 1
 
 
 def test_chunked_head_is_accepted_under_fsdp():

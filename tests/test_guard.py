@@ -59,6 +59,8 @@ def test_meter_kl_is_k3_of_the_masked_tokens():
     old = torch.tensor([[-1.0, -1.0, 0.0]])
     m.add(torch.tensor([[1.0, 3.0, 100.0]]), logp, old, torch.tensor([[1, 1, 0]]))
     d = torch.tensor(-1.0)
+    assert m.tokens == 0.0  # summed on the device until flushed: one host read per update, not three per micro-batch
+    m.flush()
     assert m.tokens == 2 and m.loss_sum == 4.0
     assert m.kl_sum == pytest.approx(float(torch.exp(d) - 1 - d))
 

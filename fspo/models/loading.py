@@ -132,6 +132,15 @@ def _check_config_json(p: Path, key: str) -> None:
                          f"save_pretrained / `{download_command('<hub id>', str(p))}`, or fix the file")
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward (Hugging Face gradient checkpointing, non-reentrant, so the
+    inputs need no gradient: a LoRA policy's frozen embeddings work); ``model.activation_checkpointing``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; set it false")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
                 dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
                 lora: dict | None = None, **_ignored):

@@ -71,3 +71,6 @@ class RolloutEngine:
 
     def wake(self, tags: Optional[Sequence[str]] = None) -> None:
         """Undo `sleep` for the parts named in ``tags`` ("weights", "kv_cache"; None: everything)."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds (the run calls it once, after training); a no-op by default."""

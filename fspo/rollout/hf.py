@@ -25,7 +25,7 @@ an equal share), so the chunk counts match.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -71,13 +71,18 @@ def context_advice(longest: int, max_new_tokens: int, context: int) -> str:
 
 class HFEngine(RolloutEngine):
     """Engine on the policy module; ``batch_size`` caps sequences per decode call (memory),
-    ``compact`` drops finished rows while decoding (see the module docstring)."""
+    ``compact`` drops finished rows while decoding (see the module docstring), ``autocast="bf16"``
+    decodes under bf16 autocast (float32 weights, bf16 matmuls; a GPU run without vLLM,
+    fspo/runtime/launch/placement.py; its log-probs are then not the trainer's: ppo.old_log_probs=recompute)."""
 
-    def __init__(self, batch_size: int = 256, compact: bool = True):
+    def __init__(self, batch_size: int = 256, compact: bool = True, autocast: Optional[str] = None):
         if batch_size < 1:
             raise ValueError(f"rollout.engine.batch_size must be >= 1, got {batch_size}")
+        if autocast not in (None, "bf16"):
+            raise ValueError(f"rollout.engine.autocast must be null or 'bf16', got {autocast!r}")
         self.batch_size = batch_size
         self.compact = compact
+        self.autocast = autocast
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[List[int]], params: SamplingConfig) -> RolloutBatch:
@@ -94,7 +99,8 @@ class HFEngine(RolloutEngine):
         model.eval()
         chunks = []
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16"):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
                 for s in range(0, len(expanded), self.batch_size):

@@ -22,7 +22,8 @@ Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `Ro
   external launcher). The members of a group gather their prompts, generate them together with
   the same seeds, and each keeps the rows of its own prompts; each member's sync streams the full
   weights and vLLM's loaders keep that member's shard.
-- Sleep mode (``llm.sleep(level=1)``) frees GPU memory between rollouts; on CPU it is a no-op.
+- Sleep mode (``llm.sleep(level=2)``, ``rollout.engine.sleep_level``) frees GPU memory between rollouts;
+  on CPU it is a no-op.
   ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
   in the order of fspo/rollout/engine_memory.py; ``offload_optimizer`` asks that order to move the
   trainer's optimizer state to CPU while the engine holds GPU memory.
@@ -97,10 +98,14 @@ class VLLMEngine(RolloutEngine):
                  enable_sleep_mode: bool = True, max_model_len: Optional[int] = None,
                  dtype: str = "auto", seed: int = 0, enforce_eager: bool = False,
                  kv_cache_space: Optional[float] = None, batch_size: Optional[int] = None,
-                 llm_kwargs: Optional[dict] = None, offload_optimizer: bool = False):
+                 llm_kwargs: Optional[dict] = None, offload_optimizer: bool = False, sleep_level: int = 2):
         import_vllm()
         if int(tensor_parallel_size) < 1:
             raise ValueError(f"rollout.engine.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if int(sleep_level) not in (1, 2):
+            raise ValueError(f"rollout.engine.sleep_level must be 1 (weights kept in host memory) or 2 (discarded: "
+                             f"re-synced before every generation), got {sleep_level}")
+        self.sleep_level = int(sleep_level)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep_mode = enable_sleep_mode
@@ -215,10 +220,15 @@ class VLLMEngine(RolloutEngine):
         self._synced = True
 
     def sleep(self) -> None:
-        """``llm.sleep(level=1)`` (weights to CPU, KV cache freed) when sleep mode is on a GPU."""
+        """``llm.sleep(level=sleep_level)`` when sleep mode is on a GPU: the KV cache freed, and the weights
+        discarded (level 2, the default, as verl and TRL: every generation is preceded by `sync_weights`,
+        fspo/rollout/engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
+        after level 2 `generate` refuses to run until the next sync."""
         if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self._asleep = {WEIGHTS, KV_CACHE}
+            if self.sleep_level == 2:
+                self._synced = False  # the weights are gone: only a sync brings them back
 
     def wake(self, tags=None) -> None:
         """Undo `sleep` for ``tags`` (``llm.wake_up(tags=...)``; None: both parts); parts awake are skipped."""

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fspo.runtime.launch.distributed import any_rank, reduce_sum
-from fspo.update.stats import k3_sum
+from fspo.update.stats import k3_sum_tensor
 
 log = logging.getLogger(__name__)
 ACTIONS = ("stop", "skip", "warn", "off")
@@ -51,14 +51,22 @@ class UpdateMeter:
 
     def __init__(self):
         self.loss_sum, self.kl_sum, self.tokens = 0.0, 0.0, 0.0
+        self._pending: Optional[Tensor] = None  # [loss, kl, tokens] on the device, read once by `flush`
 
     @torch.no_grad()
     def add(self, token_loss: Tensor, logp: Tensor, old: Tensor, mask: Tensor) -> None:
         """Add one micro-batch: per-token loss, current and old log-probs, response mask (all [b, T])."""
         m = mask.float()
-        self.loss_sum += float((token_loss.detach().float() * m).sum())
-        self.kl_sum += k3_sum(logp.detach(), old, mask)
-        self.tokens += float(m.sum())
+        part = torch.stack([(token_loss.detach().float() * m).sum(), k3_sum_tensor(logp.detach(), old, mask),
+                            m.sum()]).double()
+        self._pending = part if self._pending is None else self._pending + part.to(self._pending.device)
+
+    def flush(self) -> None:
+        """Read the device sums into ``loss_sum``, ``kl_sum``, ``tokens`` (one host read)."""
+        if self._pending is not None:
+            loss, kl, n = self._pending.tolist()
+            self.loss_sum, self.kl_sum, self.tokens = self.loss_sum + loss, self.kl_sum + kl, self.tokens + n
+            self._pending = None
 
 
 @dataclass
@@ -99,6 +107,7 @@ class DivergenceGuard:
         every update (``where`` and ``lr`` only go into the message)."""
         if not self.enabled:
             return "step"
+        meter.flush()
         loss_sum, kl_sum, tokens = reduce_sum([meter.loss_sum, meter.kl_sum, meter.tokens], device)
         tokens = max(tokens, 1.0)
         found = self.breaches(float(grad_norm), loss_sum / tokens, kl_sum / tokens)

@@ -24,7 +24,9 @@ recomputes each chunk's logits and softmax and accumulates the weight (and bias)
 bf16 / fp16 inputs are multiplied in their dtype (as the model's LM head would) and the logits cast
 to float32 before the softmax; d hidden is multiplied in the weight's dtype (as autograd through
 ``.float()`` would), d weight accumulated in float32; the gradients come back in the inputs' dtypes.
-float64 inputs are computed, and returned, in float64 (for ``torch.autograd.gradcheck``).
+float64 inputs are computed, and returned, in float64 (for ``torch.autograd.gradcheck``). Under
+``torch.autocast`` (``ppo.autocast=bf16``) the inputs are cast to the autocast dtype first, as autocast
+casts a linear layer's, and the chunks run with autocast off: forward and backward use the same product.
 
 Leaves out: running the model's body (the caller passes the final hidden states at the K response
 positions), the [B, T] layout and response mask (the caller scatters the [K] result), packing, and
@@ -141,6 +143,15 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logp, ent = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature),
-                                            int(chunk_size), bool(with_entropy))
-    return logp, ent
+    args = (targets.long(), float(temperature), int(chunk_size), bool(with_entropy))
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return _ChunkedTokenLogprobs.apply(hidden, weight, bias, *args)
+    # under autocast (ppo.autocast=bf16): cast the inputs as autocast casts a linear's (the casts are autograd
+    # ops, so the gradients reach the float32 weights as float32), then run with autocast off, so the
+    # forward and the backward's recomputed logits both come from the same bf16 product
+    dtype = torch.get_autocast_dtype(device)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(device_type=device, enabled=False):
+        return _ChunkedTokenLogprobs.apply(hidden, weight, bias, *args)

@@ -37,9 +37,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def in_root_forward(model, fn: Callable[[], T]) -> T:
-    """``fn()`` run as ``model``'s own forward call: ``model.forward`` is shadowed for one call of
-    ``model()``, so every hook on the root module runs around ``fn`` as around a normal forward.
+def in_root_forward(model, fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` run as ``model``'s own forward call ``model(*args, **kwargs)``:
+    ``model.forward`` is shadowed for that one call, so every hook on the root module runs around ``fn``
+    as around a normal forward, and sees the call's inputs.
 
     Why: under FSDP2 (``fully_shard`` on the decoder layers and the root, fspo/runtime/launch/distributed.py)
     the root's parameters (embeddings, final norm, LM head; tied or not) are sharded DTensors outside
@@ -48,11 +49,19 @@ def in_root_forward(model, fn: Callable[[], T]) -> T:
     and the root's post-backward reduce-scatters their gradients. Calling ``model.get_decoder()`` and
     reading ``lm_head.weight`` from outside would bypass all three (verl patches the model class's
     forward for its fused log-prob kernels for the same reason). On an unsharded model this is a plain
-    call of ``fn``."""
+    call of ``fn``.
+
+    At least one positional input is required: on CUDA, FSDP2's root pre-forward moves the inputs to the
+    device with ``torch.distributed.utils._to_kwargs`` and reads ``args_tuple[0]``, which is an
+    IndexError for a call with no inputs in torch < 2.13 (pytorch#183943); the inputs passed here are
+    the ones FSDP moves and hands on to ``fn``."""
+    if not args:
+        raise ValueError("in_root_forward needs at least one positional input (e.g. input_ids): FSDP2's root "
+                         "pre-forward indexes the inputs it moves to the device")
     own = vars(model).get("forward")  # an instance-level forward (e.g. set by a wrapper) is put back after
-    model.forward = lambda *args, **kwargs: fn()  # instance attribute: shadows the class's forward
+    model.forward = lambda *a, **k: fn(*a, **k)  # instance attribute: shadows the class's forward
     try:
-        return model()
+        return model(*args, **kwargs)
     finally:
         if own is None:
             del model.forward
@@ -63,11 +72,16 @@ def in_root_forward(model, fn: Callable[[], T]) -> T:
 def _run(model, select: Callable[[Tensor], Tensor], head: Optional[Callable[[Tensor], R]] = None, **kw):
     """``select(logits)`` of the model (``head`` None); with ``head``, ``head(select(h))`` of the final
     hidden states ``h`` of the model's body, computed inside the model's own forward call
-    (`in_root_forward`: the LM head's weight is gathered under FSDP)."""
+    (`in_root_forward`, with the inputs passed through it: the LM head's weight is gathered under FSDP)."""
     if head is None:
         return select(model(use_cache=False, **kw).logits)
     kw.pop("logits_to_keep", None)
-    return in_root_forward(model, lambda: head(select(model.get_decoder()(use_cache=False, **kw).last_hidden_state)))
+    input_ids = kw.pop("input_ids")
+
+    def body(ids: Tensor, **inputs):
+        return head(select(model.get_decoder()(input_ids=ids, use_cache=False, **inputs).last_hidden_state))
+
+    return in_root_forward(model, body, input_ids, **kw)
 
 
 def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head=None):

@@ -67,8 +67,6 @@ class PPOConfig:
             raise ValueError("ppo.autocast=bf16 with ppo.old_log_probs=engine: the engine's float32 log-probs would "
                              "differ from the trainer's bf16 ones by rounding, not by the policy: set "
                              "ppo.old_log_probs=recompute")
-        if self.autocast == "bf16" and int(self.lm_head_chunk_rows) > 0:
-            raise ValueError("ppo.autocast=bf16 with ppo.lm_head_chunk_rows > 0 is not supported yet: set one of them off")
         if int(self.lm_head_chunk_rows) < 0:
             raise ValueError(f"ppo.lm_head_chunk_rows must be >= 0 (0: dense LM head), got {self.lm_head_chunk_rows}")
         if self.nonfinite not in ("skip", "raise"):

@@ -27,6 +27,8 @@ from torch import Tensor
 
 from fspo.update.packing import TokenUsage
 
+PENDING = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
+
 
 @dataclass
 class StepStats:
@@ -47,25 +49,40 @@ class StepStats:
     usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
     update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old|| (fspo/update/update_ratio.py)
 
+    pending: Optional[Tensor] = None  # the sums below not yet read to the host, kept on the device (`PENDING`)
+
+    def _add(self, **parts: Tensor) -> None:
+        """Add ``parts`` (0-d tensors, names of `PENDING`) on their device; read once in `compute`."""
+        ref = next(iter(parts.values()))
+        v = torch.zeros(len(PENDING), dtype=torch.float64, device=ref.device)
+        for k, t in parts.items():
+            v[PENDING.index(k)] = t.double()
+        self.pending = v if self.pending is None else self.pending + v.to(self.pending.device)
+
     @torch.no_grad()
     def add_micro(self, loss: Tensor, logp: Tensor, old: Tensor, entropy: Optional[Tensor], mask: Tensor) -> None:
         m = mask.float()
-        self.loss_sum += float(loss)
-        n = float(m.sum())
-        self.tokens += n
-        self.kl_sum += k3_sum(logp, old, mask)
+        n = m.sum()
+        parts = dict(loss_sum=loss.detach().reshape(()), tokens=n, kl_sum=k3_sum_tensor(logp, old, mask))
         if entropy is not None:
-            self.ent_sum += float((entropy * m).sum())
-            self.ent_tokens += n
+            parts.update(ent_sum=(entropy * m).sum(), ent_tokens=n)
+        self._add(**parts)
 
     @torch.no_grad()
     def add_gap(self, engine: Tensor, trainer: Tensor, mask: Tensor) -> None:
         """Accumulate |engine - trainer| log-prob differences on the response tokens of ``mask``."""
         m = mask.bool()
-        self.gap_sum += float((engine.float() - trainer.float()).abs()[m].sum())
-        self.gap_tokens += float(m.sum())
+        self._add(gap_sum=(engine.float() - trainer.float()).abs()[m].sum(), gap_tokens=m.sum())
+
+    def flush(self) -> None:
+        """Read the device sums into the float fields (one host read)."""
+        if self.pending is not None:
+            for k, v in zip(PENDING, self.pending.tolist()):
+                setattr(self, k, getattr(self, k) + v)
+            self.pending = None
 
     def compute(self) -> Dict[str, float]:
+        self.flush()
         updates = len(self.grad_norms)
         out = {
             "train/loss": self.loss_sum / max(updates, 1),
@@ -92,11 +109,17 @@ class StepStats:
 
 
 @torch.no_grad()
-def k3_sum(logp: Tensor, old: Tensor, mask: Tensor) -> float:
-    """sum over the tokens of ``mask`` of k3 = r - 1 - log r, r = exp(logp - old) (log-ratio clamped to +-20)."""
+def k3_sum_tensor(logp: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """sum over the tokens of ``mask`` of k3 = r - 1 - log r, r = exp(logp - old) (log-ratio clamped to +-20),
+    as a 0-d tensor on the inputs' device (no host read)."""
     m = mask.float()
     d = ((logp - old) * m).clamp(-20, 20)
-    return float(((torch.exp(d) - 1 - d) * m).sum())
+    return ((torch.exp(d) - 1 - d) * m).sum()
+
+
+def k3_sum(logp: Tensor, old: Tensor, mask: Tensor) -> float:
+    """`k3_sum_tensor` as a float."""
+    return float(k3_sum_tensor(logp, old, mask))
 
 
 def peak_memory_mib(device) -> float:

@@ -49,10 +49,11 @@ class UpdateRatio:
         new = [_local(p).detach() for p in params if p.requires_grad]
         if len(new) != len(self._old):
             raise RuntimeError(f"UpdateRatio: {len(new)} trainable parameters now, {len(self._old)} at the snapshot")
-        diff2 = old2 = 0.0
+        sums = None  # [||new - old||^2, ||old||^2] summed on the device: one host read at the end, not two per tensor
         for a, b in zip(new, self._old):
-            diff2 += float(torch.linalg.vector_norm(a - b, dtype=torch.float64) ** 2)
-            old2 += float(torch.linalg.vector_norm(b, dtype=torch.float64) ** 2)
+            part = torch.stack([torch.linalg.vector_norm(a - b, dtype=torch.float64),
+                                torch.linalg.vector_norm(b, dtype=torch.float64)]) ** 2
+            sums = part if sums is None else sums + part.to(sums.device)
         self._old = None
-        diff2, old2 = reduce_sum([diff2, old2], device)
+        diff2, old2 = reduce_sum(sums.tolist() if sums is not None else [0.0, 0.0], device)
         return (diff2 ** 0.5) / (old2 ** 0.5) if old2 > 0 else 0.0

@@ -21,7 +21,8 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
   optimizer       = 2 P b_t / W  (AdamW exp_avg, exp_avg_sq) resident
   update_snapshot = P b_t / W  (train/update_ratio's copy; fspo/update/update_ratio.py)   train
   adapter_activations = LoRA: T 4 r x (adapted linears) x layers (each adapter's A x)     train
-  activations, one micro-batch of T = ppo.micro_batch_max_tokens tokens, per token and layer:  train
+  activations, one micro-batch of T tokens (T = max(ppo.micro_batch_max_tokens, the longest sequence):
+                    a longer sequence runs alone), per token and layer:                           train
                     one dtype (no autocast): b_c (6 H + 4 q + 4 kv + 4 I) + n;
                     ppo.autocast=bf16 (float32 weights, bf16 compute on one device): 4 (6 H + 2 q + 2 kv)
                     + 2 (7 H + 2 q + 2 kv + 6 I) + n (the float32 residual stream and RMSNorms, and a bf16
@@ -44,6 +45,8 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
                     HF: 2 x layers x kv x b_kv x rows x (max_prompt_len + max_new_tokens)
                     engine parts: phase generate when the engine sleeps during training (vLLM sleep
                     mode on a GPU), else resident; HF's KV cache: generate
+  cuda_context, nccl_buffers, cuda_graphs, root_grads, rollout_batch, fragmentation: what the
+                    tensors above leave out (fspo/runtime/launch/memory_overheads.py)
   peak            = resident + max(train, generate)
 """
 from __future__ import annotations
@@ -51,7 +54,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-GIB = 2 ** 30
+from fspo.runtime.launch.memory_overheads import (
+    GIB,
+    cuda_context,
+    cuda_graphs,
+    fragmentation,
+    nccl_buffers,
+    rollout_batch,
+    root_grads,
+    tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,10 @@ class Layout:
     trainable_params: Optional[int] = None  # P; None: every parameter (full fine-tune)
     lora_rank: int = 0                # r; 0: no LoRA (model.lora.rank)
     lora_targets: Optional[Tuple[str, ...]] = None  # adapted linears; None: all seven of attention and MLP
+    gpu: bool = False                 # the trainer is on a GPU (CUDA context, NCCL, fragmentation)
+    longest_tokens: int = 0           # max_prompt_len + max_new_tokens: the longest sequence a run can produce
+    rollout_rows: int = 0             # sequences of the step's batch one rank holds during the update
+    engine_cuda_graphs: bool = False  # vLLM on a GPU with CUDA graphs (rollout.engine.enforce_eager false)
 
 
 def linears(s: ModelShape) -> Dict[str, Tuple[int, int]]:
@@ -154,7 +170,7 @@ def adapters(s: ModelShape, x: Layout) -> int:
 
 
 def adapter_activations(s: ModelShape, x: Layout) -> int:
-    return x.micro_tokens * 4 * x.lora_rank * len(_adapted(s, x)) * s.layers if x.lora_rank > 0 else 0
+    return tokens(x) * 4 * x.lora_rank * len(_adapted(s, x)) * s.layers if x.lora_rank > 0 else 0
 
 
 def activation_bytes_per_token(s: ModelShape, x: Layout) -> int:
@@ -167,16 +183,16 @@ def activation_bytes_per_token(s: ModelShape, x: Layout) -> int:
 
 
 def activations(s: ModelShape, x: Layout) -> int:
-    per_layer = x.micro_tokens * activation_bytes_per_token(s, x)
+    per_layer = tokens(x) * activation_bytes_per_token(s, x)
     if x.activation_checkpointing:
-        return x.micro_tokens * (4 if x.autocast else x.compute_bytes) * s.hidden * s.layers + per_layer
+        return tokens(x) * (4 if x.autocast else x.compute_bytes) * s.hidden * s.layers + per_layer
     return per_layer * s.layers
 
 
 def logits(s: ModelShape, x: Layout) -> int:
     if x.head_chunk_rows > 0:
-        return min(x.micro_tokens, x.head_chunk_rows) * s.vocab * 4 * 2
-    return x.micro_tokens * s.vocab * (20 + (x.compute_bytes if x.compute_bytes < 4 else 0))
+        return min(tokens(x), x.head_chunk_rows) * s.vocab * 4 * 2
+    return tokens(x) * s.vocab * (20 + (x.compute_bytes if x.compute_bytes < 4 else 0))
 
 
 def engine_weights(s: ModelShape, x: Layout) -> int:
@@ -206,7 +222,12 @@ COMPONENTS: Tuple[Tuple[str, Callable[[ModelShape, Layout], int], Callable[[Layo
     ("logits", logits, lambda x: "train"),
     ("engine_weights", engine_weights, _engine_phase),
     ("kv_cache", kv_cache, lambda x: _engine_phase(x) if x.engine == "vllm" else "generate"),
-)
+    ("cuda_context", cuda_context, lambda x: "resident"),
+    ("nccl_buffers", nccl_buffers, lambda x: "resident"),
+    ("cuda_graphs", cuda_graphs, lambda x: "resident"),
+    ("root_grads", root_grads, lambda x: "train"),
+    ("rollout_batch", rollout_batch, lambda x: "train"),
+)  # then fragmentation (`plan_memory`): a share of the peak of these
 
 
 @dataclass(frozen=True)
@@ -250,6 +271,10 @@ class MemoryPlan:
 
 
 def plan_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
-    """Every component of `COMPONENTS` for ``shape`` placed as ``layout``."""
+    """Every component of `COMPONENTS` for ``shape`` placed as ``layout``, then the allocator's
+    fragmentation as a share of their peak (fspo/runtime/launch/memory_overheads.py)."""
     parts = {name: int(size(shape, layout)) for name, size, _ in COMPONENTS}
-    return MemoryPlan(parts=parts, phases={name: phase(layout) for name, _, phase in COMPONENTS}, ranks=layout.ranks)
+    phases = {name: phase(layout) for name, _, phase in COMPONENTS}
+    rest = MemoryPlan(parts=parts, phases=phases, ranks=layout.ranks)
+    return MemoryPlan(parts={**parts, "fragmentation": fragmentation(rest.peak, layout)},
+                      phases={**phases, "fragmentation": "resident"}, ranks=layout.ranks)

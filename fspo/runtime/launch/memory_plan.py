@@ -132,6 +132,7 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
     vllm = str(_select(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine")
     e_dtype = engine_dtype(str(_select(cfg, "rollout.engine.dtype", "auto")), str(cfg.model.get("dtype", "float32")), gpu)
     tp = int(_select(cfg, "rollout.engine.tensor_parallel_size", 1))
+    longest = int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0))
     reserved = 0
     if vllm and gpu:
         reserved = int(float(_select(cfg, "rollout.engine.gpu_memory_utilization", 0.5)) * device_bytes)
@@ -142,16 +143,19 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
         ranks=ranks, dtype_bytes=b, compute_bytes=b_c,
         autocast=ranks == 1 and str(_select(cfg, "trainer.strategy._target_", "")) != FSDP and b_c < b,
         micro_tokens=int(_select(cfg, "ppo.micro_batch_max_tokens", 0)),
-        activation_checkpointing=bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)),
+        activation_checkpointing=bool(_select(cfg, "trainer.strategy.activation_checkpointing", False)
+                                      or _select(cfg, "model.activation_checkpointing", False)),
         head_chunk_rows=int(_select(cfg, "ppo.lm_head_chunk_rows", 0)),
         update_snapshot=bool(_select(cfg, "ppo.update_ratio", True)),
         engine="vllm" if vllm else "hf", engine_bytes=_BYTES.get(e_dtype, 4), engine_tp=tp,
         engine_sleeps=bool(vllm and gpu and _select(cfg, "rollout.engine.enable_sleep_mode", False)),
         engine_reserved=reserved, kv_rows=rows,
-        kv_len=int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0)),
+        kv_len=longest,
         kv_bytes=b_c if ranks > 1 else b,
         lora_rank=int(_select(cfg, "model.lora.rank", 0) or 0),
-        lora_targets=tuple(t) if (t := _select(cfg, "model.lora.target_modules")) else None)
+        lora_targets=tuple(t) if (t := _select(cfg, "model.lora.target_modules")) else None,
+        gpu=gpu, longest_tokens=longest, rollout_rows=int(cfg.prompts_per_step) * n,  # gathered on every rank
+        engine_cuda_graphs=bool(vllm and not _select(cfg, "rollout.engine.enforce_eager", False)))
 
 
 def what_would_fit(shape: ModelShape, layout: Layout, budget: float) -> Optional[str]:
@@ -209,15 +213,14 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
             f"({plan.engine_weights / GIB:.2f} GiB), so no KV cache is left; raise it or set rollout.engine.tensor_parallel_size")
     if plan.peak > headroom * avail:
         fits = what_would_fit(shape, layout, headroom * avail)
-        lora = None  # on these ranks: LoRA r 64 (fspo/models/lora.py), a bf16 frozen base, the chunked head
-        r = layout.lora_rank or 64
-        pre = "" if layout.lora_rank else "model.lora.rank=64 "
-        bf16 = dict(dtype_bytes=2, compute_bytes=2, kv_bytes=2, autocast=False)
-        for over, kw in ((pre, {}), (pre + "model.dtype=bfloat16", bf16),
-                         (pre + "model.dtype=bfloat16 ppo.lm_head_chunk_rows=1024", {**bf16, "head_chunk_rows": 1024})):
-            if over and (peak := plan_memory(shape, replace(layout, lora_rank=r, **kw)).peak) <= headroom * avail:
-                lora = f"{over.strip()} ({peak / GIB:.2f} GiB per rank; with LoRA the base is frozen, the adapters float32)"
-                break
+        lora = None  # on these ranks: LoRA r 64 (fspo/models/lora.py) and what auto-fit adds to it
+        from fspo.runtime.launch.auto_fit import fit_preview  # it plans with this module's functions
+
+        got = fit_preview(cfg, {} if layout.lora_rank else {"model.lora.rank": 64}, avail)
+        if got is not None:
+            sets = ([] if layout.lora_rank else ["model.lora.rank=64"]) + got[0]
+            lora = (f"{' '.join(sets) or 'memory_plan.auto_fit=true'} ({got[1] / GIB:.2f} GiB per rank; with LoRA "
+                    f"the base is frozen, the adapters float32)") if sets else None
         ways = [w for w in (fits, lora) if w]
         instead = " or ".join(ways) if ways else f"neither FSDP up to {MAX_RANKS} GPUs nor LoRA r 64"
         kind = f"LoRA r {layout.lora_rank}" if layout.lora_rank else "full"
@@ -245,9 +248,12 @@ def dry_run(cfg, available: Optional[int] = None, out: Callable[[str], None] = p
         f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, vocab {shape.vocab})")
     out(f"  {x.ranks} data-parallel rank(s); per rank {avail / GIB:.2f} GiB ({where}), usable {headroom:.2f} x = "
         f"{headroom * avail / GIB:.2f} GiB")
-    out(f"  trainable weights {names.get(x.dtype_bytes)}, compute {names.get(x.compute_bytes)}, micro-batch "
-        f"{x.micro_tokens} tokens, activation checkpointing {'on' if x.activation_checkpointing else 'off'}, "
-        f"LM head {head}; engine: {engine}")
+    weights = (f"LoRA r {x.lora_rank}: frozen base {names.get(x.dtype_bytes)}, adapters float32" if x.lora_rank
+               else f"trainable weights {names.get(x.dtype_bytes)}")
+    alone = f" (the longest sequence, {x.longest_tokens}, runs alone: planned at {x.longest_tokens})" \
+        if x.longest_tokens > x.micro_tokens else ""
+    out(f"  {weights}, compute {names.get(x.compute_bytes)}, micro-batch {x.micro_tokens} tokens{alone}, "
+        f"activation checkpointing {'on' if x.activation_checkpointing else 'off'}, LM head {head}; engine: {engine}")
     out(plan.table())
     check_memory_plan(cfg, avail)
     out(f"fits: peak {plan.peak / GIB:.2f} GiB <= {headroom * avail / GIB:.2f} GiB usable per rank")

@@ -1,0 +1,161 @@
+"""Where a run trains and generates: a model meant for GPUs (``model.device: cuda``, conf/model/qwen3_*.yaml)
+is placed on the GPUs the machine has, unless the command line says otherwise.
+
+Owns: `Machine` (what this process sees: CUDA, its GPUs, the launched processes, vLLM installed) and
+`place` (turn the composed config into the concrete placement, in place, and return one line per choice).
+Leaves out: the memory plan and what it changes to fit (fspo/runtime/launch/memory_plan.py,
+fspo/runtime/launch/auto_fit.py) and sharding itself (fspo/runtime/launch/distributed.py).
+
+For ``model.device: cuda`` with a GPU visible (each choice skipped when the command line names its key or
+group: an explicit setting always wins):
+
+  trainer.accelerator  cpu -> gpu
+  several processes    (torchrun / SLURM through Lightning, WORLD_SIZE > 1): trainer=fsdp's block, FSDP2
+                       with bf16 compute and float32 master weights and gradient reduction
+  one process          trainer.devices=1, ppo.autocast=bf16 (float32 masters, bf16 compute; a bf16
+                       model.dtype computes in bf16 without it)
+  old log-probs        rollout.old_log_probs=recompute (bf16 compute: the trainer's own pass)
+  rollout              vllm when it is installed (conf/rollout/vllm.yaml's block), else HF generation
+                       under bf16 autocast (rollout.engine.autocast=bf16)
+
+With no GPU visible the run stops with one line saying what it needs (``trainer.accelerator=cpu`` on the
+command line trains on the CPU anyway); ``dry_run=true`` is placed as on a machine with one GPU per
+process, and plans for it (memory_plan.device_gib).
+A model meant for the CPU (``model.device: cpu``, the tiny default) stays there, with a warning when a GPU
+is visible and unused; a launch with fewer processes than visible GPUs says how many stay idle.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from omegaconf import OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+CONF = Path(__file__).resolve().parents[3] / "conf"
+FSDP = "fspo.runtime.launch.distributed.FSDP2Strategy"
+
+
+class PlacementError(ValueError):
+    """The run needs a device this machine does not have (a user error: one line, exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    cuda: bool        # torch.cuda.is_available()
+    gpus: int         # torch.cuda.device_count()
+    world: int        # processes the launcher started (WORLD_SIZE, SLURM_NTASKS); 1 without one
+    vllm: bool        # vllm importable
+
+    @staticmethod
+    def detect(env=os.environ) -> "Machine":
+        import torch
+
+        cuda = torch.cuda.is_available()
+        world = next((int(env[k]) for k in ("WORLD_SIZE", "SLURM_NTASKS") if str(env.get(k, "")).isdigit()), 1)
+        return Machine(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, world=world,
+                       vllm=importlib.util.find_spec("vllm") is not None)
+
+
+def named_keys(overrides: Sequence[str]) -> set:
+    """What a command line sets: each key with its parents (``trainer.accelerator=cpu`` -> trainer.accelerator,
+    trainer) and each group it selects as ``group:<name>`` (``trainer=fsdp``, ``+rollout=vllm``)."""
+    out = set()
+    for o in overrides or ():
+        key = o.split("=", 1)[0].lstrip("+~").strip()
+        parts = key.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        if len(parts) == 1:
+            out.add(f"group:{key}")
+    return out
+
+
+PLACEMENT_GROUPS = ("trainer", "rollout")  # selecting one of these names every key in it
+
+
+def _named(names: set, key: str) -> bool:
+    """``key`` is set on the command line, or its trainer/rollout group is selected there (``trainer=cpu``
+    names every trainer.* key; ``+model=qwen3_8b`` picks a model, not its dtype)."""
+    top = key.split(".")[0]
+    return key in names or (top in PLACEMENT_GROUPS and f"group:{top}" in names and key != top)
+
+
+def _set(cfg, key: str, value, names: set, choices: List[str], why: str) -> None:
+    if _named(names, key) or OmegaConf.select(cfg, key) == value:
+        return
+    with open_dict(cfg):
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    choices.append(f"{key}={value} ({why})")
+
+
+def _group_block(group: str, option: str):
+    block = OmegaConf.load(CONF / group / f"{option}.yaml")
+    with open_dict(block):
+        block.pop("defaults", None)
+    return block
+
+
+def place(cfg, overrides: Optional[Sequence[str]] = None, machine: Optional[Machine] = None) -> List[str]:
+    """Place the run of ``cfg`` on ``machine`` (default: `Machine.detect`), changing ``cfg`` in place; the
+    command line ``overrides`` name what stays as given. Returns the choices, one line each (logged).
+    Raises `PlacementError` for a GPU model with no GPU visible (module docstring)."""
+    m = machine or Machine.detect()
+    names = named_keys(overrides or ())
+    accel = str(OmegaConf.select(cfg, "trainer.accelerator", default="cpu"))
+    device = str(OmegaConf.select(cfg, "model.device", default="cpu"))
+    if device not in ("cpu", "cuda"):
+        raise PlacementError(f"model.device={device}: must be cpu (placed as trainer/ says) or cuda (on the GPUs "
+                             f"found), e.g. model.device=cuda")
+    if device != "cuda":
+        if m.cuda and accel == "cpu" and not _named(names, "trainer.accelerator"):
+            log.warning("a CUDA GPU is visible but this run trains on the CPU (model %s has model.device=cpu); "
+                        "set trainer.accelerator=gpu to use it", OmegaConf.select(cfg, "model.name"))
+        return []
+    choices: List[str] = []
+    if OmegaConf.select(cfg, "dry_run") and not m.cuda:  # plan the GPU run (memory_plan.device_gib) as placed there
+        m = Machine(cuda=True, gpus=1, world=m.world, vllm=m.vllm)
+    if accel == "cpu" and _named(names, "trainer.accelerator"):
+        return []  # asked for the CPU
+    if not m.cuda:
+        raise PlacementError(
+            f"model {OmegaConf.select(cfg, 'model.name')} trains on CUDA GPUs and none is visible here "
+            f"(torch.cuda.is_available() is False): run it on a GPU machine with its weights (model.path=<local "
+            f"copy> or the hub; several GPUs: torchrun --nproc_per_node=N experiments/run.py ...), plan it with "
+            f"dry_run=true memory_plan.device_gib=80, or add trainer.accelerator=cpu to train on the CPU anyway")
+    if accel == "cpu":
+        _set(cfg, "trainer.accelerator", "gpu", names, choices, f"{m.gpus} CUDA GPU(s) visible")
+    if m.gpus > m.world and not OmegaConf.select(cfg, "dry_run"):  # one GPU per process: say what stays idle
+        log.warning("%d CUDA GPUs are visible and %d process(es) were launched, one GPU each: %d stay unused; "
+                    "launch one process per GPU to use them (torchrun --nproc_per_node=%d experiments/run.py ...)",
+                    m.gpus, m.world, m.gpus - m.world, m.gpus)
+    sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "") == FSDP
+    if m.world > 1 and not sharded and not _named(names, "trainer.strategy"):
+        with open_dict(cfg):
+            cfg.trainer = OmegaConf.merge(cfg.trainer, _group_block("trainer", "fsdp"))
+            cfg.trainer.accelerator = "gpu"
+        sharded = True
+        choices.append(f"trainer=fsdp ({m.world} processes launched: FSDP2, bf16 compute, float32 masters)")
+    if not sharded:
+        _set(cfg, "trainer.devices", 1, names, choices, "one process: one GPU")
+        if str(OmegaConf.select(cfg, "model.dtype", default="float32")) == "float32":  # a bf16 model computes in bf16
+            _set(cfg, "ppo.autocast", "bf16", names, choices, "bf16 compute, float32 master weights")
+    if not _named(names, "ppo.old_log_probs"):
+        _set(cfg, "rollout.old_log_probs", "recompute", names, choices, "bf16 compute: the trainer's own pass")
+    if str(OmegaConf.select(cfg, "rollout.name", default="hf")) == "hf" and not _named(names, "rollout.engine"):
+        if m.vllm:
+            with open_dict(cfg):
+                cfg.rollout = OmegaConf.merge(cfg.rollout, _group_block("rollout", "vllm"))
+            choices.append("rollout=vllm (vLLM is installed)")
+        else:
+            _set(cfg, "rollout.engine.autocast", "bf16", names, choices, "HF generation in bf16; vLLM is not installed")
+    return _report(choices)
+
+
+def _report(choices: List[str]) -> List[str]:
+    for c in choices:
+        log.info("placement: %s", c)
+    return choices
