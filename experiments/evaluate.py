@@ -95,8 +95,8 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
             rid = None
         log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
     if run_cfg is not None:  # read from a file: only allow-listed _target_s in what evaluate builds from it
-        check_stored_targets(OmegaConf.masked_copy(run_cfg, [k for k in ("data", "model") if k in run_cfg]),
-                             "the training run's config", trusted=cfg)  # (fspo/runtime/checkpoints/stored_config.py)
+        check_stored_targets(run_cfg, "the training run's config", trusted=cfg,
+                             keys=("data", "model"))  # (fspo/runtime/checkpoints/stored_config.py)
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 
