@@ -22,8 +22,15 @@ from fspo.runtime.checks.errors import user_error  # noqa: E402
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     if cfg.output_dir is None:
+        hydra_cfg = HydraConfig.get()
+        if str(cfg.get("resume")) == "auto" and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) \
+                and hydra_cfg.mode.name == "RUN":  # a new timestamped folder holds nothing to continue
+            from fspo.runtime.checkpoints.continue_command import fresh_folder_resume_error
+
+            print(f"error: {fresh_folder_resume_error(hydra_cfg.runtime.output_dir)}", file=sys.stderr)
+            sys.exit(2)
         with open_dict(cfg):
-            cfg.output_dir = HydraConfig.get().runtime.output_dir
+            cfg.output_dir = hydra_cfg.runtime.output_dir
     from fspo.train import train
 
     try:
