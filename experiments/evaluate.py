@@ -44,7 +44,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
-    from fspo.runtime.checkpoints.files import find_run_config
+    from fspo.runtime.checkpoints.files import find_run_config, read_config_file
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     params = MlflowClient(uri).get_run(rid).data.params
@@ -61,7 +61,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
         if path is None:
             raise FileNotFoundError(f"MLflow run {rid} has no config.yaml artifact and its output_dir "
                                     f"({run_dir}) holds no .hydra/config.yaml: pass checkpoints=... and model.*")
-        run_cfg = OmegaConf.load(path)
+        run_cfg = read_config_file(path)
     return run_cfg, run_dir
 
 
@@ -73,7 +73,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
     from mlflow import MlflowClient
 
-    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, read_config_file, run_id_of_checkpoint
     from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
@@ -83,7 +83,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     if ckpts and run_cfg is None:
         path = find_run_config(ckpts[0])
         if path is not None:
-            run_cfg = OmegaConf.load(path)
+            run_cfg = read_config_file(path)
         rid = run_id_of_checkpoint(ckpts[0])
         try:  # the run id in the path counts only if this tracking store knows that run
             if rid is not None and path is None:

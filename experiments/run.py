@@ -17,6 +17,7 @@ from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 from fspo.runtime.checks.errors import user_error  # noqa: E402
+from fspo.runtime.launch.run_folder import protect_run_folder  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -49,4 +50,5 @@ if __name__ == "__main__":
         print(f"error: {bad}", file=sys.stderr)
         sys.exit(2)
     sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "config")  # group=x and +group=x both work
+    sys.argv[1:] = protect_run_folder(sys.argv[1:])  # a dry run writes nothing; a run's own .hydra/ is kept
     main()

@@ -32,7 +32,7 @@ from fspo.rollout.pipeline import build_pipeline
 from fspo.runtime.checkpoints.checkpointing import StepCheckpoint, slurm_plugins
 from fspo.runtime.checkpoints.continue_command import continue_command
 from fspo.runtime.checkpoints.files import checkpoint_dir, list_checkpoints
-from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
+from fspo.runtime.checkpoints.resume import ResumePlan, check_resume_target, check_room, resolve_resume
 from fspo.runtime.checkpoints.stop_signal import honour_stop_signals, stop_signal_name
 from fspo.runtime.checks.config_check import check_config
 from fspo.runtime.checks.console import quiet_third_party
@@ -68,6 +68,7 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     with honour_stop_signals(_signal_names(cfg)):
         check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
         if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
+            check_resume_target(cfg)  # resume=<path> names a checkpoint that reads
             dry_run(cfg)
             return {}
         out_dir = Path(cfg.output_dir)
@@ -75,7 +76,8 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
         with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
             plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
             try:
-                return _train(resume_config(cfg, plan, out_dir, overrides), plan, seen)
+                run_cfg = resume_config(cfg, plan, out_dir, overrides)  # a continued run: its saved config
+                return _train(run_cfg, plan, seen, recheck=run_cfg is not cfg)
             except (SIGTERMException, KeyboardInterrupt) as e:
                 _report_stop(e, seen, plan, out_dir)
                 raise
@@ -106,9 +108,9 @@ def _report_stop(exc: BaseException, seen: Dict[str, Any], plan: ResumePlan, out
                 continue_command(out_dir))
 
 
-def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any]) -> Dict[str, Any]:
+def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: bool = False) -> Dict[str, Any]:
     """The run itself, once `train` has settled its config and resume plan."""
-    if plan.resuming:  # the saved config with this launch's overrides, checked again as a whole
+    if recheck:  # the saved config with this launch's overrides, checked again as a whole
         check_config(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.get("cpu_threads"):
@@ -120,6 +122,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any]) -> Dict[str,
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
+    check_room(plan, out_dir)  # a resume needs room for its next checkpoint
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
     loggers = [RankZeroStub()] if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),

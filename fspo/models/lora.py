@@ -107,7 +107,7 @@ def config_target_names(model_cfg) -> Optional[List[str]]:
             from fspo.models.loading import WARMSTART_DIR
 
             where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
-            config = AutoConfig.from_pretrained(str(where), local_files_only=True)
+            config = AutoConfig.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):

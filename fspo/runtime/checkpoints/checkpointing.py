@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.models.lora import adapter_state, is_lora
+from fspo.runtime.checkpoints import stop_signal as stops
 from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
 from fspo.runtime.checkpoints.integrity import (
     CheckpointCorrupt,
@@ -52,14 +53,12 @@ from fspo.runtime.checkpoints.integrity import (
     quarantine,
     write_manifest,
 )
-from fspo.runtime.checkpoints.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
-from fspo.runtime.checkpoints.stop_signal import (
-    install_sigterm,
-    request_stop,
-    reset,
-    set_outside_fit,
-    stop_requested,
-    stop_signal_name,
+from fspo.runtime.checkpoints.resume_state import (
+    extend_finished_run,
+    load_metric_states,
+    metric_states,
+    rng_states,
+    set_rng_states,
 )
 from fspo.runtime.launch.distributed import is_sharded
 
@@ -124,14 +123,14 @@ class StepCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
-        request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
+        stops.request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        reset()
-        self._started, self._was_outside = True, set_outside_fit(False)  # a stop now saves the last step first
+        stops.reset()
+        self._started, self._was_outside = True, stops.set_outside_fit(False)  # a stop now saves the last step first
         if threading.current_thread() is threading.main_thread():
             self._old_handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
-            self._old_handlers.setdefault(signal.SIGTERM, install_sigterm(trainer))  # no collective in a handler
+            self._old_handlers.setdefault(signal.SIGTERM, stops.install_sigterm(trainer))  # no collective in a handler
         if self._restore is not None:  # after Lightning created the data iterators (they draw from the RNG)
             self._check_finite(trainer, pl_module)
             set_rng_states(self._restore["rng"])
@@ -167,7 +166,7 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._was_outside is not None:  # after the loop: a stop signal stops at once again
-            set_outside_fit(self._was_outside)
+            stops.set_outside_fit(self._was_outside)
             self._was_outside = None
 
     def teardown(self, trainer, pl_module, stage) -> None:
@@ -175,7 +174,7 @@ class StepCheckpoint(Checkpoint):
         self.on_train_end(trainer, pl_module)
 
     def _stop_requested(self, trainer) -> bool:
-        local = self._signal is not None or bool(trainer.received_sigterm) or stop_requested()
+        local = self._signal is not None or bool(trainer.received_sigterm) or stops.stop_requested()
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
     # ------------------------------------------------------------------ when to save
@@ -220,7 +219,7 @@ class StepCheckpoint(Checkpoint):
         self._save(trainer, step)
         if stop:
             self._requeue(trainer)
-            log.info("stopping after RL step %d on %s", step, self._signal or stop_signal_name())
+            log.info("stopping after RL step %d on %s", step, self._signal or stops.stop_signal_name())
             raise SIGTERMException()
 
     # ------------------------------------------------------------------ writing
@@ -228,11 +227,19 @@ class StepCheckpoint(Checkpoint):
         t0, final = time.perf_counter(), self.dirpath / f"step_{step:06d}.ckpt"
         tmp = final.with_name(final.name + ".partial")
         if trainer.is_global_zero:
+            if self.dirpath.exists() and not self.dirpath.is_dir():
+                raise ValueError(f"{self.dirpath} is a file, but the run keeps its checkpoints in that folder "
+                                 f"(replaced while the run went on?): move the file away, then resume=auto")
             self.dirpath.mkdir(parents=True, exist_ok=True)
             for stale in self.dirpath.glob("*.partial"):
                 _remove(stale)
         trainer.strategy.barrier("fspo_checkpoint_prepare")
-        trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
+        try:
+            trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
+        except BaseException:  # a full disk: the partial file would keep it full; the last complete one stays
+            if trainer.is_global_zero:
+                _remove(tmp)
+            raise
         known = gathered_shard_digests(trainer, tmp) if self.checksum else {}
         if trainer.is_global_zero:
             if self.checksum:  # committed before the checkpoint: a complete checkpoint has its manifest
@@ -276,22 +283,12 @@ class StepCheckpoint(Checkpoint):
                                 RUN_ID_KEY: self.run_id_fn() if self.run_id_fn else None,
                                 "world_size": world, "run_config": self.run_config}
 
-    @staticmethod
-    def _extend(trainer, checkpoint: Dict[str, Any], step: int) -> None:
-        """A finished run resumed with more ``steps``: its last batch is no longer the epoch's last, else
-        Lightning's restored loop would end the fit at once."""
-        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress") or {}
-        steps = getattr(getattr(trainer.datamodule, "sampler", None), "steps", None)
-        if progress.get("is_last_batch") and steps is not None and int(steps) > step:
-            progress["is_last_batch"] = False
-            log.info("extending the finished run from step %d to %d", step, int(steps))
-
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)
         if meta is None:
             log.warning("checkpoint has no %r: metric states and RNG states are not restored", META_KEY)
             return
-        self._extend(trainer, checkpoint, int(meta["rl_step"]))
+        extend_finished_run(trainer, checkpoint, int(meta["rl_step"]))
         per_rank, same = meta["metrics"], len(meta["metrics"]) == trainer.world_size
         if not same:
             log.warning("checkpoint written by %d ranks, resuming on %d: run-level diagnostics keep rank 0's "
