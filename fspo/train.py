@@ -69,6 +69,7 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
         check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
         if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
             check_resume_target(cfg)  # resume=<path> names a checkpoint that reads
+            check_lora_targets(cfg.model)  # (fspo/models/lora.py)
             dry_run(cfg)
             return {}
         out_dir = Path(cfg.output_dir)
@@ -117,8 +118,8 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
+    check_lora_targets(cfg.model)  # LoRA targets the model does not have, a rank above a layer's side: one line
     check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/launch/memory_plan.py)
-    check_lora_targets(cfg.model)  # model.lora.target_modules the model does not have: one line (fspo/models/lora.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
