@@ -66,8 +66,21 @@ def test_the_printed_command_continues_the_run(tmp_path):
     assert pasted.returncode == 0, (pasted.stdout + pasted.stderr)[-3000:]
     assert re.search(rf"continuing from .*step_{stopped_at:06d}\.ckpt", pasted.stdout + pasted.stderr)
     assert _train_steps(db) == list(range(6))  # every step once, in the one MLflow run
+    said = pasted.stdout + pasted.stderr  # a graceful stop leaves nothing alarming for the next launch
+    assert "without releasing its lock" not in said and not re.search(r"WARNING.*params", said), said[-3000:]
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT status FROM runs").fetchall() == [("FINISHED",)]
+
+
+def test_a_run_that_exits_on_an_exception_releases_its_lock_cleanly(tmp_path):
+    """Hydra's on_run_end is skipped by an exception (a stop signal's SystemExit, Ctrl-C): the lock file is
+    emptied at exit all the same, so the next launch does not report a killed run."""
+    code = ("import sys; from fspo.runtime.checks.run_lock import acquire; acquire(sys.argv[1]); "
+            "raise SystemExit(0)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "run.lock").read_text() == ""
 
 
 def test_the_command_quotes_what_a_shell_or_hydra_would_split(tmp_path):
