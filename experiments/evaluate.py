@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -107,7 +108,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
 
     import torch
 
-    from fspo.evaluation.benchmark import check_fits_context, context_length, evaluate_benchmark
+    from fspo.evaluation.benchmark import check_fits_context, context_length, duration, evaluate_benchmark
     from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
     from fspo.evaluation.summary import MlflowRecorder, summarize
     from fspo.models.loading import load_policy
@@ -162,8 +163,12 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     recorder.log_json(OmegaConf.to_container(cfg, resolve=True), "eval/evaluate_config.json")
     targets: List[Optional[Path]] = ([None] if cfg.include_base or not ckpts else []) + list(ckpts)
     entries, seen, ok = [], set(), False
+    t_all = time.perf_counter()
+    sizes = ", ".join(f"{n} ({len(b.source)} problems x {b.k})" for n, b in benchmarks.items())
     try:
-        for target in targets:
+        for i, target in enumerate(targets):
+            label = f"[{i + 1}/{len(targets)} {'base model' if target is None else Path(target).name}]"
+            log.info("%s evaluating on %s", label, sizes)
             step = 0 if target is None and ckpts else None
             if target is not None:
                 state, step = load_checkpoint(target)
@@ -184,7 +189,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
                     on_long_prompt=str(cfg.on_long_prompt), fit_context=bool(cfg.fit_context),
                     prompts_per_call=cfg.prompts_per_call or (max(1, engine.batch_size // k) if isinstance(
                         engine, HFEngine) else None), keep_completions=bool(cfg.save_completions),
-                    seed=(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**31)
+                    seed=(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**31, label=label)
                 folder = f"eval/{name}" + ("" if step is None else f"/step_{step}")
                 metrics[name] = recorder.log_benchmark(res, step, str(target) if target else None, folder)
                 log.info("%s %s: Avg@%d = %.4f (%s)", target or "model", name, k, metrics[name]["avg_at_k"],
@@ -193,6 +198,10 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
             recorder.log_metrics({"eval/average/avg_at_k": mean}, step or 0)
             entries.append({"checkpoint": str(target) if target else None, "step": step,
                             "base": target is None and bool(ckpts), "metrics": metrics})
+            spent, left = time.perf_counter() - t_all, len(targets) - i - 1
+            if left:
+                log.info("%s done; %s so far, ETA %s for the %d left", label, duration(spent),
+                         duration(spent / (i + 1) * left), left)
         summary = summarize(entries) if ckpts else None
         if summary is not None:
             recorder.log_summary(summary)
@@ -221,7 +230,7 @@ def summary_block(cfg: DictConfig, result: Dict[str, Any]) -> str:
     except Exception as e:  # noqa: BLE001 - the block never fails a finished evaluation
         log.debug("evaluation summary: MLflow lookup failed: %s", e)
     return eval_summary(cfg.output_dir, uri, exp_name, exp_id, run_name, rid, result.get("entries"),
-                        Path(cfg.output_dir) / "eval" / "summary.md")
+                        Path(cfg.output_dir) / "summary.md")
 
 
 def _eval_run_name(uri: str, train_run_id: Optional[str], ckpts: List[Path]) -> Optional[str]:

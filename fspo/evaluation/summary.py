@@ -60,16 +60,18 @@ def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[s
 
 
 def summary_markdown(summary: Dict[str, Any]) -> str:
-    """The summary as Markdown: a Best/Last table in percent (like the paper's) and one row per checkpoint."""
-    pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    """The summary as Markdown: a Best/Last table and one row per checkpoint, as fractions correct (0-1, 4
+    decimals): the unit of the MLflow metrics and the console (the paper's tables are these x 100)."""
+    pct = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     m, benches = summary["metric"], summary["benchmarks"]
-    lines = [f"## {m}: best / last checkpoint", "", "| Benchmark | Base | Best | Best step | Last | Last step |",
+    lines = [f"## {m}: best / last checkpoint (fraction correct, 0-1)", "",
+             "| Benchmark | Base | Best | Best step | Last | Last step |",
              "|---|---|---|---|---|---|"]
     for b, v in list(benches.items()) + [("Average", summary["average"])]:
         best, last = (v["best"], v["last"]) if b != "Average" else ({"value": v["best"]}, {"value": v["last"]})
         lines.append(f"| {b} | {pct(v['base'])} | {pct(best['value'])} | {best.get('step', '')} | "
                      f"{pct(last['value'])} | {last.get('step', '')} |")
-    lines += ["", f"## {m} per checkpoint", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
+    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
               "|---|---|" + "---|" * (len(benches) + 1)]
     for e in summary["checkpoints"]:
         vals = [e["metrics"].get(b, {}).get(m) for b in benches]
@@ -124,8 +126,13 @@ class MlflowRecorder:
         """Write ``obj`` as JSON to ``out_dir/artifact_file`` and log it at the same artifact path."""
         return self._log_text(json.dumps(obj, indent=1, default=str), artifact_file)
 
+    def _local(self, artifact_file: str) -> Path:
+        """Where an artifact's local copy goes: its artifact path without the leading ``eval/`` (the output
+        folder is the evaluation's own: ``<run>/eval/<date_time>/summary.md``, not ``.../eval/summary.md``)."""
+        return self.out_dir / (artifact_file[len("eval/"):] if artifact_file.startswith("eval/") else artifact_file)
+
     def _log_text(self, text: str, artifact_file: str) -> Path:
-        local = self.out_dir / artifact_file
+        local = self._local(artifact_file)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(text)
         parent = str(Path(artifact_file).parent)
@@ -139,7 +146,7 @@ class MlflowRecorder:
         metrics = result.metrics()
         self.log_metrics({f"eval/{result.name}/{k}": v for k, v in metrics.items()}, step or 0)
         table, artifact = result.table(), f"{folder}/per_problem.json"
-        local = self.out_dir / artifact
+        local = self._local(artifact)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(json.dumps({"columns": list(table), "data": [list(r) for r in zip(*table.values())]}))
         self.client.log_table(self.run_id, data=table, artifact_file=artifact)  # same format; a table in the UI
