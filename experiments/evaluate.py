@@ -162,7 +162,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     recorder.log_params(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
     recorder.log_json(OmegaConf.to_container(cfg, resolve=True), "eval/evaluate_config.json")
     targets: List[Optional[Path]] = ([None] if cfg.include_base or not ckpts else []) + list(ckpts)
-    entries, seen, ok = [], set(), False
+    entries, seen, ok, stopped = [], set(), False, None
     t_all = time.perf_counter()
     sizes = ", ".join(f"{n} ({len(b.source)} problems x {b.k})" for n, b in benchmarks.items())
     try:
@@ -206,8 +206,11 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
         if summary is not None:
             recorder.log_summary(summary)
         ok = True
+    except BaseException as e:  # a stop signal or Ctrl-C (fspo/runtime/checkpoints/stop_signal.py): KILLED, not FAILED
+        stopped = "KILLED" if isinstance(e, (SystemExit, KeyboardInterrupt)) else None
+        raise
     finally:
-        recorder.close(ok)
+        recorder.close(ok, status=stopped)
         for fn in {id(f): f for f in [reward_fn, *rewards.values()]}.values():
             if hasattr(fn, "close"):
                 fn.close()
@@ -253,6 +256,7 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
+    from fspo.runtime.checkpoints.stop_signal import honour_stop_signals
     from fspo.runtime.checks.console import quiet_third_party
 
     quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
@@ -262,7 +266,8 @@ def main(cfg: DictConfig):
         if any(o.lstrip("+~").startswith("eval_data") for o in HydraConfig.get().overrides.task):
             cfg.eval_data_auto = False  # benchmarks asked for on the command line are kept
     try:
-        result = evaluate(cfg)
+        with honour_stop_signals(outside="stopping the evaluation now (its MLflow run ends KILLED)"):
+            result = evaluate(cfg)  # SIGTERM / Ctrl-C: exit 0 (fspo/runtime/checkpoints/stop_signal.py)
     except Exception as e:  # noqa: BLE001 - user errors become one clear line
         msg = user_error(e)
         if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from fspo.evaluation.best_last import best_last
+from fspo.tracking.orphans import end_orphans, owner_tags
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class MlflowRecorder:
             exp = self.client.get_experiment_by_name(experiment_name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 experiment_name, artifact_location=str(artifact_location) if artifact_location else None)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+            end_orphans(self.client, exp_id)  # an earlier evaluation killed -9 here is not left RUNNING forever
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags={**tags, **owner_tags()}).info.run_id
             self.attached = False
 
     def log_params(self, params: Dict[str, Any]) -> None:
@@ -169,7 +171,7 @@ class MlflowRecorder:
         self.log_json(summary, "eval/summary.json")
         self._log_text(summary_markdown(summary), "eval/summary.md")
 
-    def close(self, ok: bool = True) -> None:
-        """End a run this recorder created (FINISHED or FAILED); an attached run is left as it was."""
+    def close(self, ok: bool = True, status: Optional[str] = None) -> None:
+        """End a run this recorder created (``status``, else FINISHED or FAILED); an attached run is left as it was."""
         if not self.attached:
-            self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+            self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))

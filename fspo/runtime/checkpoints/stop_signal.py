@@ -45,7 +45,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
-_state = {"requested": False, "zone": 0, "synced": 0, "outside_fit": False, "name": None}
+_state = {"requested": False, "zone": 0, "synced": 0, "outside_fit": False, "name": None,
+          "outside": "stopping now (no training step is lost)"}
 
 
 class StepInterrupted(BaseException):
@@ -66,7 +67,7 @@ def request_stop(name: str) -> None:
     _state["requested"] = True
     _state["name"] = _state["name"] or name
     if first and _state["outside_fit"]:
-        log.warning("received %s outside the training loop: stopping now (no training step is lost)", name)
+        log.warning("received %s: %s", name, _state["outside"])
     elif first:
         log.warning("received %s: saving a checkpoint at the next safe point, then stopping%s", name,
                     " (Ctrl-C again stops at once, without it)" if name == "SIGINT" else "")
@@ -106,15 +107,18 @@ def _on_stop_signal(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def honour_stop_signals(extra: Sequence[str] = ()) -> Iterator[None]:
+def honour_stop_signals(extra: Sequence[str] = (), outside: str = "stopping now (no training step is lost)"
+                        ) -> Iterator[None]:
     """SIGTERM, SIGINT and the ``extra`` signal names stop the run (module docstring) for the duration of the
-    block; the previous handlers come back after it. Off the main thread: a no-op."""
+    block; the previous handlers come back after it; ``outside``: what the line of a stop outside a fit says.
+    Off the main thread: a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     sigs = {signal.SIGTERM, signal.SIGINT} | {getattr(signal, str(n)) for n in extra
                                               if str(n) not in ("SIGKILL", "SIGSTOP") and hasattr(signal, str(n))}
     reset()
+    _state["outside"] = outside
     old = {s: signal.signal(s, _on_stop_signal) for s in sigs}
     set_outside_fit(True)
     try:
