@@ -8,15 +8,14 @@
     python experiments/evaluate.py model.source=random eval_data=[math500] limit=4 k=2 sampling.max_new_tokens=32
 
 Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
-Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own
-``model`` node when one is found) and the benchmarks (a run on the built-in task gets its held-out
-evaluation set, fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's
-longest prompt fits the model's context (else one error line, before any MLflow run), build the
-verifiers once, then for the base
-model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
-to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
-(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py).
-A bad setting or input ends with one line naming the problem (exit code 2), as in run.py.
+Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own ``model`` node
+when one is found) and the benchmarks (a run on the built-in task gets its held-out evaluation set,
+fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's longest prompt fits
+the model's context (else one error line, before any MLflow run), build the verifiers once, then for the base
+model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark (progress lines with
+ETAs), and log to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
+(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py). A bad setting or
+input ends with one line naming the problem (exit code 2), as in run.py; SIGTERM/Ctrl-C end the run KILLED.
 """
 from __future__ import annotations
 
@@ -206,8 +205,8 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
         if summary is not None:
             recorder.log_summary(summary)
         ok = True
-    except BaseException as e:  # a stop signal or Ctrl-C (fspo/runtime/checkpoints/stop_signal.py): KILLED, not FAILED
-        stopped = "KILLED" if isinstance(e, (SystemExit, KeyboardInterrupt)) else None
+    except (SystemExit, KeyboardInterrupt):  # a stop signal or Ctrl-C (fspo/runtime/checkpoints/stop_signal.py)
+        stopped = "KILLED"
         raise
     finally:
         recorder.close(ok, status=stopped)
