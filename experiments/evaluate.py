@@ -8,15 +8,14 @@
     python experiments/evaluate.py model.source=random eval_data=[math500] limit=4 k=2 sampling.max_new_tokens=32
 
 Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
-Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own
-``model`` node when one is found) and the benchmarks (a run on the built-in task gets its held-out
-evaluation set, fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's
-longest prompt fits the model's context (else one error line, before any MLflow run), build the
-verifiers once, then for the base
-model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark, and log
-to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
-(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py).
-A bad setting or input ends with one line naming the problem (exit code 2), as in run.py.
+Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own ``model`` node
+when one is found) and the benchmarks (a run on the built-in task gets its held-out evaluation set,
+fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's longest prompt fits
+the model's context (else one error line, before any MLflow run), build the verifiers once, then for the base
+model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark (progress lines with
+ETAs), and log to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
+(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py). A bad setting or
+input ends with one line naming the problem (exit code 2), as in run.py; SIGTERM/Ctrl-C end the run KILLED.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -44,7 +44,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
-    from fspo.runtime.checkpoints.files import find_run_config
+    from fspo.runtime.checkpoints.files import find_run_config, read_config_file
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     params = MlflowClient(uri).get_run(rid).data.params
@@ -61,7 +61,7 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
         if path is None:
             raise FileNotFoundError(f"MLflow run {rid} has no config.yaml artifact and its output_dir "
                                     f"({run_dir}) holds no .hydra/config.yaml: pass checkpoints=... and model.*")
-        run_cfg = OmegaConf.load(path)
+        run_cfg = read_config_file(path)
     return run_cfg, run_dir
 
 
@@ -73,7 +73,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
     from mlflow import MlflowClient
 
-    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, run_id_of_checkpoint
+    from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, read_config_file, run_id_of_checkpoint
     from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
     uri, rid = str(cfg.mlflow.tracking_uri), cfg.train_run_id
@@ -83,7 +83,7 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
     if ckpts and run_cfg is None:
         path = find_run_config(ckpts[0])
         if path is not None:
-            run_cfg = OmegaConf.load(path)
+            run_cfg = read_config_file(path)
         rid = run_id_of_checkpoint(ckpts[0])
         try:  # the run id in the path counts only if this tracking store knows that run
             if rid is not None and path is None:
@@ -95,8 +95,8 @@ def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Op
             rid = None
         log.info("training run config: %s", path or (f"MLflow run {rid}" if run_cfg is not None else "not found"))
     if run_cfg is not None:  # read from a file: only allow-listed _target_s in what evaluate builds from it
-        check_stored_targets(OmegaConf.masked_copy(run_cfg, [k for k in ("data", "model") if k in run_cfg]),
-                             "the training run's config", trusted=cfg)  # (fspo/runtime/checkpoints/stored_config.py)
+        check_stored_targets(run_cfg, "the training run's config", trusted=cfg,
+                             keys=("data", "model"))  # (fspo/runtime/checkpoints/stored_config.py)
     return run_cfg, ckpts, (str(rid) if rid else None)
 
 
@@ -107,7 +107,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
 
     import torch
 
-    from fspo.evaluation.benchmark import check_fits_context, context_length, evaluate_benchmark
+    from fspo.evaluation.benchmark import check_fits_context, context_length, duration, evaluate_benchmark
     from fspo.evaluation.eval_sets import build_benchmarks, select_eval_data
     from fspo.evaluation.summary import MlflowRecorder, summarize
     from fspo.models.loading import load_policy
@@ -161,9 +161,13 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     recorder.log_params(flatten_params(OmegaConf.to_container(cfg, resolve=True)))
     recorder.log_json(OmegaConf.to_container(cfg, resolve=True), "eval/evaluate_config.json")
     targets: List[Optional[Path]] = ([None] if cfg.include_base or not ckpts else []) + list(ckpts)
-    entries, seen, ok = [], set(), False
+    entries, seen, ok, stopped = [], set(), False, None
+    t_all = time.perf_counter()
+    sizes = ", ".join(f"{n} ({len(b.source)} problems x {b.k})" for n, b in benchmarks.items())
     try:
-        for target in targets:
+        for i, target in enumerate(targets):
+            label = f"[{i + 1}/{len(targets)} {'base model' if target is None else Path(target).name}]"
+            log.info("%s evaluating on %s", label, sizes)
             step = 0 if target is None and ckpts else None
             if target is not None:
                 state, step = load_checkpoint(target)
@@ -184,7 +188,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
                     on_long_prompt=str(cfg.on_long_prompt), fit_context=bool(cfg.fit_context),
                     prompts_per_call=cfg.prompts_per_call or (max(1, engine.batch_size // k) if isinstance(
                         engine, HFEngine) else None), keep_completions=bool(cfg.save_completions),
-                    seed=(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**31)
+                    seed=(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**31, label=label)
                 folder = f"eval/{name}" + ("" if step is None else f"/step_{step}")
                 metrics[name] = recorder.log_benchmark(res, step, str(target) if target else None, folder)
                 log.info("%s %s: Avg@%d = %.4f (%s)", target or "model", name, k, metrics[name]["avg_at_k"],
@@ -193,12 +197,19 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
             recorder.log_metrics({"eval/average/avg_at_k": mean}, step or 0)
             entries.append({"checkpoint": str(target) if target else None, "step": step,
                             "base": target is None and bool(ckpts), "metrics": metrics})
+            spent, left = time.perf_counter() - t_all, len(targets) - i - 1
+            if left:
+                log.info("%s done; %s so far, ETA %s for the %d left", label, duration(spent),
+                         duration(spent / (i + 1) * left), left)
         summary = summarize(entries) if ckpts else None
         if summary is not None:
             recorder.log_summary(summary)
         ok = True
+    except (SystemExit, KeyboardInterrupt):  # a stop signal or Ctrl-C (fspo/runtime/checkpoints/stop_signal.py)
+        stopped = "KILLED"
+        raise
     finally:
-        recorder.close(ok)
+        recorder.close(ok, status=stopped)
         for fn in {id(f): f for f in [reward_fn, *rewards.values()]}.values():
             if hasattr(fn, "close"):
                 fn.close()
@@ -221,7 +232,7 @@ def summary_block(cfg: DictConfig, result: Dict[str, Any]) -> str:
     except Exception as e:  # noqa: BLE001 - the block never fails a finished evaluation
         log.debug("evaluation summary: MLflow lookup failed: %s", e)
     return eval_summary(cfg.output_dir, uri, exp_name, exp_id, run_name, rid, result.get("entries"),
-                        Path(cfg.output_dir) / "eval" / "summary.md")
+                        Path(cfg.output_dir) / "summary.md")
 
 
 def _eval_run_name(uri: str, train_run_id: Optional[str], ckpts: List[Path]) -> Optional[str]:
@@ -244,6 +255,7 @@ def main(cfg: DictConfig):
     """Hydra entry point; see the module docstring."""
     from hydra.core.hydra_config import HydraConfig
 
+    from fspo.runtime.checkpoints.stop_signal import honour_stop_signals
     from fspo.runtime.checks.console import quiet_third_party
 
     quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
@@ -253,7 +265,8 @@ def main(cfg: DictConfig):
         if any(o.lstrip("+~").startswith("eval_data") for o in HydraConfig.get().overrides.task):
             cfg.eval_data_auto = False  # benchmarks asked for on the command line are kept
     try:
-        result = evaluate(cfg)
+        with honour_stop_signals(outside="stopping the evaluation now (its MLflow run ends KILLED)"):
+            result = evaluate(cfg)  # SIGTERM / Ctrl-C: exit 0 (fspo/runtime/checkpoints/stop_signal.py)
     except Exception as e:  # noqa: BLE001 - user errors become one clear line
         msg = user_error(e)
         if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

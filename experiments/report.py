@@ -43,6 +43,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _round(v) -> str:
+    """A figure for a person: 4 significant digits, '-' for none."""
+    return "-" if v is None else f"{float(v):.4g}"
+
+
+def flatness_text(rows, group) -> str:
+    """The group's max - min of c(L), rounded, or why there is none (fewer than 2 bins thick enough)."""
+    row = next((r for r in rows if r["group"] == group), None)
+    if row is None or row.get("flatness") is None:
+        n = 0 if row is None else row.get("n_populated") or 0
+        return f"- (too few bins: {n} of the 2 needed)"
+    return _round(row["flatness"])
+
+
 def main(argv=None) -> int:
     """Build the report; prints where it went and the Table 1 / LRE numbers."""
     args = parse_args(argv)
@@ -60,9 +74,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((args.out / "table1.md").read_text())
-    flat = {r["group"]: r["flatness"] for r in res["by_length"]}
     for row in res["fairness"]:
-        print(f"LRE {row['group']}: {row['lre']}  (c(L) max - min over populated bins: {flat.get(row['group'])})")
+        print(f"LRE {row['group']}: {_round(row['lre'])}  (c(L) max - min over bins with >= {args.min_bin_count:g} "
+              f"sequences a run: {flatness_text(res['by_length'], row['group'])})")
     print(f"{res['n_runs']} runs -> {args.out}" + (f"; MLflow report run {res['report_run_id']}" if res["report_run_id"] else ""))
     return 0
 

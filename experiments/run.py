@@ -17,13 +17,21 @@ from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
 from fspo.runtime.checks.errors import user_error  # noqa: E402
+from fspo.runtime.launch.run_folder import protect_run_folder  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     if cfg.output_dir is None:
+        hydra_cfg = HydraConfig.get()
+        if str(cfg.get("resume")) == "auto" and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) \
+                and hydra_cfg.mode.name == "RUN":  # a new timestamped folder holds nothing to continue
+            from fspo.runtime.checkpoints.continue_command import fresh_folder_resume_error
+
+            print(f"error: {fresh_folder_resume_error(hydra_cfg.runtime.output_dir)}", file=sys.stderr)
+            sys.exit(2)
         with open_dict(cfg):
-            cfg.output_dir = HydraConfig.get().runtime.output_dir
+            cfg.output_dir = hydra_cfg.runtime.output_dir
     from fspo.train import train
 
     try:
@@ -42,4 +50,5 @@ if __name__ == "__main__":
         print(f"error: {bad}", file=sys.stderr)
         sys.exit(2)
     sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "config")  # group=x and +group=x both work
+    sys.argv[1:] = protect_run_folder(sys.argv[1:])  # a dry run writes nothing; a run's own .hydra/ is kept
     main()

@@ -31,8 +31,10 @@ from fspo.models.lora import check_lora_targets, lora_update_settings, param_cou
 from fspo.rollout.callback import RolloutCallback
 from fspo.rollout.pipeline import build_pipeline
 from fspo.runtime.checkpoints.checkpointing import StepCheckpoint, slurm_plugins
-from fspo.runtime.checkpoints.files import checkpoint_dir
-from fspo.runtime.checkpoints.resume import ResumePlan, resolve_resume
+from fspo.runtime.checkpoints.continue_command import continue_command
+from fspo.runtime.checkpoints.files import checkpoint_dir, list_checkpoints
+from fspo.runtime.checkpoints.resume import ResumePlan, check_resume_target, check_room, resolve_resume
+from fspo.runtime.checkpoints.stop_signal import honour_stop_signals, stop_signal_name
 from fspo.runtime.checks.config_check import check_config
 from fspo.runtime.checks.console import quiet_third_party
 from fspo.runtime.checks.run_config import resume_config
@@ -71,40 +73,78 @@ def _probes(cfg: DictConfig) -> list:
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
     lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
-    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py)."""
+    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py).
+    A stop signal (SIGTERM, Ctrl-C, ``checkpoint.signals``) is honoured from the first line to the last
+    (fspo/runtime/checkpoints/stop_signal.py): the run stops with one line naming the command that continues it."""
     quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
-    check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
-    if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs (fspo/runtime/launch/placement.py)
-        check_config(cfg)  # the placed settings together
-    auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)  # a plan that does not fit: settings that make it (fspo/runtime/launch/auto_fit.py)
-    if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
-        dry_run(cfg)
-        return {}
-    out_dir = Path(cfg.output_dir)
-    with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
-        plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
-        return _train(resume_config(cfg, plan, out_dir, overrides), plan)
+    with honour_stop_signals(_signal_names(cfg)):
+        check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
+        if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs (fspo/runtime/launch/placement.py)
+            check_config(cfg)  # the placed settings together
+        auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)  # a plan that does not fit: settings that make it (fspo/runtime/launch/auto_fit.py)
+        if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
+            check_resume_target(cfg)  # resume=<path> names a checkpoint that reads
+            check_lora_targets(cfg.model)  # (fspo/models/lora.py)
+            dry_run(cfg)
+            return {}
+        out_dir = Path(cfg.output_dir)
+        seen: Dict[str, Any] = {}  # what _train built so far: the stop line's step, checkpoint and MLflow run
+        with hold_output_dir(out_dir, owner=launch_rank() == 0):  # ranks other than 0 share rank 0's lock
+            plan = resolve_resume(cfg, out_dir)  # the checkpoint and MLflow run to continue, if any
+            try:
+                run_cfg = resume_config(cfg, plan, out_dir, overrides)  # a continued run: its saved config
+                return _train(run_cfg, plan, seen, recheck=run_cfg is not cfg)
+            except (SIGTERMException, KeyboardInterrupt) as e:
+                _report_stop(e, seen, plan, out_dir)
+                raise
 
 
-def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
+def _signal_names(cfg: DictConfig) -> list:
+    """``checkpoint.signals`` as names (checked later by StepCheckpoint; anything else here is ignored)."""
+    names = OmegaConf.select(cfg, "checkpoint.signals", default=None)
+    return [str(n) for n in names] if OmegaConf.is_list(names) else []
+
+
+def _report_stop(exc: BaseException, seen: Dict[str, Any], plan: ResumePlan, out_dir: Path) -> None:
+    """After a stop signal or Ctrl-C: the MLflow run KILLED with its step, buffered metrics sent, and one line
+    with the step, the last checkpoint and the command that continues the run."""
+    module, ckpt = seen.get("module"), seen.get("ckpt")
+    step = int(module.rl_step) if module is not None else int(plan.step)
+    loggers = seen.get("loggers") or []
+    mark_preempted(loggers, step)
+    flush_or_report(mlflow_logger(loggers))
+    if launch_rank() != 0:
+        return
+    last = (getattr(ckpt, "last_path", None) or (list_checkpoints(checkpoint_dir(out_dir)) or [None])[-1])
+    how = "a second Ctrl-C" if isinstance(exc, KeyboardInterrupt) else getattr(exc, "signal_name", None) or \
+        stop_signal_name()
+    where = "before the first training step" if step == 0 and last is None else f"at RL step {step}"
+    log.warning("stopped on %s %s; %s; continue with: %s", how, where,
+                f"last checkpoint {last}" if last is not None else "no checkpoint yet (the run starts over)",
+                continue_command(out_dir))
+
+
+def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: bool = False) -> Dict[str, Any]:
     """The run itself, once `train` has settled its config and resume plan."""
-    if plan.resuming:  # the saved config with this launch's overrides, checked again as a whole
+    if recheck:  # the saved config with this launch's overrides, checked again as a whole
         check_config(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
     ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
+    check_lora_targets(cfg.model)  # LoRA targets the model does not have, a rank above a layer's side: one line
     check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/launch/memory_plan.py)
-    check_lora_targets(cfg.model)  # model.lora.target_modules the model does not have: one line (fspo/models/lora.py)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
+    check_room(plan, out_dir)  # a resume needs room for its next checkpoint
     # several ranks (trainer=fsdp): only rank 0 opens the MLflow store (the others would race on it)
     loggers = [RankZeroStub()] if launch_rank() != 0 else \
         build_logger(cfg, {"method": str(cfg.method), "model": str(cfg.model.name), "seed": str(cfg.seed),
                            **{str(k): str(v) for k, v in cfg.tags.items()}}, out_dir, plan)  # fails fast
     logger = mlflow_logger(loggers)  # the MLflow one, or None
+    seen["loggers"] = loggers
 
     # policy and tokenizer; trainer=fsdp: parameters on the meta device, each rank reads its shard when sharded
     sharded = str(OmegaConf.select(cfg, "trainer.strategy._target_", default="") or "").endswith("FSDP2Strategy")
@@ -128,6 +168,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
                       else None,  # train-inference mismatch correction (fspo/rollout/correction.py)
                       probe_every=int(OmegaConf.select(cfg, "diagnostics.grad_probe_every", default=0) or 0))
+    seen["module"] = module
 
     # rollouts
     sampling = instantiate(cfg.rollout.sampling)
@@ -148,7 +189,9 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)  # fspo/models/lora.py
     record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
-                          run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg))
+                          run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg),
+                          continue_command=continue_command(out_dir))
+    seen["ckpt"] = ckpt
 
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
     progress = make_progress(str(OmegaConf.select(cfg, "progress.mode", default="auto")),
@@ -163,12 +206,7 @@ def _train(cfg: DictConfig, plan: ResumePlan) -> Dict[str, Any]:
         trainer.validate(module, datamodule=data, verbose=False)  # val/accuracy at step 0
         if getattr(logger, "run_id", None):  # rank 0: validate() marked the MLflow run finished
             logger.experiment.update_run(logger.run_id, status="RUNNING")
-    try:
-        trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)
-    except SIGTERMException:  # SIGTERM/SIGUSR1: checkpoint written at the step boundary; exit code 0
-        mark_preempted(loggers, int(module.rl_step))
-        flush_or_report(logger)
-        raise
+    trainer.fit(module, datamodule=data, ckpt_path=plan.ckpt_path)  # a stop signal: SIGTERMException (train())
     if val_source is not None and cfg.steps % val_every != 0:
         trainer.validate(module, datamodule=data, verbose=False)  # always end on a validation
 

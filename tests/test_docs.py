@@ -7,7 +7,8 @@ Owns: the checks of issue 35's documentation rules, on README.md and docs/*.md a
   file or folder that exists, resolved against the page's own folder (``#anchors`` are ignored; http(s),
   mailto and pure-anchor links are not checked);
 - every docs page starts, right after its ``# title``, with a fenced code block of commands;
-- README.md links every docs page (the table of links into docs/).
+- README.md links every docs page (the table of links into docs/);
+- the set-up names PyTorch's CPU wheel index and the GPU route, for users outside this project.
 Leaves out: whether the commands work (tests/test_cli_keys.py checks their config keys; the tests of each
 feature run them) and link anchors.
 """
@@ -50,6 +51,16 @@ def relative_links(page: Path) -> List[Tuple[int, str]]:
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
+
+
+def test_the_set_up_speaks_to_outside_users():
+    """The torch line names PyTorch's CPU wheel index as such and says what to do on a GPU machine; nothing
+    speaks of "our machines"."""
+    text = (ROOT / "README.md").read_text()
+    setup = text[text.index("## Set-up"):text.index("## ", text.index("## Set-up") + 3)]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in setup and "CPU wheel index" in setup
+    assert "GPU machine" in setup and "docs/gpus.md" in setup
+    assert "our machines" not in text
 
 
 def test_there_are_docs_pages():

@@ -194,7 +194,7 @@ def test_summary_best_last_and_average():
     assert s["average"]["best"] == pytest.approx((0.6 + 0.3) / 2)  # the paper's: mean of per-benchmark bests
     assert s["average"]["last"] == pytest.approx((0.4 + 0.2) / 2)
     md = summary_markdown(s)
-    assert "| a | 10.00 | 60.00 | 10 | 40.00 | 30 |" in md and "| Average | 5.00 | 45.00 |" in md
+    assert "| a | 0.1000 | 0.6000 | 10 | 0.4000 | 30 |" in md and "| Average | 0.0500 | 0.4500 |" in md  # 0-1, as MLflow
 
 
 def test_eval_data_options_carry_the_paper_k(tmp_path, mlflow_uri, mlflow_dir):
@@ -234,7 +234,7 @@ def test_end_to_end_tiny_math500(tmp_path, mlflow_uri, mlflow_dir):
     assert run.data.metrics["eval/math500/avg_at_k"] == pytest.approx(recomputed, abs=1e-12)
     assert 0 <= run.data.metrics["eval/math500/overlong_rate"] <= 1
     assert 0 < run.data.metrics["eval/math500/response_len_mean"] <= 24
-    assert (Path(cfg.output_dir) / "eval" / "math500" / "per_problem.json").exists()
+    assert (Path(cfg.output_dir) / "math500" / "per_problem.json").exists()  # no eval/ inside the eval folder
 
 
 @pytest.mark.skipif(not HAVE_DATA, reason="MATH500 data file not present")
@@ -294,7 +294,7 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
     assert math.isclose(run.data.metrics["summary/math500/best_avg_at_k"], max(ck.values()))
     assert "summary.md" in [Path(f.path).name for f in client.list_artifacts(train_id, "eval")]
     block = ev.summary_block(cfg, out)  # what evaluate.py ends on: where summary.md went, the run, how to open it
-    assert f"  summary:         {(tmp_path / 'eval_out' / 'eval' / 'summary.md').resolve()}" in block.splitlines()
+    assert f"  summary:         {(tmp_path / 'eval_out' / 'summary.md').resolve()}" in block.splitlines()
     assert f"experiment:      test-eval-train (id {exp_id})" in block and f"fake-training (id {train_id})" in block
     assert f"mlflow ui --backend-store-uri {mlflow_uri}" in block and "math500/avg_at_k" in block
     # the model config can also come from the run's config.yaml artifact (what train.py logs)

@@ -143,13 +143,13 @@ def test_readme_evaluate_command_on_the_default_run(default_run):
     outs = list((run_dir / "eval").iterdir())  # written beside the run it scores: <run>/eval/<date_time>
     assert len(outs) == 1, outs
     out = outs[0]
-    md = (out / "eval" / "summary.md").read_text()
+    md = (out / "summary.md").read_text()  # <run>/eval/<date_time>/summary.md: "eval" once
     assert "| Benchmark | Base | Best | Best step | Last | Last step |" in md
     row = next(line for line in md.splitlines() if line.startswith("| arithmetic |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3] == "2" and cells[5] == "2"  # best and last: the only checkpoint, step 2
-    assert all(0.0 <= float(cells[i]) <= 100.0 for i in (1, 2, 4))
-    table = (out / "eval" / "arithmetic" / "step_2" / "per_problem.json").read_text()
+    assert all(0.0 <= float(cells[i]) <= 1.0 for i in (1, 2, 4))  # fractions, the unit of MLflow and the console
+    table = (out / "arithmetic" / "step_2" / "per_problem.json").read_text()
     assert '"k"' in table and "math500" not in md and "aime" not in md
     assert [s for _, s in _runs(uri)].count("FINISHED") == 2  # the training run and this evaluation
     with sqlite3.connect(uri[len("sqlite:///"):]) as db:  # named after the run it evaluates

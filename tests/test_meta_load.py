@@ -95,12 +95,13 @@ def test_hub_id_in_the_local_cache_is_built_on_meta(tmp_path, monkeypatch):
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 
-def test_folder_without_safetensors_loads_in_full(tmp_path):
+def test_folder_without_safetensors_is_refused(tmp_path):
+    """pytorch_model.bin is a pickle, which can run code when loaded: refused with one line, on every path."""
     ref, tok = load_policy(source="warmstart")
     ref.save_pretrained(str(tmp_path))
     tok.save_pretrained(str(tmp_path))
     (tmp_path / "model.safetensors").unlink()  # pytorch_model.bin only
     torch.save(ref.state_dict(), tmp_path / "pytorch_model.bin")
-    model, _ = load_policy(source="pretrained", path=str(tmp_path), meta=True)
-    assert not is_on_meta(model)  # the old path: nothing to read shard by shard
-    assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    for meta in (True, False):
+        with pytest.raises(ValueError, match="pytorch_model.bin.*safetensors only"):
+            load_policy(source="pretrained", path=str(tmp_path), meta=meta)

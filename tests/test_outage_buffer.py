@@ -28,7 +28,7 @@ def _row(step: int) -> dict:
 
 def test_the_buffer_is_bounded_refuses_newer_metric_rows_and_keeps_order(tmp_path):
     one = len(json.dumps(_row(0), separators=(",", ":"))) + 1
-    header = len(json.dumps({"op": "header", "tracking_uri": "http://x"})) + 1
+    header = len(json.dumps({"op": "header", "tracking_uri": "http://x", "run_id": "r"})) + 1
     buf = OutageBuffer(tmp_path / "b.jsonl", "http://x", max_bytes=header + 3 * one + 5)  # header + 3 rows fit
     kept = [buf.append(_row(s)) for s in range(6)]
     assert kept == [True, True, True, False, False, False] and buf.refused == 3
@@ -100,7 +100,8 @@ def test_importing_twice_adds_nothing(tmp_path, server):
     c.log_metric(run_id, "loss", 0.0, step=0)
     rows = [{**_row(s), "run_id": run_id} for s in range(3)] + [{**_row(2), "run_id": run_id}]
     rows[0]["params"], rows[0]["tags"] = [["lr", "0.1"]], [["t", "x"]]
-    assert replay_rows(c, rows) == {"imported": 2, "present": 2, "params": 1, "tags": 1, "statuses": 0}
+    assert replay_rows(c, rows) == {"imported": 2, "present": 2, "params": 1, "tags": 1, "statuses": 0,
+                                   "stale": 0}
     assert replay_rows(c, rows)["imported"] == 0
     assert sorted(m.step for m in c.get_metric_history(run_id, "loss")) == [0, 1, 2]
 

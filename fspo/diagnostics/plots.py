@@ -98,6 +98,8 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
             ax.plot(x, y, "--", lw=1.5, label=f"{name}")
     if not any(len(x) for x, _ in list(series.values()) + list(extra.values())):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    elif theory_curve is not None and (side := _side_of_theory(series, curves)) is not None:
+        note = f"{side} {note or ''}".strip()
     ax.margins(y=0.12)  # room for the n= labels
     ax.set_ylim(bottom=0)
     fig = _finish(fig, ax, "response length L (tokens)", ylabel, title)
@@ -105,6 +107,23 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
         fig.subplots_adjust(bottom=0.26)
         fig.text(0.01, 0.01, note, fontsize=7, ha="left", va="bottom", wrap=True)
     return fig
+
+
+def _side_of_theory(series, curves) -> Optional[str]:
+    """A caption sentence when every measured point lies on one side of the (first) theory curve, else None."""
+    cur = next(iter(curves.values()))
+    pts = [(xi, yi) for x, y in series.values() for xi, yi in zip(x, y) if np.isfinite(yi)]
+    if not pts or not callable(cur):
+        return None
+    below = [yi < float(np.asarray(cur(np.asarray([xi], float)), float).ravel()[0]) for xi, yi in pts]
+    if all(below):
+        return (f"All {len(pts)} measured points lie below the theory line: the ratios leave the band less often than "
+                f"the Gaussian model with sigma_hat predicts (sigma_hat above the spread in these bins, or lighter "
+                f"tails than Gaussian); the band is then looser than its target.")
+    if not any(below):
+        return (f"All {len(pts)} measured points lie above the theory line: the ratios leave the band more often "
+                f"than the Gaussian model predicts (heavier tails, or sigma_hat below the spread in these bins).")
+    return None
 
 
 def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_L") -> Figure:
@@ -134,7 +153,8 @@ def plot_std_vs_sqrt_len(bin_mean_len: Sequence[float], bin_std: Sequence[float]
     """Per-bin std(S_L) against sqrt(mean L); theory is a line through 0 with slope sigma.
 
     Bins with non-finite or non-positive values are skipped. With ``sigma`` the reference
-    ``sigma sqrt(L)`` is drawn; the log-log slope (theory 0.5) is shown in the legend.
+    ``sigma sqrt(L)`` is drawn (straight on this sqrt(L) axis); the legend gives the fitted exponent b of
+    std ~ L^b (a log-log fit against L, theory 0.5), rounded to 2 decimals.
     """
     fig, ax = _new_figure()
     x = np.asarray(bin_mean_len, dtype=np.float64).ravel()
@@ -143,12 +163,12 @@ def plot_std_vs_sqrt_len(bin_mean_len: Sequence[float], bin_std: Sequence[float]
     x, y = x[ok], y[ok]
     if x.size:
         lab = "per-bin std"
-        if x.size >= 2 and np.ptp(np.log(x)) > 0:
-            lab += f" (log-log slope {np.polyfit(np.log(x), np.log(y), 1)[0]:.3f})"
+        if x.size >= 2 and np.ptp(np.log(x)) > 0:  # the exponent b of std ~ L^b, fitted against L (not sqrt L)
+            lab += f": fit std ~ L^{np.polyfit(np.log(x), np.log(y), 1)[0]:.2f} (theory L^0.5)"
         ax.plot(np.sqrt(x), y, "o", ms=3, label=lab)
         if sigma is not None:
             g = np.linspace(0.0, np.sqrt(x.max()) * 1.05, 50)
-            ax.plot(g, sigma * g, "--", lw=1.2, label=f"sigma sqrt(L), sigma={sigma:.4g}")
+            ax.plot(g, sigma * g, "--", lw=1.2, label=f"theory sigma sqrt(L) (a straight line here), sigma={sigma:.3g}")
     else:
         ax.text(0.5, 0.5, "no bin with >= 2 samples", ha="center", va="center", transform=ax.transAxes)
     return _finish(fig, ax, "sqrt(mean L)", "std of S_L", title, "upper left")

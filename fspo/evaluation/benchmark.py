@@ -91,10 +91,20 @@ def context_length(policy, engine) -> Optional[int]:
     return min(limits) if limits else None
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` for a person: ``42 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
 def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, sampling: SamplingConfig, *,
                        context_len: Optional[int] = None, max_prompt_len: Optional[int] = None,
                        on_long_prompt: str = "raise", fit_context: bool = True, prompts_per_call: Optional[int] = 64,
-                       seed: int = 0, keep_completions: bool = False) -> BenchmarkResult:
+                       seed: int = 0, keep_completions: bool = False, label: str = "") -> BenchmarkResult:
     """Sample ``k`` completions for every prompt of ``source`` with ``engine`` (already set up and
     synced) and score them with ``reward_fn``.
 
@@ -102,6 +112,7 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
     dropped and counted (``'skip'``). If the longest prompt + ``sampling.max_new_tokens`` exceeds
     ``context_len``, ``fit_context`` lowers max_new_tokens to fit (with a warning), else it raises.
     Engine call j samples with seed ``seed + j``, so two policies see the same random streams.
+    After each engine call one progress line: ``<label> <name>: <done>/<total> problems x k, <elapsed>, ETA <rest>``.
     """
     if k < 1:
         raise ValueError(f"samples per prompt (k) must be >= 1 for {name}, got {k}")
@@ -133,7 +144,10 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
                 completions += [{"problem_id": problems[-1].problem_id, "completion": texts[i],
                                  "correct": bool(correct[i] > 0.5), "length": lengths[i],
                                  "overlong": overlong[i]} for i in rows]
-        log.info("%s: %d/%d problems, %.1f s", name, len(problems), len(ids), time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        rest = spent / len(problems) * (len(ids) - len(problems))
+        log.info("%s%s: %d/%d problems x %d samples, %s%s", f"{label} " if label else "", name, len(problems),
+                 len(ids), k, duration(spent), f", ETA {duration(rest)}" if rest > 0 else "")
     return BenchmarkResult(name=name, problems=problems, max_new_tokens=new_tokens,
                            skipped_prompts=len(source) - len(samples),
                            seconds=time.perf_counter() - t0, completions=completions)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from fspo.evaluation.best_last import best_last
+from fspo.tracking.orphans import end_orphans, owner_tags
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +61,18 @@ def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[s
 
 
 def summary_markdown(summary: Dict[str, Any]) -> str:
-    """The summary as Markdown: a Best/Last table in percent (like the paper's) and one row per checkpoint."""
-    pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    """The summary as Markdown: a Best/Last table and one row per checkpoint, as fractions correct (0-1, 4
+    decimals): the unit of the MLflow metrics and the console (the paper's tables are these x 100)."""
+    pct = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     m, benches = summary["metric"], summary["benchmarks"]
-    lines = [f"## {m}: best / last checkpoint", "", "| Benchmark | Base | Best | Best step | Last | Last step |",
+    lines = [f"## {m}: best / last checkpoint (fraction correct, 0-1)", "",
+             "| Benchmark | Base | Best | Best step | Last | Last step |",
              "|---|---|---|---|---|---|"]
     for b, v in list(benches.items()) + [("Average", summary["average"])]:
         best, last = (v["best"], v["last"]) if b != "Average" else ({"value": v["best"]}, {"value": v["last"]})
         lines.append(f"| {b} | {pct(v['base'])} | {pct(best['value'])} | {best.get('step', '')} | "
                      f"{pct(last['value'])} | {last.get('step', '')} |")
-    lines += ["", f"## {m} per checkpoint", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
+    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
               "|---|---|" + "---|" * (len(benches) + 1)]
     for e in summary["checkpoints"]:
         vals = [e["metrics"].get(b, {}).get(m) for b in benches]
@@ -99,7 +102,8 @@ class MlflowRecorder:
             exp = self.client.get_experiment_by_name(experiment_name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 experiment_name, artifact_location=str(artifact_location) if artifact_location else None)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+            end_orphans(self.client, exp_id)  # an earlier evaluation killed -9 here is not left RUNNING forever
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags={**tags, **owner_tags()}).info.run_id
             self.attached = False
 
     def log_params(self, params: Dict[str, Any]) -> None:
@@ -124,8 +128,13 @@ class MlflowRecorder:
         """Write ``obj`` as JSON to ``out_dir/artifact_file`` and log it at the same artifact path."""
         return self._log_text(json.dumps(obj, indent=1, default=str), artifact_file)
 
+    def _local(self, artifact_file: str) -> Path:
+        """Where an artifact's local copy goes: its artifact path without the leading ``eval/`` (the output
+        folder is the evaluation's own: ``<run>/eval/<date_time>/summary.md``, not ``.../eval/summary.md``)."""
+        return self.out_dir / (artifact_file[len("eval/"):] if artifact_file.startswith("eval/") else artifact_file)
+
     def _log_text(self, text: str, artifact_file: str) -> Path:
-        local = self.out_dir / artifact_file
+        local = self._local(artifact_file)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(text)
         parent = str(Path(artifact_file).parent)
@@ -139,7 +148,7 @@ class MlflowRecorder:
         metrics = result.metrics()
         self.log_metrics({f"eval/{result.name}/{k}": v for k, v in metrics.items()}, step or 0)
         table, artifact = result.table(), f"{folder}/per_problem.json"
-        local = self.out_dir / artifact
+        local = self._local(artifact)
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(json.dumps({"columns": list(table), "data": [list(r) for r in zip(*table.values())]}))
         self.client.log_table(self.run_id, data=table, artifact_file=artifact)  # same format; a table in the UI
@@ -162,7 +171,7 @@ class MlflowRecorder:
         self.log_json(summary, "eval/summary.json")
         self._log_text(summary_markdown(summary), "eval/summary.md")
 
-    def close(self, ok: bool = True) -> None:
-        """End a run this recorder created (FINISHED or FAILED); an attached run is left as it was."""
+    def close(self, ok: bool = True, status: Optional[str] = None) -> None:
+        """End a run this recorder created (``status``, else FINISHED or FAILED); an attached run is left as it was."""
         if not self.attached:
-            self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+            self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))

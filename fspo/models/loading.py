@@ -46,15 +46,31 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+
+
+def refuse_pickle_weights(path: Path, key: str = "model.path") -> None:
+    """One line (ValueError) for a model folder whose weights are pickles (``pytorch_model.bin``, ...), which can
+    run code when loaded: fspo loads safetensors only (and never a folder's custom code: trust_remote_code=False)."""
+    if any(Path(path).glob("*.safetensors")):
+        return
+    found = sorted(p.name for pat in PICKLE_WEIGHTS for p in Path(path).glob(pat))
+    if found:
+        raise ValueError(f"{key}={path} holds pickle weights ({', '.join(found[:3])}), which can run code when loaded; "
+                         f"fspo loads safetensors only: convert them on a machine where you trust the files "
+                         f"(AutoModelForCausalLM.from_pretrained(p).save_pretrained(p, safe_serialization=True))")
+
+
 def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    refuse_pickle_weights(path)
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never the folder's own code
     if meta and _has_safetensors(path):
         from fspo.models.meta_init import build_on_meta
 
         return build_on_meta(path, dtype), tok
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True, trust_remote_code=False)
     return model, tok
 
 
@@ -195,9 +211,9 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
     offline = _offline_reason()  # probe once: no hub retries when it cannot answer
     try:
         with _hub_offline(offline is not None):
-            tok = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline is not None)
-            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype,
-                                                         local_files_only=offline is not None)
+            tok = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline is not None, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype, use_safetensors=True,
+                                                         local_files_only=offline is not None, trust_remote_code=False)
     except (OSError, ValueError) as e:
         where = f"its local cache (offline: {offline})" if offline else "the Hugging Face hub or its local cache"
         raise ModelNotFoundError(

@@ -92,9 +92,9 @@ def check_targets(settings: LoRASettings, available: Sequence[str]) -> List[str]
     return list(settings.target_modules)
 
 
-def config_target_names(model_cfg) -> Optional[List[str]]:
-    """`target_names` of the configured model, from its config alone (built on the meta device: no
-    weights, milliseconds even for 8B); None when the config is not available before loading."""
+def _meta_model(model_cfg) -> Optional[nn.Module]:
+    """The configured model built from its config alone on the meta device (no weights, milliseconds even for
+    8B); None when the config is not available before loading."""
     source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
     try:
         if source == "random":
@@ -107,25 +107,44 @@ def config_target_names(model_cfg) -> Optional[List[str]]:
             from fspo.models.loading import WARMSTART_DIR
 
             where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
-            config = AutoConfig.from_pretrained(str(where), local_files_only=True)
+            config = AutoConfig.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError):
         return None
-    return target_names(model)
+
+
+def config_target_names(model_cfg) -> Optional[List[str]]:
+    """`target_names` of the configured model, from its config alone; None when it is not available yet."""
+    model = _meta_model(model_cfg)
+    return None if model is None else target_names(model)
+
+
+def check_rank(settings: LoRASettings, model: nn.Module, targets: Sequence[str]) -> None:
+    """ValueError (one line) when ``settings.rank`` exceeds the smaller side of an adapted layer: B A then has
+    no more rank than the layer itself (r <= min(in, out)); it only costs memory."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    sides = {n: min(m.in_features, m.out_features) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and m is not head and n.rsplit(".", 1)[-1] in targets}
+    if sides and settings.rank > min(sides.values()):
+        name = min(sides, key=sides.get)
+        raise ValueError(f"model.lora.rank={settings.rank}: above the smaller side of the adapted layer {name} "
+                         f"({sides[name]}), where a rank-r update B A cannot have rank above {sides[name]}; set "
+                         f"model.lora.rank to at most {sides[name]} (8 to 64 is usual)")
 
 
 def check_lora_targets(model_cfg) -> None:
     """Refuse (ValueError, one line listing the model's linear layers) ``model.lora.target_modules``
-    naming layers the configured model does not have, before anything loads; a no-op without LoRA or
-    when the model's config is not available yet (then `apply_lora` checks after loading)."""
+    naming layers the configured model does not have, and a ``model.lora.rank`` above an adapted layer's smaller
+    side (`check_rank`), before anything loads; a no-op without LoRA or when the model's config is not
+    available yet (then `apply_lora` checks after loading)."""
     settings = lora_settings(model_cfg)
-    if settings.enabled and settings.target_modules is not None:
-        names = config_target_names(model_cfg)
-        if names is not None:
-            check_targets(settings, names)
+    if settings.enabled:
+        model = _meta_model(model_cfg)
+        if model is not None:
+            check_rank(settings, model, check_targets(settings, target_names(model)))
 
 
 def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
@@ -137,6 +156,7 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = check_targets(settings, target_names(model))
+    check_rank(settings, model, targets)
     config = LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha), lora_dropout=float(settings.dropout),
                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)

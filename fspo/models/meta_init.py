@@ -49,7 +49,7 @@ def build_on_meta(path: Path, dtype: torch.dtype) -> nn.Module:
     """The ``AutoModelForCausalLM`` of folder ``path`` (its config.json) with parameters on meta."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path))
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model._fspo_weights_dir = str(path)  # where `load_local_shards` reads from

@@ -252,6 +252,9 @@ def _skip_logged(logger, from_step: int) -> None:
     client.log_batch, client.log_metric = filtered_batch, filtered_metric
 
 
+PER_LAUNCH = ("resume", "output_dir")  # differ between the launches of one run by design: never reported
+
+
 def log_params_once(loggers, params: Dict[str, str]) -> None:
     """Log ``params`` to each logger; to MLflow on a continued run only the keys it does not hold yet (MLflow
     params are immutable: a changed value, such as ``resume``, keeps its first value and is reported)."""
@@ -265,9 +268,10 @@ def _log_params(logger, params: Dict[str, str]) -> None:
         return
     have = logger.experiment.get_run(logger.run_id).data.params
     new = {k: v for k, v in params.items() if k not in have}
-    changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250])
-    if changed:
-        log.warning("continued run keeps the first value of params %s", changed)
+    changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250] and k not in PER_LAUNCH)
+    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags (fspo/runtime/checks/run_config.py)
+        log.info("continued run: MLflow params keep their first value (%s); this launch's values are in the "
+                 "fspo.resume.* tags", ", ".join(changed))
     if new:
         logger.log_hyperparams(new)
 

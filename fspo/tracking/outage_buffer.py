@@ -1,4 +1,4 @@
-"""Keeping an MLflow run's writes while its tracking server is down mid-run (issue 33, item 6).
+"""Keeping an MLflow run's writes while its tracking server is down mid-run.
 
 Owns: `OutageBuffer` (a bounded JSONL file of the writes a run could not send, in order),
 `BufferedClient` (wraps the MlflowClient of Lightning's MLFlowLogger for an http(s) server: a write that
@@ -19,7 +19,6 @@ start of the outage; the end-of-run line says how many were refused); status row
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -28,12 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
+
+from fspo.tracking.buffer_file import BUFFER_FILE, MAX_BYTES, OutageBuffer
 
 log = logging.getLogger(__name__)
+__all__ = ["BUFFER_FILE", "MAX_BYTES", "OutageBuffer", "BufferedClient", "TrackingServerDown", "install",
+           "flush_or_report", "server_answers"]
 
-BUFFER_FILE = "mlflow_buffer.jsonl"
-MAX_BYTES = 64 << 20
 # While the buffer takes over, MLflow's own in-line retries (7, backoff factor 2: minutes per call) only
 # stall training: a few short tries, unless the user set these variables.
 SHORT_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -55,48 +56,6 @@ def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
     return True
 
 
-class OutageBuffer:
-    """Append-only JSONL rows in ``path`` (header first), at most ``max_bytes``; thread-safe with `lock`."""
-
-    def __init__(self, path: Path, tracking_uri: str, max_bytes: int = MAX_BYTES):
-        self.path, self.tracking_uri, self.max_bytes = Path(path), str(tracking_uri), int(max_bytes)
-        self.lock = threading.RLock()
-        self.refused = 0
-
-    def rows(self) -> List[Dict[str, Any]]:
-        from fspo.tracking.replay import read_rows
-
-        return read_rows(self.path)[1] if self.path.exists() else []
-
-    def append(self, row: Dict[str, Any]) -> bool:
-        """Append ``row``; False (and counted) when a metric row would pass ``max_bytes``."""
-        line = json.dumps(row, separators=(",", ":")) + "\n"
-        with self.lock:
-            size = self.path.stat().st_size if self.path.exists() else 0
-            if row["op"] == "log_batch" and size + len(line) > self.max_bytes:
-                self.refused += 1
-                return False
-            with self.path.open("a") as f:
-                if size == 0:
-                    f.write(json.dumps({"op": "header", "tracking_uri": self.tracking_uri}) + "\n")
-                f.write(line)
-                f.flush()
-            return True
-
-    def drop_first(self, n: int) -> int:
-        """Remove the first ``n`` rows (they reached the server); returns how many rows remain."""
-        with self.lock:
-            rest = self.rows()[n:]
-            if not rest:
-                self.path.unlink(missing_ok=True)
-                return 0
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in
-                                   [{"op": "header", "tracking_uri": self.tracking_uri}, *rest]))
-            tmp.replace(self.path)
-            return len(rest)
-
-
 def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
     return {"op": "log_batch", "run_id": run_id,
             "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
@@ -116,7 +75,28 @@ class BufferedClient:
         self._runs: Dict[str, Any] = {}
         self._flushing = threading.Lock()
         if buffer.rows():  # left by an earlier attempt in this folder: those go first
+            self._send_leftover()
+
+    def _send_leftover(self) -> None:
+        """A buffer of an earlier attempt: sent now when the server answers (reads then work at once); rows the
+        answering server rejects are moved aside with one line (nothing deleted); buffered while it is down."""
+        buf = self._buffer
+        if not server_answers(buf.tracking_uri):
             self._start_outage()
+            return
+        self._outage.set()  # writes queue behind the old rows while they are sent
+        if self.flush():
+            return
+        if not server_answers(buf.tracking_uri):  # down again meanwhile: buffered, retried in the background
+            self._start_outage()
+            return
+        kept = buf.path.with_name(f"{buf.path.stem}.rejected-{int(time.time())}.jsonl")
+        with buf.lock:
+            buf.path.replace(kept)
+            self._outage.clear()
+        log.warning("MLflow server %s answers but refused the rows an earlier attempt buffered in %s (see the debug "
+                    "log): moved to %s, the run goes on; import them by hand with python -m fspo.tracking.replay %s",
+                    buf.tracking_uri, buf.path, kept, shlex.quote(str(kept)))
 
     @property
     def in_outage(self) -> bool:
@@ -166,12 +146,14 @@ class BufferedClient:
     def set_terminated(self, run_id, status=None, end_time=None):
         end = int(end_time if end_time is not None else time.time() * 1000)
         self._write(lambda: self._client.set_terminated(run_id, status, end),
-                    {"op": "set_terminated", "run_id": run_id, "status": status or "FINISHED", "end_time": end})
+                    {"op": "set_terminated", "run_id": run_id, "status": status or "FINISHED", "end_time": end,
+                     "time": end})
 
     def update_run(self, run_id, status=None, name=None):
         if name is not None or not self._outage.is_set():
             return self._write(lambda: self._client.update_run(run_id, status=status, name=name), None)
-        self._buffer.append({"op": "set_terminated", "run_id": run_id, "status": status, "end_time": None})
+        self._buffer.append({"op": "set_terminated", "run_id": run_id, "status": status, "end_time": None,
+                             "time": int(time.time() * 1000)})
 
     def _write(self, call, row: Optional[Dict[str, Any]]) -> None:
         with self._buffer.lock:
@@ -213,6 +195,9 @@ class BufferedClient:
             return self._flush(replay_rows)
 
     def _flush(self, replay_rows) -> bool:
+        if self._buffer.path.exists() and not self._buffer.rows():  # only unreadable lines: set them aside
+            with self._buffer.lock:
+                self._buffer.drop_first(0)
         try:
             while True:
                 with self._buffer.lock:
@@ -261,6 +246,7 @@ def flush_or_report(logger) -> None:
     if not client.in_outage or (server_answers(buf.tracking_uri) and client.flush()):
         return
     lost = f"; {buf.refused} writes were refused (buffer full at {buf.max_bytes >> 20} MiB)" if buf.refused else ""
+    lost += f"; {buf.set_aside} unreadable lines are kept in {buf.aside_path}" if buf.set_aside else ""
     log.warning("MLflow server %s is unreachable: this run's metrics since the outage are in %s%s; import them once "
                 "it is back: python -m fspo.tracking.replay %s --tracking-uri %s", buf.tracking_uri, buf.path, lost,
                 shlex.quote(str(buf.path)), shlex.quote(buf.tracking_uri))

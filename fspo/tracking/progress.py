@@ -3,10 +3,13 @@
 Owns: `make_progress(mode, every_n_steps, total)` (what fspo/train.py adds to the Trainer in place of
 Lightning's default bar; ``progress:`` in conf/config.yaml), `StepBar` (a tqdm bar: ``RL step 20/60``,
 elapsed < ETA, s/step, and the headline metrics under short names, no ``v_num``), `StepLines` (no tqdm:
-``step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | clip 0.070 | LRE 0.036 | len 43.4``
-logged every ``every_n_steps`` RL steps and at the last one, for logs, pipes and batch jobs), and the
+``step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | binding clip 0.070 | LRE 0.036 | len 43.4``
+logged every ``every_n_steps`` RL steps and at the last one, for logs, pipes and batch jobs; a step's line waits
+for the validation that follows it, so it shows that step's held-out accuracy), and the
 pure formatting `progress_line` / `format_eta`. s/step is the mean wall time per RL step since this
-fit started (validations included, so the ETA counts them too); ETA = steps left x s/step.
+fit started (validations included, so the ETA counts them too); ETA = steps left x s/step. The short names
+are the MLflow Headline charts' (``binding clip``: ``clip/seq_frac``, the binding-clip fraction; the
+out-of-band fraction is ``band/out_frac``, docs/metrics.md).
 Leaves out: computing and logging the metrics (fspo/update/module.py marks the progress-bar ones;
 fspo/update/metric_logging.py) and third-party console noise (fspo/runtime/checks/console.py).
 """
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # metric key -> (short name, format); the order shown
 FIELDS = (("reward/mean", "reward", "{:.3f}"), ("val/accuracy", "val acc", "{:.3f}"),
-          ("clip/seq_frac", "clip", "{:.3f}"), ("fairness/lre", "LRE", "{:.3f}"),
+          ("clip/seq_frac", "binding clip", "{:.3f}"), ("fairness/lre", "LRE", "{:.3f}"),
           ("rollout/response_len_mean", "len", "{:.1f}"))
 MODES = ("auto", "bar", "lines", "off")
 
@@ -127,6 +130,7 @@ class StepLines(ProgressBar):
         self._latest = _LatestMetrics()
         self._t0: Optional[float] = None
         self._step0 = 0
+        self._pending: Optional[tuple] = None  # (step, s/step) of a line not logged yet
 
     def disable(self) -> None:
         self._enabled = False
@@ -137,17 +141,39 @@ class StepLines(ProgressBar):
     def on_train_start(self, trainer, pl_module) -> None:
         self._t0, self._step0 = time.perf_counter(), _rl_step(trainer, pl_module)
 
+    def _flush(self, trainer) -> None:
+        """Log the pending line with the latest metrics (a validation that followed its step included)."""
+        if self._pending is not None:
+            step, sec = self._pending
+            self._pending = None
+            log.info(progress_line(step, self.total, sec, self._latest.update(trainer)))
+
     def on_validation_end(self, trainer, pl_module) -> None:
         self._latest.update(trainer)
+        self._flush(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._flush(trainer)  # no validation followed the previous step
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not trainer.limit_val_batches:  # no held-out set: no validation will follow
+            self._flush(trainer)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if stage != "fit":  # after the closing validation (fspo/train.py), or a stop: never lost
+            self._flush(trainer)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._flush(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = _rl_step(trainer, pl_module)
-        metrics = self._latest.update(trainer)
+        self._latest.update(trainer)
         if not self._enabled or not (step % self.every_n_steps == 0 or step >= self.total):
             return
         done = step - self._step0
         sec = (time.perf_counter() - self._t0) / done if self._t0 is not None and done > 0 else None
-        log.info(progress_line(step, self.total, sec, metrics))
+        self._pending = (step, sec)  # logged once we know whether a validation follows
 
 
 def _columns() -> int:

@@ -1,10 +1,13 @@
 """Importing an MLflow outage buffer into its run: ``python -m fspo.tracking.replay <buffer> [--tracking-uri URI]``.
 
-Owns: `read_rows` (the header and rows of a buffer written by fspo/tracking/outage_buffer.py; a torn
-last line, from a process killed while writing, is skipped), `replay_rows` (write rows into their runs,
+Owns: `read_buffer` / `read_rows` (the header and rows of a buffer written by fspo/tracking/outage_buffer.py;
+a torn line -- a process killed while writing --, a malformed row or a row for another run than the buffer's
+is listed with its line number and never imported), `row_problem`, `replay_rows` (write rows into their runs,
 in order, idempotently: a (metric, step) pair the run already holds and a param it already has are
 skipped, tags and statuses are set again) and `main` (the import command; the buffer's own tracking URI
-unless ``--tracking-uri`` is given; the file is kept, importing it again adds nothing). Leaves out:
+unless ``--tracking-uri`` is given; the file is kept, importing it again adds nothing; exit 1 and a line naming
+the lines not imported when there are any, else the file is said to be deletable; 2 with one line on an
+unreadable file or a failing import). Leaves out:
 when rows are buffered (fspo/tracking/outage_buffer.py).
 """
 from __future__ import annotations
@@ -12,25 +15,92 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 BATCH = 800  # metrics per log_batch: with 100 params and 100 tags within MLflow's 1000 entries a request
 
 
-def read_rows(path) -> Tuple[Optional[str], List[Dict[str, Any]]]:
-    """(the buffer's tracking URI, its rows without the header)."""
-    uri, rows = None, []
-    for line in Path(path).read_text().splitlines():
+TERMINAL = ("FINISHED", "FAILED", "KILLED")
+
+
+@dataclass
+class BufferFile:
+    """A buffer as read: its tracking URI and run (header; the first row's run for a header without one),
+    the rows to import, and ``bad``: (line number, why) of each line not imported -- torn (a process killed
+    while writing), malformed, or for another run than the buffer's."""
+
+    uri: Optional[str] = None
+    run_id: Optional[str] = None
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    bad: List[Tuple[int, str]] = field(default_factory=list)
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _pairs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, str) for v in p)
+                                       for p in x)
+
+
+def row_problem(row: Any) -> Optional[str]:
+    """Why ``row`` is not a buffer row fspo writes (None when it is one)."""
+    if not isinstance(row, dict):
+        return f"not an object ({type(row).__name__})"
+    if not isinstance(row.get("run_id"), str) or not row["run_id"]:
+        return "no run_id"
+    if row.get("op") == "set_terminated":
+        if row.get("status") not in (*TERMINAL, "RUNNING", "SCHEDULED"):
+            return f"status {row.get('status')!r} is not an MLflow run status"
+        if not all(row.get(k) is None or _num(row.get(k)) for k in ("end_time", "time")):
+            return "end_time is not a number"
+        return None
+    if row.get("op") != "log_batch":
+        return f"unknown op {row.get('op')!r}"
+    metrics = row.get("metrics", [])
+    if not isinstance(metrics, list) or not all(
+            isinstance(m, list) and len(m) == 4 and isinstance(m[0], str) and _num(m[1]) and _num(m[2])
+            and isinstance(m[3], int) and not isinstance(m[3], bool) for m in metrics):
+        return "metrics are not [key, value, timestamp_ms, step] lists"
+    if not _pairs(row.get("params", [])) or not _pairs(row.get("tags", [])):
+        return "params or tags are not [key, value] string pairs"
+    return None
+
+
+def read_buffer(path) -> BufferFile:
+    """The `BufferFile` at ``path``; a line that is not a well-formed row of the buffer's run is listed in
+    ``bad``, never imported and never silently dropped."""
+    out = BufferFile()
+    for i, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line
-        if row.get("op") == "header":
-            uri = row.get("tracking_uri")
-        else:
-            rows.append(row)
-    return uri, rows
+        except ValueError:
+            out.bad.append((i, "torn or not JSON"))
+            continue
+        if isinstance(row, dict) and row.get("op") == "header":
+            out.uri = row.get("tracking_uri") if isinstance(row.get("tracking_uri"), str) else None
+            out.run_id = row.get("run_id") if isinstance(row.get("run_id"), str) else out.run_id
+            continue
+        why = row_problem(row)
+        if why is None and out.run_id is not None and row["run_id"] != out.run_id:
+            why = f"row for run {row['run_id']}, the buffer is run {out.run_id}'s"
+        if why is not None:
+            out.bad.append((i, why))
+            continue
+        out.run_id = out.run_id or row["run_id"]
+        out.rows.append(row)
+    return out
+
+
+def read_rows(path) -> Tuple[Optional[str], List[Dict[str, Any]]]:
+    """(the buffer's tracking URI, its importable rows without the header); see `read_buffer`."""
+    b = read_buffer(path)
+    return b.uri, b.rows
 
 
 class _Present:
@@ -52,17 +122,29 @@ class _Present:
 
 def replay_rows(client, rows: List[Dict[str, Any]]) -> Dict[str, int]:
     """Write ``rows`` into their runs with ``client`` (an MlflowClient), in order; returns counts
-    ``imported`` / ``present`` (metric values), ``params``, ``tags``, ``statuses``."""
+    ``imported`` / ``present`` (metric values), ``params``, ``tags``, ``statuses`` and ``stale`` (status rows
+    not applied: the run's status on the server is a terminal one, set after the row was buffered and not by
+    this replay -- importing an old buffer never reopens a FINISHED run)."""
     from mlflow.entities import Metric, Param, RunTag
 
-    have, n = _Present(client), {"imported": 0, "present": 0, "params": 0, "tags": 0, "statuses": 0}
+    have, n = _Present(client), {"imported": 0, "present": 0, "params": 0, "tags": 0, "statuses": 0, "stale": 0}
+    status: Dict[str, Tuple[str, Optional[int], bool]] = {}  # run -> (status, its time, set by this replay)
     for row in rows:
         run_id = row["run_id"]
         if row["op"] == "set_terminated":
+            if run_id not in status:
+                info = client.get_run(run_id).info
+                status[run_id] = (str(info.status), info.end_time, False)
+            now, when, ours = status[run_id]
+            t = row.get("time", row.get("end_time"))
+            if now in TERMINAL and not ours and (t is None or when is None or t <= when):
+                n["stale"] += 1  # the run ended after this row was buffered: never reopened or re-ended
+                continue
             if row.get("end_time") is None:
                 client.update_run(run_id, status=row["status"])
             else:
                 client.set_terminated(run_id, row["status"], row["end_time"])
+            status[run_id] = (str(row["status"]), t, True)
             n["statuses"] += 1
             continue
         metrics: List[Metric] = []
@@ -99,8 +181,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not path.is_file():
         print(f"error: {path} does not exist: pass the buffer file the run named", file=sys.stderr)
         return 2
-    uri, rows = read_rows(path)
-    uri = a.tracking_uri or uri
+    try:
+        buf = read_buffer(path)
+    except OSError as e:
+        print(f"error: {path} cannot be read ({e.strerror or e}): pass the buffer file the run named", file=sys.stderr)
+        return 2
+    uri = a.tracking_uri or buf.uri
     if not uri:
         print(f"error: {path} names no tracking URI: pass --tracking-uri", file=sys.stderr)
         return 2
@@ -111,11 +197,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if str(uri).startswith(("http://", "https://")) and not server_answers(uri, timeout_s=10):
         print(f"error: MLflow server {uri} does not answer: start it, or pass --tracking-uri", file=sys.stderr)
         return 2
-    n = replay_rows(MlflowClient(uri), rows)
-    runs = sorted({r["run_id"] for r in rows})
+    try:
+        n = replay_rows(MlflowClient(uri), buf.rows)
+    except Exception as e:  # noqa: BLE001 - e.g. the run does not exist in that store: one line
+        print(f"error: importing {path} into {uri} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+              f"nothing after the failing row was imported, importing again is safe", file=sys.stderr)
+        return 2
+    stale = f", {n['stale']} older status changes skipped (the run ended later)" if n["stale"] else ""
     print(f"{n['imported']} metric values imported ({n['present']} already present), {n['params']} params, "
-          f"{n['tags']} tags, {n['statuses']} status changes into run(s) {', '.join(runs)} at {uri}; "
-          f"{path} can be deleted (importing it again adds nothing)")
+          f"{n['tags']} tags, {n['statuses']} status changes{stale} into run {buf.run_id or '-'} at {uri}")
+    if buf.bad:
+        shown = "; ".join(f"line {i}: {why}" for i, why in buf.bad[:5]) + (" ..." if len(buf.bad) > 5 else "")
+        print(f"warning: {len(buf.bad)} lines of {path} were NOT imported ({shown}): keep the file if they matter")
+        return 1
+    print(f"{path} can be deleted (importing it again adds nothing)")
     return 0
 
 

@@ -128,7 +128,6 @@ def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[s
         ("tracking URI", absolute_uri(tracking_uri)),
         ("experiment", f"{experiment_name} (id {experiment_id})" if experiment_id is not None else experiment_name),
         ("parent run", f"{parent_name} (id {parent_id})" if parent_name else parent_id),
-        ("jobs", f"{jobs_ok} finished, {jobs_failed} failed"),
         *open_rows(tracking_uri, experiment_id, None),
         ("report", f"python experiments/report.py --experiment {experiment_name} --group-by {group_by} "
                    f"--out reports/{experiment_name}" if experiment_name else None)])

@@ -153,8 +153,9 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
             ax.plot(grid, cur(grid), "--", color="C3", lw=1.2, label="theory (Gaussian)")
         flat, npop = flatness(cells, min_count)
         lre = mean_std([r.metrics.get("run/fairness/lre") for r in runs])[0]
-        ax.set_title(f"{g}\nLRE {'-' if lre is None else f'{lre:.3f}'}, max-min "
-                     f"{'-' if flat is None else f'{flat:.2f}'} ({npop} bins)", fontsize=9)
+        spread = f"max-min {flat:.2f} ({npop} bins)" if flat is not None else \
+            f"max-min: too few bins ({npop} with n >= {min_count:g})"
+        ax.set_title(f"{g}\nLRE {'-' if lre is None else f'{lre:.3f}'}, {spread}", fontsize=9)
         ax.grid(alpha=0.3)
         if i == 0:
             ax.legend(fontsize=7)

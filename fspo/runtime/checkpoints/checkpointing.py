@@ -42,18 +42,24 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fspo.models.lora import adapter_state, is_lora
+from fspo.runtime.checkpoints import stop_signal as stops
 from fspo.runtime.checkpoints.files import META_KEY, RUN_ID_KEY, list_checkpoints
 from fspo.runtime.checkpoints.integrity import (
     CheckpointCorrupt,
     atomic_commit,
+    gathered_shard_digests,
     manifest_path,
     nonfinite_tensors,
     quarantine,
-    shard_digests,
     write_manifest,
 )
-from fspo.runtime.checkpoints.resume_state import load_metric_states, metric_states, rng_states, set_rng_states
-from fspo.runtime.checkpoints.stop_signal import install_sigterm, request_stop, reset, stop_requested
+from fspo.runtime.checkpoints.resume_state import (
+    extend_finished_run,
+    load_metric_states,
+    metric_states,
+    rng_states,
+    set_rng_states,
+)
 from fspo.runtime.launch.distributed import is_sharded
 
 log = logging.getLogger(__name__)
@@ -84,14 +90,15 @@ class StepCheckpoint(Checkpoint):
     Keeps the newest ``keep_last`` checkpoints. ``run_id_fn`` returns the MLflow run id to store.
     With ``slurm_requeue`` a signalled job under SLURM is requeued (``scontrol requeue``) after saving.
     With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/runtime/checkpoints/integrity.py);
-    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/checks/run_config.py.
+    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/checks/run_config.py;
+    ``continue_command`` (fspo/runtime/checkpoints/continue_command.py) is what its stop lines tell to run.
     A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
     """
 
     def __init__(self, dirpath, every_n_steps: int = 10, keep_last: int = 2, save_last: bool = True,
                  signals: Sequence[str] = ("SIGUSR1",), slurm_requeue: bool = False,
                  run_id_fn: Optional[Callable[[], Optional[str]]] = None, checksum: bool = True,
-                 run_config: Optional[str] = None):
+                 run_config: Optional[str] = None, continue_command: Optional[str] = None):
         if every_n_steps < 0 or keep_last < 1:
             raise ValueError(f"checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1, got "
                              f"{every_n_steps} and {keep_last}")
@@ -101,6 +108,8 @@ class StepCheckpoint(Checkpoint):
         self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), int(every_n_steps), int(keep_last)
         self.save_last, self.slurm_requeue, self.run_id_fn = bool(save_last), bool(slurm_requeue), run_id_fn
         self.checksum, self.run_config = bool(checksum), run_config
+        self.continue_command = continue_command or "python experiments/run.py output_dir=<the run's folder> resume=auto"
+        self._started, self._was_outside = False, None  # on_train_start ran: a stop now has a step to save
         self.signals = [getattr(signal, str(s)) for s in signals]
         self._signal: Optional[str] = None
         self._pending: Optional[bool] = None  # a save deferred to the end of this step's validation (value: stop)
@@ -114,13 +123,14 @@ class StepCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
-        request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
+        stops.request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        reset()
+        stops.reset()
+        self._started, self._was_outside = True, stops.set_outside_fit(False)  # a stop now saves the last step first
         if threading.current_thread() is threading.main_thread():
             self._old_handlers = {s: signal.signal(s, self._on_signal) for s in self.signals}
-            self._old_handlers.setdefault(signal.SIGTERM, install_sigterm(trainer))  # no collective in a handler
+            self._old_handlers.setdefault(signal.SIGTERM, stops.install_sigterm(trainer))  # no collective in a handler
         if self._restore is not None:  # after Lightning created the data iterators (they draw from the RNG)
             self._check_finite(trainer, pl_module)
             set_rng_states(self._restore["rng"])
@@ -154,11 +164,17 @@ class StepCheckpoint(Checkpoint):
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         self._old_handlers = {}
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._was_outside is not None:  # after the loop: a stop signal stops at once again
+            stops.set_outside_fit(self._was_outside)
+            self._was_outside = None
+
     def teardown(self, trainer, pl_module, stage) -> None:
         self._restore_handlers()
+        self.on_train_end(trainer, pl_module)
 
     def _stop_requested(self, trainer) -> bool:
-        local = self._signal is not None or bool(trainer.received_sigterm) or stop_requested()
+        local = self._signal is not None or bool(trainer.received_sigterm) or stops.stop_requested()
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
     # ------------------------------------------------------------------ when to save
@@ -187,23 +203,23 @@ class StepCheckpoint(Checkpoint):
         self._restore_handlers()
         step = int(pl_module.rl_step)
         if isinstance(exception, SIGTERMException):
-            # Lightning stops on SIGTERM after a validation that our batch-end check did not see
-            if trainer.state.fn == "fit" and not self._in_val and self._saved_step != step:
+            # Lightning stops on SIGTERM after a validation that our batch-end check did not see; a stop during
+            # Lightning's setup (before on_train_start) has nothing new to save
+            if trainer.state.fn == "fit" and self._started and not self._in_val and self._saved_step != step:
                 self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/checkpoints/stop_signal.py)
             self._requeue(trainer)
             return
-        if isinstance(exception, CheckpointCorrupt):  # its message says what to do; resume=auto is not it
-            return
+        if isinstance(exception, (CheckpointCorrupt, KeyboardInterrupt)):  # its message says what to do; a second
+            return  # Ctrl-C: fspo/train.py's stop line
         last = self.last_path or (list_checkpoints(self.dirpath) or [None])[-1]
-        log.error("training stopped at RL step %d by %s; the last complete checkpoint is %s "
-                  "(continue with resume=auto)", step, type(exception).__name__, last)
+        log.error("training stopped at RL step %d by %s; the last complete checkpoint is %s; continue with: %s",
+                  step, type(exception).__name__, last, self.continue_command)
 
     def _save_and_maybe_stop(self, trainer, step: int, stop: bool) -> None:
         self._save(trainer, step)
         if stop:
             self._requeue(trainer)
-            log.warning("stopping after RL step %d on %s; resume with resume=auto",
-                        step, self._signal or "SIGTERM")
+            log.info("stopping after RL step %d on %s", step, self._signal or stops.stop_signal_name())
             raise SIGTERMException()
 
     # ------------------------------------------------------------------ writing
@@ -211,12 +227,20 @@ class StepCheckpoint(Checkpoint):
         t0, final = time.perf_counter(), self.dirpath / f"step_{step:06d}.ckpt"
         tmp = final.with_name(final.name + ".partial")
         if trainer.is_global_zero:
+            if self.dirpath.exists() and not self.dirpath.is_dir():
+                raise ValueError(f"{self.dirpath} is a file, but the run keeps its checkpoints in that folder "
+                                 f"(replaced while the run went on?): move the file away, then resume=auto")
             self.dirpath.mkdir(parents=True, exist_ok=True)
             for stale in self.dirpath.glob("*.partial"):
                 _remove(stale)
         trainer.strategy.barrier("fspo_checkpoint_prepare")
-        trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
-        known = self._shard_digests(trainer, tmp) if self.checksum else {}
+        try:
+            trainer.save_checkpoint(str(tmp), weights_only=False)  # collective; ends with a barrier
+        except BaseException:  # a full disk: the partial file would keep it full; the last complete one stays
+            if trainer.is_global_zero:
+                _remove(tmp)
+            raise
+        known = gathered_shard_digests(trainer, tmp) if self.checksum else {}
         if trainer.is_global_zero:
             if self.checksum:  # committed before the checkpoint: a complete checkpoint has its manifest
                 write_manifest(tmp, final, known)
@@ -232,16 +256,6 @@ class StepCheckpoint(Checkpoint):
         trainer.strategy.barrier("fspo_checkpoint_commit")
         self._saved_step, self.last_path = step, final
         log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
-
-    @staticmethod
-    def _shard_digests(trainer, tmp: Path) -> Dict[str, str]:
-        """SHA-256 of every rank's own shard files of a sharded checkpoint, gathered (rank 0 hashes the rest)."""
-        mine = shard_digests(tmp, trainer.global_rank)
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: List[Any] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, mine)
-            return {k: v for part in gathered for k, v in part.items()}
-        return mine
 
     def _requeue(self, trainer) -> None:
         job = os.environ.get("SLURM_JOB_ID")
@@ -269,22 +283,12 @@ class StepCheckpoint(Checkpoint):
                                 RUN_ID_KEY: self.run_id_fn() if self.run_id_fn else None,
                                 "world_size": world, "run_config": self.run_config}
 
-    @staticmethod
-    def _extend(trainer, checkpoint: Dict[str, Any], step: int) -> None:
-        """A finished run resumed with more ``steps``: its last batch is no longer the epoch's last, else
-        Lightning's restored loop would end the fit at once."""
-        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress") or {}
-        steps = getattr(getattr(trainer.datamodule, "sampler", None), "steps", None)
-        if progress.get("is_last_batch") and steps is not None and int(steps) > step:
-            progress["is_last_batch"] = False
-            log.info("extending the finished run from step %d to %d", step, int(steps))
-
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)
         if meta is None:
             log.warning("checkpoint has no %r: metric states and RNG states are not restored", META_KEY)
             return
-        self._extend(trainer, checkpoint, int(meta["rl_step"]))
+        extend_finished_run(trainer, checkpoint, int(meta["rl_step"]))
         per_rank, same = meta["metrics"], len(meta["metrics"]) == trainer.world_size
         if not same:
             log.warning("checkpoint written by %d ranks, resuming on %d: run-level diagnostics keep rank 0's "

@@ -44,7 +44,7 @@ def read_resume_meta(path) -> Dict[str, Any]:
     """``checkpoint["fspo_resume"]`` of a checkpoint file or shard folder (its ``meta.pt``); raises if unreadable."""
     p = Path(path)
     f = p / "meta.pt" if p.is_dir() else p
-    ckpt = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    ckpt = safe_torch_load(f)  # a crafted or non-torch file: one line, nothing unpickled
     if not isinstance(ckpt, dict) or META_KEY not in ckpt:
         raise ValueError(f"{p} is not a checkpoint written by fspo.runtime.checkpoints.checkpointing (no {META_KEY!r})")
     return ckpt[META_KEY]
@@ -92,6 +92,22 @@ def find_run_config(path, levels: int = 5) -> Optional[Path]:
             if cand.is_file():
                 return cand
     return None
+
+
+def read_config_file(path):
+    """A run's stored config file (``run_config.yaml``, ``.hydra/config.yaml``, an MLflow ``config.yaml``) as a
+    DictConfig; one line (ValueError) for a file that is not YAML or not a mapping of settings."""
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+        if not isinstance(cfg, DictConfig):
+            raise ValueError(f"a {type(cfg).__name__}, not a mapping of settings")
+    except Exception as e:  # noqa: BLE001 - malformed YAML (yaml's errors are no ValueError): one line
+        raise ValueError(f"{path} is not a readable run config ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}): repair it or pass model.* and checkpoints=... "
+                         f"instead") from None
+    return cfg
 
 
 def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:

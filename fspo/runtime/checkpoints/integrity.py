@@ -3,7 +3,7 @@ damaged checkpoints moved aside (never deleted), and a non-finite check of loade
 
 Owns: `write_manifest` / `verify` / `manifest_path` (``step_N.ckpt.sha256`` next to
 ``step_N.ckpt``, in ``sha256sum`` format: ``cd <output_dir>/checkpoints && sha256sum -c
-step_N.ckpt.sha256`` checks it by hand), `shard_digests` (each rank hashes its own shards of a
+step_N.ckpt.sha256`` checks it by hand), `shard_digests` / `gathered_shard_digests` (each rank hashes its own shards of a
 sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to
 ``checkpoints/damaged/``), `atomic_commit` (fsync, rename into place, fsync the folder), `nonfinite_tensors`
 and `CheckpointCorrupt`. Leaves out: when checkpoints
@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
@@ -166,3 +166,14 @@ def atomic_commit(tmp, final) -> None:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(final.parent)
+
+
+def gathered_shard_digests(trainer, tmp: Path) -> Dict[str, str]:
+    """`shard_digests` of every rank's own shard files of a sharded checkpoint being written at ``tmp``, gathered
+    over the trainer's ranks (rank 0 hashes the rest)."""
+    mine = shard_digests(tmp, trainer.global_rank)
+    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered: List[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        return {k: v for part in gathered for k, v in part.items()}
+    return mine

@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from fspo.models.loading import load_policy
 from fspo.models.lora import lora_settings
 from fspo.runtime.checkpoints.files import find_checkpoints, load_checkpoint, load_into, read_resume_meta
+from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
 
 def export_merged(checkpoint, out_dir, model_path: Optional[str] = None) -> Path:
@@ -30,7 +31,14 @@ def export_merged(checkpoint, out_dir, model_path: Optional[str] = None) -> Path
     if not run_config:
         raise ValueError(f"{path} holds no run config to rebuild the base model from (written before run configs "
                          f"were saved): evaluate it with experiments/evaluate.py and model.* instead")
-    run_cfg = OmegaConf.create(run_config)
+    try:
+        run_cfg = OmegaConf.create(run_config)
+        if not isinstance(run_cfg, DictConfig) or not isinstance(run_cfg.get("model"), DictConfig):
+            raise ValueError("no model settings")
+    except Exception as e:  # noqa: BLE001 - a damaged or crafted run config: one line
+        raise ValueError(f"{path}: its stored run config is not readable ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}): export a checkpoint written by a training run") from None
+    check_stored_targets(run_cfg, f"checkpoint {path.name}", keys=("model",))  # its interpolations run nothing
     model_cfg = OmegaConf.to_container(run_cfg.model, resolve=True)
     if not lora_settings(model_cfg).enabled:
         raise ValueError(f"{path} is a full fine-tuning checkpoint (model.lora.rank=0), not a LoRA one: its policy "

@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint a launch continues from, and which tracking run.
 
-Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`),
+Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`), `check_resume_target`
+(a dry run's ``resume=<path>``), `check_room` (a resume on a full disk is refused before anything loads),
 `ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
 writing checkpoints and signals (fspo/runtime/checkpoints/checkpointing.py), the config a continued run keeps
 (fspo/runtime/checks/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
@@ -97,6 +98,40 @@ def _move_aside(bad: List[Tuple[Path, str]]) -> None:
         return
     for p, _ in bad:
         log.warning("moved damaged checkpoint %s to %s", p, quarantine(p))
+
+
+def check_resume_target(cfg: DictConfig) -> None:
+    """``resume=<path>`` (a dry run, which resolves nothing else): the checkpoint must exist and read, else one
+    line; null, ``auto`` and ``fresh`` pass."""
+    mode = OmegaConf.select(cfg, "resume", default=None)
+    if mode is None or str(mode) in ("auto", "fresh"):
+        return
+    ckpt = Path(str(mode)).expanduser()
+    if not ckpt.exists():
+        raise FileNotFoundError(f"resume={mode}: no such checkpoint; name a step_N.ckpt of the run, or use "
+                                f"resume=auto with the run's folder")
+    try:
+        check_checkpoint(ckpt)
+    except Exception as e:  # noqa: BLE001 - damaged or not a checkpoint: one line
+        raise CheckpointCorrupt(f"resume={mode}: not a usable checkpoint ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]})") from None
+
+
+def check_room(plan: "ResumePlan", output_dir) -> None:
+    """A continued run must have room for its next checkpoint: refused up front (one line) when the free space
+    of ``<output_dir>/checkpoints`` is below the size of the checkpoint it resumes from."""
+    import shutil
+
+    if plan.ckpt_path is None:
+        return
+    ckpt = Path(plan.ckpt_path)
+    need = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.is_dir() else ckpt.stat().st_size
+    where = checkpoint_dir(output_dir) if checkpoint_dir(output_dir).is_dir() else Path(output_dir)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise ValueError(f"disk full: {where} has {free / 2**20:.0f} MiB free, and this run's next checkpoint needs about "
+                         f"{need / 2**20:.0f} MiB (the size of {ckpt.name}): free space there, then run the same "
+                         f"command again; nothing was changed")
 
 
 def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:

@@ -8,11 +8,14 @@ All values are tensors or plain Python objects, so checkpoints load with
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, Dict
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def rng_states() -> Dict[str, Any]:
@@ -68,3 +71,13 @@ def load_metric_states(root: torch.nn.Module, saved: Dict[str, Any]) -> None:
                 m.persistent(False)
             m._update_count = saved[name]["updates"]
             m._computed = None
+
+
+def extend_finished_run(trainer, checkpoint: Dict[str, Any], step: int) -> None:
+    """A finished run resumed with more ``steps``: its last batch is no longer the epoch's last, else
+    Lightning's restored loop would end the fit at once."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress") or {}
+    steps = getattr(getattr(trainer.datamodule, "sampler", None), "steps", None)
+    if progress.get("is_last_batch") and steps is not None and int(steps) > step:
+        progress["is_last_batch"] = False
+        log.info("extending the finished run from step %d to %d", step, int(steps))

@@ -58,6 +58,10 @@ def safe_torch_load(path, mmap: bool = True) -> Any:
         return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:  # weights_only refused a global: report what, never retry unsafely
         raise _refusal(p, f"Python objects ({_global_of(e)})") from None
+    except (RuntimeError, EOFError, KeyError, AttributeError, TypeError) as e:  # a zip that is no torch file
+        raise ValueError(f"{p} is not a readable torch checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else 'damaged'}): pass a step_N.ckpt written by "
+                         f"a training run") from None
 
 
 def _global_of(e: Exception) -> str:

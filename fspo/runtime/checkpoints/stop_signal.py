@@ -24,6 +24,14 @@ Lightning's own SIGTERM handler broadcasts a tensor from inside the handler (lig
 whatever point the signal interrupts, which can pair with a different collective on another rank;
 `install_sigterm` replaces it during fit with one that only records the signal (the decision is then reduced
 over ranks at fixed points: here and in `StepCheckpoint`).
+
+Outside the training loop (from the first line of ``train()`` to Lightning's ``on_train_start``: config checks,
+model loading, Lightning's setup, the step-0 validation; and after the fit: the final validation and artifacts)
+there is nothing a checkpoint would add: `honour_stop_signals` installs a handler for SIGTERM, SIGINT (Ctrl-C)
+and ``checkpoint.signals`` that stops there at once with `StopNow` (Lightning's ``SIGTERMException``, exit 0;
+Lightning's own handler only sets a flag that its next ``fit`` forgets). Inside the fit a first SIGINT is a
+stop signal like SIGTERM (the checkpoint of the last completed step, then exit 0); a second SIGINT raises
+``KeyboardInterrupt`` at once.
 """
 from __future__ import annotations
 
@@ -31,23 +39,38 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import Iterator
+from typing import Iterator, Sequence
+
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
-_state = {"requested": False, "zone": 0, "synced": 0}
+_state = {"requested": False, "zone": 0, "synced": 0, "outside_fit": False, "name": None,
+          "outside": "stopping now (no training step is lost)"}
 
 
 class StepInterrupted(BaseException):
     """Raised by a stop signal inside `interruptible`: this step's rollout is abandoned."""
 
 
+class StopNow(SIGTERMException):
+    """A stop signal outside the training loop (setup, step-0 or final validation): the run stops at once."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.signal_name = name
+
+
 def request_stop(name: str) -> None:
     """Record a stop signal; inside `interruptible` (main thread), interrupt the running code at once."""
     first = not _state["requested"]
     _state["requested"] = True
-    if first:
-        log.warning("received %s: saving a checkpoint at the next safe point, then stopping", name)
+    _state["name"] = _state["name"] or name
+    if first and _state["outside_fit"]:
+        log.warning("received %s: %s", name, _state["outside"])
+    elif first:
+        log.warning("received %s: saving a checkpoint at the next safe point, then stopping%s", name,
+                    " (Ctrl-C again stops at once, without it)" if name == "SIGINT" else "")
     if _state["zone"] > 0 and threading.current_thread() is threading.main_thread():
         raise StepInterrupted(name)
 
@@ -57,9 +80,53 @@ def stop_requested() -> bool:
     return bool(_state["requested"])
 
 
+def stop_signal_name() -> str:
+    """The name of the first stop signal recorded since `reset` ("SIGTERM" when none was)."""
+    return str(_state["name"] or "SIGTERM")
+
+
 def reset() -> None:
     """Forget a recorded stop (a new fit in the same process)."""
-    _state["requested"], _state["zone"], _state["synced"] = False, 0, 0
+    _state["requested"], _state["zone"], _state["synced"], _state["name"] = False, 0, 0, None
+
+
+def set_outside_fit(outside: bool) -> bool:
+    """Whether a stop signal now stops at once (`StopNow`): outside the training loop, see the module docstring.
+    Returns the previous setting."""
+    old, _state["outside_fit"] = bool(_state["outside_fit"]), bool(outside)
+    return old
+
+
+def _on_stop_signal(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if name == "SIGINT" and stop_requested():
+        raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+    request_stop(name)  # inside an interruptible rollout this raises StepInterrupted
+    if _state["outside_fit"] and threading.current_thread() is threading.main_thread():
+        raise StopNow(name)
+
+
+@contextlib.contextmanager
+def honour_stop_signals(extra: Sequence[str] = (), outside: str = "stopping now (no training step is lost)"
+                        ) -> Iterator[None]:
+    """SIGTERM, SIGINT and the ``extra`` signal names stop the run (module docstring) for the duration of the
+    block; the previous handlers come back after it; ``outside``: what the line of a stop outside a fit says.
+    Off the main thread: a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = {signal.SIGTERM, signal.SIGINT} | {getattr(signal, str(n)) for n in extra
+                                              if str(n) not in ("SIGKILL", "SIGSTOP") and hasattr(signal, str(n))}
+    reset()
+    _state["outside"] = outside
+    old = {s: signal.signal(s, _on_stop_signal) for s in sigs}
+    set_outside_fit(True)
+    try:
+        yield
+    finally:
+        set_outside_fit(False)
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -120,6 +120,13 @@ RULES: Tuple[Rule, ...] = (
     Rule("val.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="validation nucleus mass",
          example=0.95),
     _int("data.max_prompt_len", 1, "the longest prompt in tokens", 64),
+    # pipelined rollouts (fspo/rollout/pipeline.py): each step in flight holds a copy of the weights
+    Rule("rollout.overlap.enable", "choice", choices=(True, False), meaning="pipelined rollouts in an engine "
+         "process", example="false"),
+    _int("rollout.overlap.staleness", 1, "steps of policy lag; each step in flight holds a copy of the policy's "
+         "weights in shared memory", 1, hi=8),
+    _int("rollout.overlap.engine_threads", 1, "torch threads of the engine process", 1),
+    _pos("rollout.overlap.timeout_s", "the longest wait in seconds for one engine answer", 1800),
     Rule("dry_run", "choice", choices=(True, False), meaning="print the memory plan and exit", example="true"),
     _pos("memory_plan.device_gib", "GiB per rank the memory plan assumes instead of the device found", 80,
          nullable=True),
@@ -170,16 +177,16 @@ def check_rule(rule: Rule, value: Any) -> None:
         if rule.nullable or (rule.kind == "choice" and None in rule.choices):
             return
         raise bad
-    if rule.kind == "choice":
-        if value not in rule.choices:
+    if rule.kind == "choice":  # by type too: 1 == True in Python, yet enable=1 is no boolean
+        if not any(isinstance(value, bool) == isinstance(c, bool) and value == c for c in rule.choices):
             raise bad
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad
-    if rule.kind == "int" and not float(value).is_integer():
-        raise bad
     v = float(value)
-    if math.isnan(v) or (rule.kind == "int" and math.isinf(v)):
+    if not math.isfinite(v):  # nan and inf: no setting of this table means anything with them
+        raise setting_error(rule.key, value, f"must be a finite number ({rule.requirement()}){meaning}", fix)
+    if rule.kind == "int" and not v.is_integer():
         raise bad
     if rule.lo is not None and (v < rule.lo or (rule.lo_open and v == rule.lo)):
         raise bad

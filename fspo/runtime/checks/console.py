@@ -10,7 +10,8 @@ logger or one warning by its message; nothing is a blanket ``warnings.simplefilt
   has handlers, that extra handler is removed: the root's copy (also in run.log) stays.
 - the "💡 Tip: ... litlogger" line Lightning prints whenever no LitLogger is used (no switch exists).
 - torch 2.13's FutureWarning on Lightning 2.6's internal ``LeafSpec()`` call (not ours to fix).
-- MLflow's "Creating initial MLflow database tables" / "Updating database tables" INFO lines.
+- MLflow's "Creating initial MLflow database tables" / "Updating database tables" INFO lines, and its logged
+  traceback of an SQL error that is a full or read-only store (the error is raised on: one line at the end).
 - transformers' "Loading weights" tqdm bar and MLflow's artifact-download bars when stderr is not a
   terminal (``\\r`` fragments in a log file).
 Leaves out: our own progress output (fspo/tracking/progress.py) and the training policy's mode
@@ -40,8 +41,24 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(self.prefixes)
 
 
-def _add_once(logger: logging.Logger, flt: _DropMessages) -> None:
-    if not any(isinstance(f, _DropMessages) and f.prefixes == flt.prefixes for f in logger.filters):
+class _DropStorageErrors(logging.Filter):
+    """Drops a logged copy of an exception that is a full or read-only store (`storage_error` names it): the
+    exception itself is raised on and reported as one line by the entry point."""
+
+    prefixes = ("<storage errors>",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        from fspo.runtime.checks.store_check import storage_error
+
+        return storage_error(exc) is None
+
+
+def _add_once(logger: logging.Logger, flt: logging.Filter) -> None:
+    if not any(type(f) is type(flt) and getattr(f, "prefixes", None) == getattr(flt, "prefixes", None)
+               for f in logger.filters):
         logger.addFilter(flt)
 
 
@@ -55,6 +72,7 @@ def quiet_mlflow() -> None:
     """MLflow's schema-creation INFO lines and download bars; also called before a sweep's parent run opens."""
     _add_once(logging.getLogger(_MLFLOW_SCHEMA_LOGGER),
               _DropMessages("Creating initial MLflow database tables", "Updating database tables"))
+    _add_once(logging.getLogger(_MLFLOW_SCHEMA_LOGGER), _DropStorageErrors())  # its traceback of a full store
     quiet_artifact_downloads()
 
 

@@ -148,7 +148,8 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
     """The config this launch runs with (module docstring); fills ``plan.overrides``. Raises
     `ConfigChangedOnResume` before anything is loaded or written when the command line changes the
     experiment of a continued run."""
-    if not plan.resuming:
+    earlier = str(OmegaConf.select(cfg, "resume", default=None)) == "auto" and (Path(output_dir) / RUN_CONFIG_FILE).is_file()
+    if not plan.resuming and not earlier:  # (earlier: an attempt that died before its MLflow run existed)
         save_run_config(cfg, output_dir)
         return cfg
     text, source = saved_run_config(plan.ckpt_path, output_dir)
@@ -156,7 +157,14 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
         log.warning("resume: no saved config for this run (written by an older version): running with this command "
                     "line's config as given -- check that it matches the run's")
         return cfg
-    saved = OmegaConf.create(text)
+    try:
+        saved = OmegaConf.create(text)
+        if not isinstance(saved, DictConfig):
+            raise ValueError(f"a {type(saved).__name__}, not a mapping of settings")
+    except Exception as e:  # noqa: BLE001 - a damaged or hand-edited file: one line, nothing overwritten
+        raise ValueError(f"resume: the run's saved config ({source}) is not a readable config "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]}): repair it, or start a new run in "
+                         f"another output_dir") from None
     if upgrade_legacy_targets(saved):
         log.info("resume: the saved config names classes by their paths before fspo/ was regrouped; read as the new ones")
     check_stored_targets(saved, source, trusted=cfg)  # a stored _target_ builds only allow-listed classes

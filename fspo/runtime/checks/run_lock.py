@@ -21,6 +21,7 @@ Contract:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -99,8 +100,20 @@ def acquire(output_dir) -> bool:
     except OSError as e:  # a full or read-only disk: let go of the lock, or this process's next try says "in use"
         os.close(fd)
         raise OSError(e.errno, e.strerror, key) from None  # named: fspo/runtime/checks/errors.py makes it one line
+    if not _held:
+        atexit.unregister(_release_at_exit)  # registered once
+        atexit.register(_release_at_exit)
     _held[key] = [fd, 1]
     return True
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit (a clean end, an error, a stop signal's SystemExit, Ctrl-C; not SIGKILL) every lock
+    still held is released cleanly, even when Hydra's ``on_run_end`` was skipped by the exception: only a run
+    that was killed leaves its record for the next one to report."""
+    for key in list(_held):
+        _held[key][1] = 1
+        release(Path(key).parent)
 
 
 def release(output_dir) -> None:

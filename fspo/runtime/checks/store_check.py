@@ -248,9 +248,9 @@ def prepare_store(uri: Optional[str], experiment_name: Optional[str] = None,
 def _check_artifacts(exp, artifact_location: Optional[str]) -> None:
     """The experiment's local artifact folder (plots and the config go there at the end) must be writable."""
     local = _local_path(getattr(exp, "artifact_location", None) or artifact_location)
-    if local is not None:
+    if local is not None:  # an experiment keeps the folder it was created with: a new one needs a new experiment
         check_writable(_nearest_existing(local), f"the MLflow artifact folder of {local}:",
-                       "logger.artifact_location")
+                       "a new experiment (logger.experiment_name=<new name> +logger.artifact_location=<folder>)")
 
 
 def _chain(exc: BaseException) -> List[BaseException]:

@@ -52,7 +52,8 @@ def model_shape(model_cfg) -> Optional[ModelShape]:
 
     where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
     try:
-        return _shape(AutoConfig.from_pretrained(str(where), local_files_only=True).to_dict())
+        return _shape(AutoConfig.from_pretrained(str(where), local_files_only=True,
+                                                  trust_remote_code=False).to_dict())
     except (OSError, ValueError):
         return _shape(arch) if arch.get("num_hidden_layers") else None
 

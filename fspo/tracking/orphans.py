@@ -1,0 +1,71 @@
+"""MLflow runs whose process died without ending them (``kill -9``, a lost node): found and marked KILLED.
+
+Owns: `owner_tags` (``fspo.pid``, ``fspo.host``, ``fspo.started``: what a run records about the process that
+writes it) and `end_orphans` (every RUNNING run of an experiment whose tags name a process on this host that no
+longer exists is set KILLED, with tag ``fspo.ended_by`` saying why). Leaves out: ending a run its own process
+still holds (fspo/evaluation/summary.py's recorder, Lightning's logger).
+
+Contract: only runs carrying these tags are touched, only from the host that ran them (a pid means nothing on
+another host), and a pid that is alive again (reused by another process started after the run) counts as dead
+only when its start time is later than the run's ``fspo.started``; a run whose process may still live is left
+RUNNING.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Dict, List
+
+log = logging.getLogger(__name__)
+
+
+def owner_tags() -> Dict[str, str]:
+    """The tags that let a later process tell whether this one still writes the run."""
+    return {"fspo.pid": str(os.getpid()), "fspo.host": socket.gethostname(), "fspo.started": f"{time.time():.0f}"}
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() <= started + 5  # a later process with a reused pid: not ours
+    except Exception:  # noqa: BLE001 - no psutil, or gone meanwhile: trust the signal probe
+        return True
+
+
+def end_orphans(client, experiment_id: str) -> List[str]:
+    """Set KILLED every RUNNING run of ``experiment_id`` whose writing process (`owner_tags`) is gone; returns
+    their ids. Never raises: a failing lookup leaves the runs as they are."""
+    ended: List[str] = []
+    try:
+        runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200)
+    except Exception as e:  # noqa: BLE001
+        log.debug("orphan runs: search failed: %s", e)
+        return ended
+    host = socket.gethostname()
+    for run in runs:
+        tags = run.data.tags
+        try:
+            pid, started = int(tags["fspo.pid"]), float(tags["fspo.started"])
+        except (KeyError, ValueError):
+            continue
+        if tags.get("fspo.host") != host or pid == os.getpid() or _alive(pid, started):
+            continue
+        try:
+            client.set_tag(run.info.run_id, "fspo.ended_by", f"its process (pid {pid} on {host}) was gone")
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+        except Exception as e:  # noqa: BLE001
+            log.debug("orphan run %s: %s", run.info.run_id, e)
+    if ended:
+        log.warning("marked %d MLflow run(s) KILLED whose process had died without ending them: %s", len(ended),
+                    ", ".join(ended))
+    return ended
