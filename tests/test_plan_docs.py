@@ -1,6 +1,6 @@
-"""The dry-run outputs and plan tables in docs/ are the code's (experiments/plan_docs.py): each page
+"""The dry-run outputs and plan tables in docs/ are the code's (benchmarks/plan_docs.py): each page
 rendered again equals the page. Before, docs/gpus.md showed a peak of 85.76 GiB for a command whose code
-printed 95.09 GiB. To refresh after a change to the plan: ``python experiments/plan_docs.py``."""
+printed 95.09 GiB. To refresh after a change to the plan: ``python benchmarks/plan_docs.py``."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("plan_docs", REPO / "experiments" / "plan_docs.py")
+_spec = importlib.util.spec_from_file_location("plan_docs", REPO / "benchmarks" / "plan_docs.py")
 plan_docs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_docs)
 BLOCK, DOCS, TABLE, render = plan_docs.BLOCK, plan_docs.DOCS, plan_docs.TABLE, plan_docs.render
@@ -24,7 +24,7 @@ def test_the_pages_with_plans():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_docs_plans_are_the_codes(page):
     text = page.read_text()
-    assert render(text) == text, f"{page.name} is stale: run python experiments/plan_docs.py"
+    assert render(text) == text, f"{page.name} is stale: run python benchmarks/plan_docs.py"
 
 
 def test_render_fills_a_block_and_a_table():

@@ -19,7 +19,6 @@ from conftest import REPO, SMALL
 SCRIPT = r"""
 import os, signal, sys
 from pathlib import Path
-sys.path.insert(0, {tests!r})
 from conftest import compose_config
 import fspo.train as T
 from fspo.update.module import RLModule
@@ -57,8 +56,8 @@ print("TRAINED TO THE END")
                                         ("validation", "SIGINT")])
 def test_a_stop_signal_before_training_stops_at_once(tmp_path, stage, sig):
     args = [a for a in SMALL if not a.startswith("steps=")] + ["steps=6"]
-    script = SCRIPT.format(tests=str(REPO / "tests"), args=args)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    script = SCRIPT.format(args=args)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", script, stage, sig, str(tmp_path)], capture_output=True, text=True,
                        env=env, timeout=300)

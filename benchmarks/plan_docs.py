@@ -1,4 +1,4 @@
-"""The dry-run outputs shown in docs/, generated from the code: ``python experiments/plan_docs.py [PAGE ...]``
+"""The dry-run outputs shown in docs/, generated from the code: ``python benchmarks/plan_docs.py [PAGE ...]``
 rewrites them, tests/test_plan_docs.py fails when one is stale.
 
 Owns: `dry_run_output` (what ``python experiments/run.py ARGS`` prints for a dry run, in process: placement,
@@ -16,10 +16,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-if __package__ in (None, ""):  # run as a script: the repository on the path, as experiments/run.py has it
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fspo.runtime.launch.placement import Machine  # noqa: E402
+from fspo.runtime.launch.placement import Machine
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
