@@ -96,3 +96,21 @@ def test_bootstrap_exponent_covers_the_truth_under_the_law():
     edges = st.geometric_edges(24, 601)
     ci = st.bootstrap_exponent(L, S, np.repeat(np.arange(400), 8), edges, 50, n_boot=100, seed=0)
     assert ci[0] < 0.5 < ci[1] and ci[1] - ci[0] < 0.2
+
+
+def test_design_effect_by_hand_and_the_clustered_test():
+    # one bin, two clusters of 2: verdicts (1, 1) and (0, 0): p = 1/2, cluster totals y = 2, 0 with m = 2:
+    # v_cluster = J/(J-1) sum (y - p m)^2 / n^2 = 2 x (1 + 1) / 16 = 1/4; binomial p(1-p)/n = 1/16 -> deff 4
+    assert st.design_effect([1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0]) == pytest.approx(4.0)
+    # independent-looking verdicts (one out per cluster): y = 1, 1 = p m -> deff 0
+    assert st.design_effect([1, 0, 1, 0], [0, 0, 1, 1], [0, 0, 0, 0]) == pytest.approx(0.0)
+    k, n = np.array([10, 20]), np.array([100, 100])
+    chi2 = stats.chi2_contingency(np.stack([k, n - k]), correction=False)[0]
+    assert st.homogeneity_p_clustered(k, n, 2.0) == pytest.approx(stats.chi2.sf(chi2 / 2, 1))
+    assert st.homogeneity_p_clustered(k, n, 0.5) == pytest.approx(st.homogeneity_p(k, n))  # never more liberal
+
+
+def test_design_effect_is_about_one_for_independent_sequences():
+    rng = np.random.default_rng(7)
+    out = rng.random(8000) < 0.3
+    assert st.design_effect(out, np.repeat(np.arange(1000), 8), rng.integers(0, 5, 8000)) == pytest.approx(1.0, abs=0.1)

@@ -112,12 +112,14 @@ def matched_bands(c: float, l_med: float) -> Dict[str, object]:
             "gspo": TokenRatioBand(1 - math.exp(-xi / l_med), math.exp(xi / l_med) - 1)}
 
 
-def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0) -> Dict[str, object]:
+def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0, clusters=None) -> Dict[str, object]:
     """The out-of-band test of one band on sequences (L, S) with flags ``outside``, over ``edges``:
     per populated bin n, k, c = k / n and its Wilson CI; ``p_homogeneity`` (chi-square across bins);
     ``ratio_last_first``; ``lre`` and ``lre_floor`` (mean and p95 of an exactly flat band's LRE at these
     counts); ``span`` (last bin's mean L / first's); with ``limits`` (lo, hi per sequence) the Gaussian
-    prediction of c per bin from each bin's mean and std of S (``c_gauss``)."""
+    prediction of c per bin from each bin's mean and std of S (``c_gauss``). With ``clusters`` (each sequence's
+    prompt: (step, group)) also ``design_effect`` and ``p_homogeneity_clustered``, the chi-square test corrected
+    for the correlation of a group's verdicts (Rao-Scott; law_stats.design_effect)."""
     L, S, out = np.asarray(L, float), np.asarray(S, float), np.asarray(outside, bool)
     idx = st.bin_index(L, edges)
     nb = len(edges) - 1
@@ -131,6 +133,10 @@ def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0)
     res = {"bins": [(edges[b], edges[b + 1]) for b in keep], "n": nn.tolist(), "k": k.tolist(), "c": c.tolist(),
            "ci_lo": lo_ci.tolist(), "ci_hi": hi_ci.tolist(), "mean_l": mean_l.tolist(),
            "p_homogeneity": st.homogeneity_p(k, nn), "lre": st.lre_from_counts(k, nn)}
+    if clusters is not None:
+        sel = np.isin(idx, keep)
+        res["design_effect"] = st.design_effect(out[sel], np.asarray(clusters)[sel], idx[sel])
+        res["p_homogeneity_clustered"] = st.homogeneity_p_clustered(k, nn, res["design_effect"])
     res["span"] = float(mean_l[-1] / mean_l[0]) if len(keep) >= 2 else None
     res["ratio_last_first"] = _ratio(c[-1], c[0]) if len(keep) >= 2 else None
     res["ratio_first_last"] = _ratio(c[0], c[-1]) if len(keep) >= 2 else None
@@ -178,6 +184,12 @@ def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_up
             judged[now] = True
             outside[now] = (S[now] < a) | (S[now] > b)
     return {"judged": judged, "outside": outside, "lo": lo, "hi": hi}
+
+
+def cluster_ids(rec) -> np.ndarray:
+    """One id per (step, prompt group) of a record set (fspo/diagnostics/ledger.py): the bootstrap and the
+    clustered test resample or pool whole groups."""
+    return np.asarray(rec["step"]) * 1e6 + np.asarray(rec["group"])
 
 
 def outside_of(band, L, S) -> np.ndarray:

@@ -162,6 +162,41 @@ def homogeneity_p(k: np.ndarray, n: np.ndarray) -> Optional[float]:
     return float(stats.chi2_contingency(np.stack([k, n - k]), correction=False)[1])
 
 
+def design_effect(outside, clusters, bins) -> float:
+    """Rao-Scott design effect of the out-of-band rate: the variance of each bin's rate with whole clusters
+    (prompts: a group's sequences share their prompt, so their verdicts are correlated) over its binomial
+    variance, averaged over the bins weighted by their sequences; >= 1 in expectation, 1 for independent
+    sequences. ``bins`` is each sequence's bin (-1: none), ``clusters`` its cluster id."""
+    out, cl, b = np.asarray(outside, float), np.asarray(clusters), np.asarray(bins)
+    num = den = 0.0
+    for k in np.unique(b[b >= 0]):
+        m = b == k
+        p, n = out[m].mean(), m.sum()
+        if p <= 0 or p >= 1:
+            continue
+        _, inv = np.unique(cl[m], return_inverse=True)
+        y, size = np.bincount(inv, weights=out[m]), np.bincount(inv).astype(float)
+        J = len(size)
+        if J < 2:
+            continue
+        v_cluster = J / (J - 1) * ((y - p * size) ** 2).sum() / n ** 2
+        num += n * v_cluster / (p * (1 - p) / n)
+        den += n
+    return float(num / den) if den else 1.0
+
+
+def homogeneity_p_clustered(k, n, deff: float) -> Optional[float]:
+    """`homogeneity_p` with Pearson's X^2 divided by the design effect (Rao-Scott's first-order correction):
+    the test for clustered sequences. ``deff`` below 1 is taken as 1 (never more liberal than the plain test)."""
+    k, n = np.asarray(k, float), np.asarray(n, float)
+    if len(n) < 2:
+        return None
+    if k.sum() == 0 or (n - k).sum() == 0:
+        return 1.0
+    chi2, _, dof, _ = stats.chi2_contingency(np.stack([k, n - k]), correction=False)
+    return float(stats.chi2.sf(chi2 / max(1.0, deff), dof))
+
+
 def lre_from_counts(k: np.ndarray, n: np.ndarray) -> Optional[float]:
     """The paper's LRE with q_b = 1 - k_b / n_b: 0.5 sum_b n_b |q_b / q_bar - 1| / sum_b n_b (0 if q_bar = 0)."""
     k, n = np.asarray(k, float), np.asarray(n, float)

@@ -11,7 +11,8 @@ a statistic over bins uses bins with >= ``min_count`` sequences):
   law/std_exponent (+ _ci_lo, _ci_hi: bootstrap over (step, prompt) clusters; _r2)   theory 1/2
   law/tau2, law/sigma2, law/l_star          Var(S_L) = tau^2 + sigma^2 L; below L* the constant part rules
   law/var_inflation                         Var(S_L) / E[sum_t d_t^2] (1: martingale terms)
-  law/own/{p_homogeneity, lre, lre_floor, out_rate}   the run's own band (its acceptance event)
+  law/own/{p_homogeneity, p_homogeneity_clustered, design_effect, lre, lre_floor, out_rate}   the run's own band
+      (its acceptance event); the clustered p divides the chi-square by the design effect of prompt groups
   law/bands/<b>/{p_homogeneity, lre, lre_floor, ratio_last_first, out_rate}   for b in fspo, rloo, gspo (matched
       at the median length to FSPO's c = sigma_hat, i.e. z = 1) and the calibrated affine / quantile bands fit
       out of sample (steps before t, judged at t): every band on the same sequences
@@ -40,13 +41,13 @@ def band_results(rec: Dict[str, np.ndarray], edges, min_count: int, seed: int = 
     sigma = math.sqrt(float(np.mean(S ** 2 / np.maximum(L, 1))))
     out = {}
     for name, band in lb.matched_bands(sigma, float(np.median(L))).items():
-        out[name] = lb.judge(L, S, lb.outside_of(band, L, S), edges, min_count, band.limits(L), seed)
+        out[name] = lb.judge(L, S, lb.outside_of(band, L, S), edges, min_count, band.limits(L), seed, lb.cluster_ids(rec))
     for name, make in (("affine", lambda: lb.AffineBand(z=1.0)), ("quantile", lambda: lb.BinQuantileBand(z=1.0))):
         oos = lb.out_of_sample(L, S, rec["step"], rec["update"], make)
         j = oos["judged"]
         if j.sum() >= min_count:
             out[name] = lb.judge(L[j], S[j], oos["outside"][j], edges, min_count,
-                                 (oos["lo"][j], oos["hi"][j]), seed)
+                                 (oos["lo"][j], oos["hi"][j]), seed, lb.cluster_ids(rec)[j])
     return out
 
 
@@ -62,7 +63,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
         fit = st.std_exponent(st.bin_moments(g["length"], g["s"], edges), min_count)
         if fit["exponent"] is not None:
             out["law/gate/std_exponent"], out["law/gate/std_exponent_r2"] = fit["exponent"], fit["r2"]
-            ci = st.bootstrap_exponent(g["length"], g["s"], g["step"] * 1e6 + g["group"], edges, min_count, n_boot, seed)
+            ci = st.bootstrap_exponent(g["length"], g["s"], lb.cluster_ids(g), edges, min_count, n_boot, seed)
             if ci is not None:
                 out["law/gate/std_exponent_ci_lo"], out["law/gate/std_exponent_ci_hi"] = ci
     keep = (rec["update"] >= 0) & (rec["length"] > 0)
@@ -76,7 +77,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
     fit = st.std_exponent(m, min_count)
     if fit["exponent"] is not None:
         out["law/std_exponent"], out["law/std_exponent_r2"] = fit["exponent"], fit["r2"]
-        ci = st.bootstrap_exponent(L, S, rec["step"] * 1e6 + rec["group"], edges, min_count, n_boot, seed)
+        ci = st.bootstrap_exponent(L, S, lb.cluster_ids(rec), edges, min_count, n_boot, seed)
         if ci is not None:
             out["law/std_exponent_ci_lo"], out["law/std_exponent_ci_hi"] = ci
     for k, v in st.affine_variance(m, min_count).items():
@@ -85,7 +86,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
     infl = st.variance_inflation(m, min_count)["pooled"]
     if infl is not None:
         out["law/var_inflation"] = infl
-    own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, seed=seed)
+    own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, seed=seed, clusters=lb.cluster_ids(rec))
     _put(out, "law/own", own)
     if own.get("span") is not None:
         out["law/span"] = own["span"]
@@ -96,7 +97,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
 
 
 def _put(out: Dict[str, float], prefix: str, res: dict) -> None:
-    for k in ("p_homogeneity", "lre", "out_rate", "ratio_last_first"):
+    for k in ("p_homogeneity", "p_homogeneity_clustered", "design_effect", "lre", "out_rate", "ratio_last_first"):
         if res.get(k) is not None and math.isfinite(res[k]):  # inf (a bin with nothing out) is not logged
             out[f"{prefix}/{k}"] = float(res[k])
     if "lre_floor" in res:

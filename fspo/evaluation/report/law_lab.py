@@ -61,14 +61,15 @@ def lab_rows(records: Dict[str, Dict[str, np.ndarray]], min_count: int = 50, n_b
         L, S = rec["length"], rec["s"]
         m = st.bin_moments(L, S, edges, rec["d2"])
         row = {"n_seq": len(L), "edges": edges, **{f"fit_{k}": v for k, v in st.std_exponent(m, min_count).items()}}
-        row["exponent_ci"] = st.bootstrap_exponent(L, S, rec["step"] * 1e6 + rec["group"], edges, min_count,
+        row["exponent_ci"] = st.bootstrap_exponent(L, S, lb.cluster_ids(rec), edges, min_count,
                                                    n_boot, seed)
         row.update(st.affine_variance(m, min_count))
         row["var_inflation"] = st.variance_inflation(m, min_count)["pooled"]
         ok = m.populated(min_count)
         row["std_by_bin"] = [(float(m.mean_l[b]), float(math.sqrt(m.var_s[b])), int(m.n[b])) for b in np.flatnonzero(ok)]
         band = (own_bands or {}).get(g)  # RLOO / GSPO: the Gaussian prediction of their own band per bin
-        own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, band.limits(L) if band else None, seed)
+        own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, band.limits(L) if band else None, seed,
+                       lb.cluster_ids(rec))
         row["own"] = own
         if "measure" in g:
             row["panel"] = band_results(rec, edges, min_count, seed)
@@ -101,7 +102,10 @@ def targets(rows: Dict[str, dict]) -> List[dict]:
     if fspo:
         g = fspo["fit_exponent"]
         add("FSPO std exponent in [0.4, 0.6]", g, g is not None and 0.4 <= g <= 0.6, fspo["exponent_ci"])
-        add("FSPO c(L) homogeneous (p >= 0.05)", fspo["own"]["p_homogeneity"], (fspo["own"]["p_homogeneity"] or 0) >= 0.05)
+        p = fspo["own"].get("p_homogeneity_clustered", fspo["own"]["p_homogeneity"])
+        add("FSPO c(L) homogeneous (p >= 0.05, chi-square / prompt-group design effect)", p, (p or 0) >= 0.05)
+        add("FSPO c(L) homogeneous (p >= 0.05, sequences taken as independent)", fspo["own"]["p_homogeneity"],
+            (fspo["own"]["p_homogeneity"] or 0) >= 0.05)
     for name, r in (("fspo", fspo), ("rloo", rloo), ("gspo", gspo)):
         if r:
             add(f"{name} bins with >= 50 sequences span >= 16x", r["own"]["span"], (r["own"]["span"] or 0) >= 16)
@@ -132,14 +136,15 @@ def lab_markdown(rows: Dict[str, dict], tgt: Sequence[dict]) -> str:
         ci = f"[{t['ci'][0]:.3f}, {t['ci'][1]:.3f}]" if t["ci"] else "-"
         lines.append(f"| {t['target']} | {_f(t['measured'])} | {ci} | {'yes' if t['pass'] else 'no'} |")
     lines += ["", "| group | seqs | exponent [95% CI] | tau^2 | sigma^2 | L* | Var(S)/E[sum d^2] | out rate | "
-              "homogeneity p | LRE (flat-band floor) | span |", "|---" * 11 + "|"]
+              "homogeneity p (clustered; iid) | design effect | LRE (flat-band floor) | span |", "|---" * 12 + "|"]
     for g, r in rows.items():
         ci = r["exponent_ci"]
         ex = f"{_f(r['fit_exponent'])} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else _f(r["fit_exponent"])
         o = r["own"]
         floor = o.get("lre_floor", {}).get("mean")
         lines.append(f"| {g} | {r['n_seq']} | {ex} | {_f(r['tau2'])} | {_f(r['sigma2'])} | {_f(r['l_star'])} | "
-                     f"{_f(r['var_inflation'])} | {_f(o.get('out_rate'))} | {_f(o['p_homogeneity'])} | "
+                     f"{_f(r['var_inflation'])} | {_f(o.get('out_rate'))} | {_f(o.get('p_homogeneity_clustered'))}; "
+                     f"{_f(o['p_homogeneity'])} | {_f(o.get('design_effect'))} | "
                      f"{_f(o['lre'])} ({_f(floor)}) | {_f(o['span'])} |")
     for g, r in rows.items():
         lines += ["", f"### {g}: c(L) per bin (own band; Wilson 95% CI)", "", "| bin | mean L | n | c(L) | CI |",
@@ -150,7 +155,8 @@ def lab_markdown(rows: Dict[str, dict], tgt: Sequence[dict]) -> str:
         for name, res in (r.get("panel") or {}).items():
             floor = res.get("lre_floor", {}).get("mean")
             lines.append(f"\n{g} panel band **{name}** on the same sequences: c(L) "
-                         + ", ".join(f"{c:.3f}" for c in res["c"]) + f"; homogeneity p {_f(res['p_homogeneity'])}; "
+                         + ", ".join(f"{c:.3f}" for c in res["c"]) + f"; homogeneity p {_f(res.get('p_homogeneity_clustered'))} "
+                         f"(clustered; iid {_f(res['p_homogeneity'])}, design effect {_f(res.get('design_effect'))}); "
                          f"LRE {_f(res['lre'])} (floor {_f(floor)}); last/first {_f(res['ratio_last_first'])}"
                          + ("; Gaussian prediction " + ", ".join(f"{c:.3f}" for c in res["c_gauss"])
                             if res.get("c_gauss") else ""))
