@@ -95,4 +95,8 @@ def main(pages: List[Path]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main([Path(p).resolve() for p in sys.argv[1:]] or sorted(DOCS.glob("*.md"))))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pages", nargs="*", help="docs pages to refresh (default: every docs/*.md)")
+    sys.exit(main([Path(p).resolve() for p in ap.parse_args().pages] or sorted(DOCS.glob("*.md"))))

@@ -125,9 +125,9 @@ def instrument(meter: Meter) -> None:
 
     upd = RLModule._update
 
-    def _update(self, mb, opt, stats, on_policy, old_from_loss=False, rows=None, gap=False):
+    def _update(self, mb, opt, stats, on_policy, rows=None, **kw):
         t0 = meter.start()
-        upd(self, mb, opt, stats, on_policy, old_from_loss=old_from_loss, rows=rows, gap=gap)
+        upd(self, mb, opt, stats, on_policy, rows=rows, **kw)
         tok, txl = _seq_tokens(mb if rows is None else mb.select(rows.to(mb.response_ids.device)))
         meter.stop("update", t0, tok, 3 * meter.fwd_flops(tok, txl), tok)
     RLModule._update = _update
