@@ -77,6 +77,8 @@ class Meter:
         peak = torch.cuda.max_memory_allocated() / 2**20 if self.cuda else _rss_mib("VmHWM")
         self.rows.append(dict(phase=phase, seconds=secs, tokens=tokens, counted_tokens=counted, flops=flops,
                               peak_mib=peak))
+        print(f"gpu_smoke: {phase} {secs:.2f} s, {counted:.0f} tokens, {flops / 1e12:.1f} TFLOP, peak {peak:.0f} MiB",
+              flush=True)  # each call as it ends: a run stopped early keeps what it measured
 
 
 def _seq_tokens(batch):
@@ -178,7 +180,15 @@ def main(argv=None) -> dict:
             cfg.output_dir = str(Path(tmp) / "out")
         meter = Meter(model_shape(cfg.model), cuda)
         instrument(meter)
-        train(cfg, overrides=over)  # as on the command line: these settings are kept by placement and auto-fit
+        try:
+            train(cfg, overrides=over)  # as on the command line: placement and auto-fit keep these settings
+        finally:  # a run stopped early (a signal, a time limit) still reports the calls it finished
+            res = report(a, device, peak, meter)
+    return res
+
+
+def report(a, device: str, peak, meter: Meter) -> dict:
+    """Print the per-phase table and write every call to ``a.out`` as JSON."""
     res = {"device": device, "model": a.model, "steps": a.steps, "peak_tflops": peak,
            "phases": summarize(meter.rows, peak), "calls": meter.rows}
     print(f"gpu_smoke: {a.model} on {device}, {a.steps} RL steps; MFU against "
@@ -189,7 +199,7 @@ def main(argv=None) -> dict:
         print(f"{ph:<14} {r['calls']:>5} {r['seconds']:>9.2f} {r['tokens_per_s']:>10.1f} {r['tflops']:>9.4f} "
               f"{mfu:>7} {r['peak_mib']:>10.0f}")
     print("(generate: response tokens/s; old log-probs and update: prompt + response tokens/s; peak: "
-          f"{'CUDA max_memory_allocated' if cuda else 'RSS high-water mark'} per phase)")
+          f"{'CUDA max_memory_allocated' if meter.cuda else 'RSS high-water mark'} per phase)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     return res

@@ -32,6 +32,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 RUN = REPO / "experiments" / "run.py"
 TINY_RUN = ["model.source=random", "steps=2", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
+            "ppo.mini_batch_unit=sequences",
             "rollout.sampling.max_new_tokens=24", "val.size=0", "logger=csv", "progress.mode=off"]
 
 
@@ -181,9 +182,9 @@ def test_dcp_save_and_resume_on_nccl(tmp_path):
     n = min(2, torch.cuda.device_count())
     base = ["trainer=fsdp", *TINY_RUN, "checkpoint.every_n_steps=1"]
     _run(base, tmp_path, "dcp", nproc=n)
-    assert list((tmp_path / "dcp" / "checkpoints").glob("step_2*")), "no distributed checkpoint at step 2"
+    assert list((tmp_path / "dcp" / "checkpoints").glob("step_000002*")), "no distributed checkpoint at step 2"
     _run([*[a for a in base if not a.startswith("steps=")], "steps=3", "resume=auto"], tmp_path, "dcp", nproc=n)
-    assert list((tmp_path / "dcp" / "checkpoints").glob("step_3*")), "the resumed run did not reach step 3"
+    assert list((tmp_path / "dcp" / "checkpoints").glob("step_000003*")), "the resumed run did not reach step 3"
 
 
 def test_lora_under_fsdp_on_cuda(tmp_path):
