@@ -63,8 +63,9 @@ def gathered_merge(w: Tensor, a: Tensor, b: Tensor, scale: float, dtype: Optiona
     the merged sum is rounded, once. When W0 and B are FSDP2-sharded alike (dim 0 on one mesh), each rank
     merges its own rows, W0_rows + scale * B_rows A, with A (r rows, small) gathered in float32, casts them
     and the merged weight is gathered in the narrow dtype; otherwise (plain tensors, other placements) W0,
-    A and B are gathered first and merged whole. Both give W0 + scale * B A rounded once to the output
-    dtype (each output row's dot products are the same r products either way).
+    A and B are gathered first and merged whole. Both compute W0 + scale * B A in float32 and round it once
+    to the output dtype; a row block of B A may differ from the whole product only in the matmul's summation
+    order (bit-identical on CPU in tests/test_weight_sync_dtype.py).
     """
     want = wire_dtype(w.dtype, dtype)
     if _same_rows(w, b):
