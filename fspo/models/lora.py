@@ -203,16 +203,17 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _full(t: Tensor) -> Tensor:
-    full = getattr(t, "full_tensor", None)  # DTensor: all-gathered (a collective)
-    return (full() if full is not None else t).detach()
-
-
 @torch.no_grad()
-def merged_weights(model: nn.Module) -> Iterator[Tuple[str, Tensor]]:
+def merged_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
     """``(hf_name, tensor)`` of the LoRA ``model`` with W = W0 + (alpha / r) B A for every adapted
-    layer, in the base's dtype, adapters left out; the other entries as they are (``lm_head.weight``
-    added as the embedding when tied). Under FSDP every rank must drain it (gathers are collectives)."""
+    layer, adapters left out; the other entries as they are (``lm_head.weight`` added as the embedding
+    when tied). Each tensor is in the base's dtype or, given ``dtype`` (the engine's), in
+    `fspo.models.gather.wire_dtype`: ``dtype`` where it is no wider, cast before the gather. The merge
+    itself runs in float32 on each rank's rows and is rounded once (`fspo.models.gather.gathered_merge`:
+    a small adapter update added in bfloat16 would be rounded away). Under FSDP every rank must drain it
+    (gathers are collectives)."""
+    from fspo.models.gather import gathered, gathered_merge
+
     state = model.state_dict()
     seen_head, embed = False, None
     for raw, t in state.items():
@@ -222,12 +223,12 @@ def merged_weights(model: nn.Module) -> Iterator[Tuple[str, Tensor]]:
         seen_head |= name == "lm_head.weight"
         if name.endswith("embed_tokens.weight"):
             embed = raw
-        w = _full(t)
         if raw.endswith(".base_layer.weight"):
             layer = model.get_submodule(raw[: -len(".base_layer.weight")])
-            a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
-            w = (w.float() + (b.float() @ a.float()) * float(layer.scaling[ADAPTER])).to(w.dtype)
-        yield name, w
+            yield name, gathered_merge(t, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
+                                       float(layer.scaling[ADAPTER]), dtype)
+        else:
+            yield name, gathered(t, dtype)
     config = getattr(model, "config", None)
     if bool(getattr(config, "tie_word_embeddings", False)) and not seen_head and embed is not None:
-        yield "lm_head.weight", _full(state[embed])
+        yield "lm_head.weight", gathered(state[embed], dtype)

@@ -53,6 +53,7 @@ from fspo.runtime.launch.precision import engine_dtype
 from fspo.runtime.launch.vllm_support import check_vllm_version, installed_vllm_version
 from fspo.types import RolloutBatch
 
+_DTYPE_ALIASES = {"half": torch.float16, "float": torch.float32}  # vLLM's dtype names that torch lacks
 SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
 INSTALL_HINT = (
     "the vLLM rollout engine needs the `vllm` package: on GPUs run `pip install 'fspo[vllm]'`; "
@@ -124,6 +125,7 @@ class VLLMEngine(RolloutEngine):
         self.tp_group = None  # torch.distributed group of this engine's tensor-parallel members
         self._asleep: set = set()  # the parts sleep() released and wake() has not brought back
         self._synced = False
+        self.weight_dtype: Optional[torch.dtype] = None  # the engine's weights' dtype, set in setup
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, model, tokenizer, workdir: str) -> None:
@@ -192,24 +194,33 @@ class VLLMEngine(RolloutEngine):
         with torch.inference_mode(False):
             self.llm = vllm.LLM(**kw)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.weight_dtype = self.llm.llm_engine.model_config.dtype  # what sync_weights gathers in
         self.pad_token_id = pad_id(tokenizer, model)
         self._synced = not (sharded or lora)
 
     def sync_weights(self, model) -> None:
         """Load ``model``'s current parameters into vLLM in place, then drop the prefix cache.
 
-        Streams `iter_full_state_dict(model)` into ``worker.reload_weights`` (checkpoint names,
-        ``lm_head.weight`` included when tied). Under torch.distributed call it on every rank (the
-        DTensor gathers are collectives); a rank without an engine only drains the iterator.
+        Streams `engine_weights(model, dtype)` into ``worker.reload_weights`` (checkpoint names,
+        ``lm_head.weight`` included when tied), ``dtype`` the engine's (`weight_dtype`): float32
+        masters are cast to the engine's bfloat16 shard by shard BEFORE each all-gather, so the
+        gather moves and builds half the bytes (fspo/models/gather.py). Under torch.distributed call it
+        on every rank (the DTensor gathers are collectives); a rank without an engine only drains the
+        iterator, in the dtype the engine ranks gather in.
         """
         if self.llm is None:
             dist = torch.distributed
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("VLLMEngine.sync_weights called before setup(model, tokenizer, workdir)")
-            drain(model)
+            from vllm.platforms import current_platform
+
+            name = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."),
+                                not current_platform.is_cpu())
+            drain(model, _DTYPE_ALIASES.get(name) or getattr(torch, name))
             return
         self.wake([WEIGHTS])  # the KV cache stays asleep (fspo/rollout/engine_memory.py)
-        weights = engine_weights(model)  # a LoRA policy's adapters merged into its base
+        # a LoRA policy's adapters merged into its base; every tensor gathered in the engine's dtype
+        weights = engine_weights(model, self.weight_dtype)
 
         def _reload(worker):
             worker.reload_weights(weights_iterator=weights)
