@@ -47,13 +47,13 @@ from fspo.runtime.launch.distributed import (
     rank_offset,
     reduce_step_stats,
     reduce_sum,
-    share,
 )
 from fspo.types import RolloutBatch
 from fspo.update import forward as passes
 from fspo.update.grad_probe import probe_minibatch
 from fspo.update.guard import DivergenceGuard, UpdateMeter
 from fspo.update.metric_logging import emit_metrics
+from fspo.update.microbatches import balanced_rank_rows
 from fspo.update.settings import PPOConfig
 from fspo.update.stats import StepStats, peak_memory_mib
 from fspo.update.update_ratio import UpdateRatio
@@ -179,6 +179,8 @@ class RLModule(L.LightningModule):
         # the engine's weights ``policy_lag`` steps behind) is measured like every other mini-batch
         lag = int(batch.get("policy_lag", 0))
         probed: Dict[str, float] = {}
+        # each rank's rows of a mini-batch are balanced by tokens (one host read per step, with several ranks)
+        tokens = (rollout.prompt_mask.sum(-1) + rollout.lengths).cpu() if world > 1 else None
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
             if self.probe_every and len(plan) > 1 and updates == len(plan) - 1 and self.rl_step % self.probe_every == 0:
@@ -187,7 +189,8 @@ class RLModule(L.LightningModule):
             self._update(mb, opt, stats, on_policy=(updates == 0 and (not supplied or lag == 0)),
                          old_from_loss=(updates == 0 and not supplied),
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
-                         rows=share(torch.arange(mb.batch_size), rank, world), update=updates)
+                         rows=None if tokens is None else balanced_rank_rows(tokens[mb_idx], rank, world),
+                         update=updates)
         sched.step()
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
