@@ -208,6 +208,14 @@ def sync_count(n: int, device=None) -> int:
     return int(t.item())
 
 
+def max_over_ranks(values: Tensor) -> List[float]:
+    """Element-wise max of ``values`` [n] over all ranks, read to the host once (one device sync)."""
+    if _active():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
 def any_rank(flag: bool, device=None) -> bool:
     """True when ``flag`` is True on any rank (so every rank takes the same branch)."""
     return sync_count(int(bool(flag)), device) > 0
