@@ -32,9 +32,11 @@ from fspo.types import RolloutBatch  # noqa: E402
 # padded micro-batches (ppo.packing=false): packed rows depend on each rank's share of the batch, so
 # per-token log-probs then differ from one process at float noise (<= 1e-6 measured), which the first
 # AdamW step at lr 1e-3 amplifies to ~3e-5 in the parameters; packing is pinned in test_packing.py.
-# small micro-batches (uneven counts across ranks -> dummy micro-batches), 2 updates per step,
+# small micro-batches (uneven counts across ranks -> dummy micro-batches: with budget 32 the first
+# mini-batch's token-balanced shares, 45 tokens each, take 3 and 2 padded micro-batches, since padding
+# counts rows x longest row), 2 updates per step,
 # FSPO with the EMA band (its observe() all-reduces), a clip-fraction bin width that fits 12 tokens
-OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=40",
+OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=32",
              "ppo.lr=1e-3", "data.length_bin_width=4", "rollout.sampling.max_new_tokens=12"]
 G, PROMPTS = 4, 4
 # activation checkpointing (the sharding option that changes the computation on CPU)
@@ -135,21 +137,26 @@ def run_step(world: int, out: Path, extra=(), tag: str = "") -> dict:
     module = build_module(cfg)
     from fspo.update import forward as passes
 
-    dummies, plain = [0], passes.micro_batches
+    dummies, plain, grads, adam_step = [0], passes.micro_batches, [], torch.optim.AdamW.step
 
     def counted(mod, batch):  # how many zero-weight dummy micro-batches kept the ranks in lockstep
         groups, width = plain(mod, batch)
         dummies[0] += sum(g is None for g in groups)
         return groups, width
 
-    passes.micro_batches = counted
+    def recording(opt, *a, **k):  # the gradient each optimizer step applies (summed over the ranks)
+        full = [getattr(q.grad, "full_tensor", lambda q=q: q.grad)() for g in opt.param_groups for q in g["params"]]
+        grads.append([x.detach().cpu().clone() for x in full])
+        return adam_step(opt, *a, **k)
+
+    passes.micro_batches, torch.optim.AdamW.step = counted, recording
     try:
         trainer = _trainer(cfg, world, out / f"step{world}{tag}", [InjectShare(fixed_rollout())])
         trainer.fit(module, datamodule=_data(cfg, 1))
     finally:
-        passes.micro_batches = plain
+        passes.micro_batches, torch.optim.AdamW.step = plain, adam_step
     res = {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "params": _full_params(module),
-           "dummies": reduce_sum([dummies[0]])[0],
+           "dummies": reduce_sum([dummies[0]])[0], "grads": grads,
            "grad_ckpt": bool(getattr(module.policy, "is_gradient_checkpointing", False))}
     if world > 1:
         res.update(_stream_check(module))

@@ -1,10 +1,12 @@
 """Host reads (each a device sync on a GPU) in the update's bookkeeping: the per-step sums stay on the device
 and are read once (benchmarks/bench_host_syncs.py counts them per RL step: 681 -> 485 on the tiny model, 3
-steps; ``float()`` 301 -> 100).
+steps; ``float()`` 301 -> 100; with ``ppo.mini_batch_unit=sequences`` stated, as the script now does: 492.3 ->
+476.7 once the non-finite check below reads the host once per update).
 
 - `UpdateRatio.compute` read two floats per trainable tensor (~800 reads for Qwen3's ~400 tensors); now one.
 - `StepStats.add_micro` / `add_gap` read 3-5 floats per micro-batch; now none until `compute`.
 - `UpdateMeter.add` read 3 floats per micro-batch; now none until the guard's `flush`.
+- `RLModule._update` read ``bool(torch.isfinite(loss))`` per micro-batch; now one ``tolist`` per update.
 """
 from __future__ import annotations
 
@@ -77,3 +79,58 @@ def test_rank_reduction_includes_the_device_sums(monkeypatch):
     m = stats.compute()
     assert (stats.loss_sum, stats.tokens, stats.ent_tokens) == (1.0, 4.0, 4.0)
     assert m["train/entropy"] == pytest.approx(0.375)
+
+
+
+@pytest.mark.parametrize("budget", [100_000, 24])  # 1 micro-batch per update | 5 and more
+def test_update_checks_the_loss_without_a_read_per_micro_batch(monkeypatch, budget):
+    """The non-finite check reads the host once per optimizer step (the micro-batches' loss flags, the gradient
+    norm's flag and its value, in one ``tolist``), not once per micro-batch: ``bool(torch.isfinite(loss))``
+    and ``bool(isfinite(grad_norm))``, ``float(grad_norm)`` made 1 + 1 + 1 reads per update with one micro-batch,
+    n + 2 with n. Counted: reads of a tensor made in `RLModule._update` by fspo/update/module.py or
+    fspo/runtime/launch/distributed.py (the diagnostics' own reads are left out). The skip is pinned in
+    tests/test_module_update.py and tests/test_guard.py."""
+    import sys
+
+    from test_module_update import make_rollout, run_update
+
+    from fspo.update.module import RLModule
+
+    reads, FILES = [], ("fspo/update/module.py", "fspo/runtime/launch/distributed.py")
+    for name in ("__bool__", "__float__", "item", "tolist"):
+        orig = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=orig, _name=name, **k):
+            if updates and updates[-1] and sys._getframe(1).f_code.co_filename.endswith(FILES):
+                reads.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    updates, plain = [], RLModule._update
+
+    def update(*a, **k):  # reads are counted inside the update only
+        updates.append(True)
+        try:
+            return plain(*a, **k)
+        finally:
+            updates[-1] = False
+    monkeypatch.setattr(RLModule, "_update", update)
+    run_update(make_rollout(), micro_batch_max_tokens=budget)
+    assert len(updates) == 2  # 8 sequences / mini-batches of 4
+    assert sorted(reads) == ["tolist", "tolist"]  # one per update, whatever the micro-batch count
+
+
+def test_skipped_update_records_only_the_micro_batches_before_the_nonfinite_one():
+    """A NaN old log-prob in row 3, the 4th of 5 micro-batches ([1], [6], [5], [3, 0], [2, 7, 4] at budget 24):
+    the update is skipped and its statistics hold the first 3 micro-batches only, as when the loop stopped at
+    the non-finite loss (measured: all 48 logged values equal that loop's); none of them is NaN, which a
+    flag checked after recording every micro-batch would have let into train/loss and the diagnostics."""
+    import math
+
+    from test_module_update import make_rollout, run_update
+
+    rollout = make_rollout()
+    rollout.old_log_probs[3, 2] = float("nan")
+    module, grads, metrics = run_update(rollout, mini_batch_size=8, nonfinite="skip", micro_batch_max_tokens=24)
+    assert grads == [] and int(module.skipped_updates) == 1 and metrics["train/updates"] == 0.0
+    assert [k for k, v in metrics.items() if not math.isfinite(v)] == []
+    assert metrics["train/loss"] != 0.0  # the 3 finite micro-batches were recorded

@@ -2,8 +2,9 @@
 
 Owns: the PPO mini-batches of a step
 (`minibatch_plan`: `minibatch_indices` shuffles sequences, `group_minibatch_indices` whole prompt
-groups; `check_mini_batch` validates the batch settings) and `token_budget_micro_batches`
-(micro-batches for the forward/backward passes). Leaves out: the loss itself (fspo/update/module.py,
+groups; `check_mini_batch` validates the batch settings), `balanced_rank_rows` (each data-parallel
+rank's rows of a mini-batch, balanced by tokens) and `token_budget_micro_batches` (micro-batches for
+the forward/backward passes). Leaves out: the loss itself (fspo/update/module.py,
 fspo/losses.py) and which prompts a step sees (fspo/data/sampler.py).
 
 Units: ``prompts_per_step`` counts prompts; the step's batch is ``prompts_per_step * n`` sequences
@@ -102,6 +103,28 @@ def minibatch_indices(batch_size: int, mini_batch_size: int, generator: Optional
         raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
     order = torch.randperm(batch_size, generator=generator) if shuffle else torch.arange(batch_size)
     return list(order.split(mini_batch_size))
+
+
+def balanced_rank_rows(tokens: Tensor, rank: int, size: int) -> Tensor:
+    """This rank's rows (ascending) of a mini-batch whose row i holds ``tokens[i]`` tokens (prompt + response),
+    split over ``size`` data-parallel ranks by tokens, not rows (verl balances its ranks by sequence length).
+
+    Greedy longest-processing-time: rows by length descending (ties: lower index first), each to the rank with
+    the fewest tokens so far (ties: fewer rows, then lower rank). Every row goes to exactly one rank and every
+    rank computes the same partition from the same ``tokens``. Bound: max_r load_r - min_r load_r <= max_i
+    tokens_i, and max_r load_r <= 4/3 of the best possible (Graham 1969); e.g. tokens [10, 9, 2, 1] on 2 ranks
+    give rows {0, 3} and {1, 2}, 11 tokens each, where the contiguous halves hold 19 and 3. ``size`` 1: all rows."""
+    if size <= 1:
+        return torch.arange(tokens.numel())
+    loads, counts, mine = [0] * size, [0] * size, []
+    lengths = [int(t) for t in tokens.tolist()]  # host values: call with a CPU tensor (no device sync)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(size), key=lambda r: (loads[r], counts[r], r))
+        loads[r] += lengths[i]
+        counts[r] += 1
+        if r == rank:
+            mine.append(i)
+    return torch.tensor(sorted(mine), dtype=torch.long)
 
 
 def token_budget_micro_batches(total_lengths: Tensor, max_tokens: int, max_seqs: int = 1 << 30) -> List[Tensor]:

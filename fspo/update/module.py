@@ -38,22 +38,22 @@ import torch
 from fspo.models.lora import is_lora
 from fspo.models.segment_attention import enable_segment_attention
 from fspo.runtime.launch.distributed import (
-    any_rank,
     clip_grad_norm,
     configure_sharding,
     dp_rank_size,
     gather_group_ids,
     gather_rollout,
+    max_over_ranks,
     rank_offset,
     reduce_step_stats,
     reduce_sum,
-    share,
 )
 from fspo.types import RolloutBatch
 from fspo.update import forward as passes
 from fspo.update.grad_probe import probe_minibatch
 from fspo.update.guard import DivergenceGuard, UpdateMeter
 from fspo.update.metric_logging import emit_metrics
+from fspo.update.microbatches import balanced_rank_rows
 from fspo.update.settings import PPOConfig
 from fspo.update.stats import StepStats, peak_memory_mib
 from fspo.update.update_ratio import UpdateRatio
@@ -179,6 +179,8 @@ class RLModule(L.LightningModule):
         # the engine's weights ``policy_lag`` steps behind) is measured like every other mini-batch
         lag = int(batch.get("policy_lag", 0))
         probed: Dict[str, float] = {}
+        # each rank's rows of a mini-batch are balanced by tokens (one host read per step, with several ranks)
+        tokens = (rollout.prompt_mask.sum(-1) + rollout.lengths).cpu() if world > 1 else None
         for updates, mb_idx in enumerate(plan):
             mb = rollout.select(mb_idx.to(rollout.response_ids.device))
             if self.probe_every and len(plan) > 1 and updates == len(plan) - 1 and self.rl_step % self.probe_every == 0:
@@ -187,7 +189,8 @@ class RLModule(L.LightningModule):
             self._update(mb, opt, stats, on_policy=(updates == 0 and (not supplied or lag == 0)),
                          old_from_loss=(updates == 0 and not supplied),
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
-                         rows=share(torch.arange(mb.batch_size), rank, world), update=updates)
+                         rows=None if tokens is None else balanced_rank_rows(tokens[mb_idx], rank, world),
+                         update=updates)
         sched.step()
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
@@ -203,7 +206,10 @@ class RLModule(L.LightningModule):
         with ``gap`` the loss pass's log-probs are compared with the engine's (``rollout/logprob_gap``).
 
         The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
-        FSDP sums the ranks' gradients)."""
+        FSDP sums the ranks' gradients). Non-finite values: each micro-batch's loss flag stays on the device
+        and is read once, with the gradient norm, before the optimizer step (one host read per update, any
+        rank's flag counting on every rank); a non-finite loss or gradient skips the step (or raises:
+        ``ppo.nonfinite``) and the statistics keep the micro-batches before the first non-finite loss."""
         total_tokens = mb.lengths.sum().clamp(min=1)
         total_seqs = mb.batch_size
         norm_len = mb.response_mask.shape[-1]  # seq-mean-token-sum-norm: the mini-batch's width, not a micro-batch's
@@ -214,13 +220,12 @@ class RLModule(L.LightningModule):
         observed = []
         meter = UpdateMeter()  # this update's loss and KL for the divergence guard
         groups, width = passes.micro_batches(self, mb)
-        for idx in groups:
+        finite, records = [], []  # per micro-batch: loss finite (device flags); what it records, once they are read
+        for pos, idx in enumerate(groups):
             micro = dummy if idx is None else mb.select(idx).trim()
             logp, ent = passes.log_probs(self, micro, with_entropy=self.ppo.log_entropy, pack_width=width,
                                        usage=None if idx is None else stats.usage)
             old = logp.detach() if old_from_loss else micro.old_log_probs  # no update yet: the old policy
-            if gap and idx is not None and self._has_gap(micro):  # no update yet: the policy the engine sampled
-                stats.add_gap(micro.engine_log_probs, logp.detach(), micro.response_mask)
             t_l = time.perf_counter()
             res = self.clip(logp, old, micro.advantages, micro.response_mask)
             fix = self.correction is not None and idx is not None  # the dummy's loss is multiplied by 0 anyway
@@ -229,26 +234,25 @@ class RLModule(L.LightningModule):
                                   total_seqs=total_seqs, norm_len=norm_len)
             stats.loss_time += time.perf_counter() - t_l
             loss = agg.loss if idx is not None else agg.loss * 0.0
-            if any_rank(not bool(torch.isfinite(loss)), self.device):  # every rank takes the same branch
-                stats.nonfinite = True
-                break
-            self.manual_backward(loss)
+            finite.append(torch.isfinite(loss.detach()))  # no host read here: checked once, before the step
+            self.manual_backward(loss)  # a non-finite loss makes the gradient non-finite too: never stepped
             if idx is None:
                 continue
-            t_m = time.perf_counter()
-            stats.add_micro(agg.loss.detach(), logp.detach(), old, ent, micro.response_mask)
+            records.append((pos, micro, agg.loss.detach(), logp.detach(), old, ent, res))
             meter.add(res.token_loss, logp, old, micro.response_mask)
-            # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
-            for d in self._diagnostics():
-                d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy,
-                              token_log_ratio=None if on_policy else (logp.detach() - old))
-            if self.ledger is not None and not on_policy:  # one record per measured sequence (the length law)
-                self.ledger.update(int(self.rl_step), update, micro.group_ids, micro.lengths, logp.detach() - old,
-                                   micro.response_mask, micro.advantages, res.in_band)
-            stats.metrics_time += time.perf_counter() - t_m
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)
-        if stats.nonfinite or not torch.isfinite(grad_norm):
+        # one host read per optimizer step (max over ranks: every rank takes the same branch): which
+        # micro-batch's loss was non-finite, whether the gradient norm is, and its value
+        z = torch.zeros((), device=grad_norm.device)
+        flags = max_over_ranks(torch.stack([(~f).float() for f in finite] + [(~torch.isfinite(grad_norm)).float(),
+                                           torch.where(torch.isfinite(grad_norm), grad_norm.float(), z)]))
+        first_bad = next((i for i, f in enumerate(flags[:-2]) if f), len(groups))
+        stats.nonfinite = first_bad < len(groups)
+        for pos, micro, *rec in records:  # as if the loop had stopped at the first non-finite loss
+            if pos <= first_bad:
+                self._record(micro, *rec, stats, on_policy, gap, update, loss_ok=pos < first_bad)
+        if stats.nonfinite or flags[-2]:
             if self.ppo.nonfinite == "raise":
                 raise FloatingPointError(
                     "non-finite loss or gradient in the policy update; set ppo.nonfinite=skip to skip such "
@@ -269,7 +273,7 @@ class RLModule(L.LightningModule):
                 stats.skipped += 1
                 return
         opt.step()
-        stats.grad_norms.append(float(grad_norm))
+        stats.grad_norms.append(flags[-1])
         # on-policy mini-batches have S == 0 exactly: no information on sigma; with several ranks every
         # rank calls observe (it all-reduces), even one whose share was empty
         if not on_policy and (observed or dp_rank_size(self)[1] > 1):
@@ -279,6 +283,24 @@ class RLModule(L.LightningModule):
             lengths = torch.cat([z.long()] + [o[1] for o in observed])
             tok = torch.cat([z] + [o[2][o[3].bool()] for o in observed])
             self.clip.observe(seq, lengths, tok, torch.ones_like(tok))
+
+    def _record(self, micro, loss, logp, old, ent, res, stats, on_policy, gap, update, loss_ok=True) -> None:
+        """A micro-batch's statistics, diagnostics and ledger records (``loss_ok`` False: its loss was
+        non-finite, only the train-inference gap is taken, as the gap precedes the loss)."""
+        if gap and self._has_gap(micro):  # no update yet: the policy the engine sampled
+            stats.add_gap(micro.engine_log_probs, logp, micro.response_mask)
+        if not loss_ok:
+            return
+        t_m = time.perf_counter()
+        stats.add_micro(loss, logp, old, ent, micro.response_mask)
+        # on-policy mini-batches have S == 0 exactly: counted for clipping, not for log-ratio stats
+        for d in self._diagnostics():
+            d.update_clip(res, micro.lengths, micro.response_mask, micro.advantages, log_ratio=not on_policy,
+                          token_log_ratio=None if on_policy else (logp - old))
+        if self.ledger is not None and not on_policy:  # one record per measured sequence (the length law)
+            self.ledger.update(int(self.rl_step), update, micro.group_ids, micro.lengths, logp - old,
+                               micro.response_mask, micro.advantages, res.in_band)
+        stats.metrics_time += time.perf_counter() - t_m
 
     def _log_step(self, rollout: RolloutBatch, stats: "StepStats", extra: Dict[str, float]) -> None:
         t_m = time.perf_counter()

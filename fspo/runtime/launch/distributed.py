@@ -12,7 +12,8 @@ each holding 1/W of the data compute exactly what one process computes on all of
 - `gather_rollout`: the whole rollout batch on every rank (token ids, masks, advantages: small),
   so PPO mini-batches are drawn from the GLOBAL batch with the same permutation as on one process;
   `gather_group_ids`: its group ids alone, before the gather (mini-batches of whole groups);
-  `share` then gives each rank a balanced contiguous part of every mini-batch;
+  each rank then runs its token-balanced part of every mini-batch (fspo/update/microbatches.py
+  `balanced_rank_rows`);
 - `sync_count`: the most micro-batches any rank has (FSDP forwards/backwards are collectives:
   ranks with fewer run zero-weight dummies);
 - `reduce_sum` / `any_rank` / `reduce_step_stats`: exact sums of counts across ranks;
@@ -180,11 +181,6 @@ def pad_slice(items: Sequence, rank: int, size: int) -> tuple[list, int]:
     return padded[rank * k:(rank + 1) * k], max(0, min(len(items), (rank + 1) * k) - rank * k)
 
 
-def share(index: Tensor, rank: int, size: int) -> Tensor:
-    """This rank's contiguous part of a global mini-batch ``index`` (sizes differ by at most 1)."""
-    return index.tensor_split(size)[rank] if size > 1 else index
-
-
 def reduce_sum(values: Sequence[float], device=None) -> List[float]:
     """Element-wise sum of ``values`` over all ranks (float64; identity without distribution)."""
     if not _active():
@@ -210,6 +206,14 @@ def sync_count(n: int, device=None) -> int:
     t = torch.tensor([n], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def max_over_ranks(values: Tensor) -> List[float]:
+    """Element-wise max of ``values`` [n] over all ranks, read to the host once (one device sync)."""
+    if _active():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
 def any_rank(flag: bool, device=None) -> bool:
