@@ -1,4 +1,4 @@
-"""One run per output folder: an exclusive OS lock on ``<output_dir>/run.lock`` for the run's life.
+"""One run per output folder: an exclusive lock on ``<output_dir>/run.lock`` for the run's life.
 
 Owns: `hold_output_dir` (the context manager `fspo.train.train` runs inside), `OutputDirInUse`
 (raised when another live process holds the folder) and `LockOutputDir` (a Hydra callback, in
@@ -7,16 +7,15 @@ conf/config.yaml, that takes the same lock in ``on_run_start``, before Hydra wri
 there (fspo/runtime/checkpoints/checkpointing.py, fspo/runtime/checkpoints/resume.py).
 
 Contract:
-- the lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``run.lock``; the kernel drops it when the
-  holding process ends in any way (exit, exception, SIGKILL, OOM), so a dead run never blocks a
-  new one. A clean release empties the file; a file still naming a holder when the lock is free
-  is the stale record of a run that died, which is reported and taken over;
-- the holder writes ``{"pid", "host", "started", "argv"}`` (JSON) into the file; a second run
-  reads it for its error message, which names the folder, the holder and the fix;
-- the lock is re-entrant within one process (the Hydra callback and ``train`` both take it;
-  a reference count releases it after the last holder) and is taken by the launching process
-  only: under torchrun / SLURM / Lightning's launcher the ranks other than 0 (`fspo.runtime.launch.rank_zero.
-  launch_rank`) share their rank 0's lock and do not take one;
+- the lock is a `filelock.FileLock` (an OS ``flock``) on ``run.lock``, re-entrant within one process
+  (the Hydra callback and ``train`` both take it; the last release lets go); the kernel drops it when
+  the holding process ends in any way (exit, exception, SIGKILL, OOM), so a dead run never blocks a new one;
+- the holder writes ``{"pid", "host", "started", "argv"}`` (JSON) into the file and empties it on a clean
+  release (also at interpreter exit); a second run reads it for its error message, which names the folder,
+  the holder and the fix; a file still naming a holder when the lock is free is the stale record of a run
+  that died, which is reported and taken over;
+- the lock is taken by the launching process only: under torchrun / SLURM / Lightning's launcher the ranks
+  other than 0 (`fspo.runtime.launch.rank_zero.launch_rank`) share their rank 0's lock and take none;
 - on a file system without ``flock`` support the run goes on with a warning (no detection).
 """
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -34,24 +32,22 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
+from filelock import FileLock, Timeout
+
 log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
-_held: Dict[str, list] = {}  # resolved lock path -> [fd, reference count]
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_held: Dict[str, FileLock] = {}  # resolved lock path -> this process's lock on it
 
 
 class OutputDirInUse(ValueError):
     """Another live process holds the output folder's lock."""
 
 
-def _describe(info: Dict[str, Any]) -> str:
-    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started "
-            f"{info.get('started', '?')}")
-
-
-def _read_holder(fd: int) -> Optional[Dict[str, Any]]:
-    """The holder record in the lock file, None when empty (a clean release) or unreadable."""
+def _read_holder(path: Path) -> Optional[Dict[str, Any]]:
+    """The holder record in the lock file, None when missing, empty (a clean release) or unreadable."""
     try:
-        raw = os.pread(fd, 65536, 0).decode("utf-8", "replace").strip()
+        raw = path.read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
         return None
     if not raw:
@@ -59,51 +55,55 @@ def _read_holder(fd: int) -> Optional[Dict[str, Any]]:
     try:
         info = json.loads(raw)
     except ValueError:
-        return {"pid": "?", "host": "?", "started": "?"}
-    return info if isinstance(info, dict) else {"pid": "?", "host": "?", "started": "?"}
+        info = None
+    return info if isinstance(info, dict) else {}
+
+
+def _describe(info: Dict[str, Any]) -> str:
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started "
+            f"{info.get('started', '?')}")
 
 
 def acquire(output_dir) -> bool:
     """Take the lock of ``output_dir`` (created if missing) for this process; True when held
     (False: the file system does not support locks). Raises `OutputDirInUse` naming the holder."""
     out = Path(output_dir).resolve()
-    key = str(out / LOCK_FILE)
-    if key in _held:
-        _held[key][1] += 1
+    path = out / LOCK_FILE
+    if str(path) in _held:
+        _held[str(path)].acquire()
         return True
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+    before = _read_holder(path)  # read first: filelock may empty the file when it takes the lock
+    lock = FileLock(str(path), timeout=0, thread_local=False)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fd) or {}
-        os.close(fd)
+        lock.acquire()
+    except Timeout:
+        holder = _read_holder(path) or before or {}
         raise OutputDirInUse(
-            f"output_dir {out} is in use by another run ({_describe(holder)}; lock {key}): wait for it to "
+            f"output_dir {out} is in use by another run ({_describe(holder)}; lock {path}): wait for it to "
             f"finish or stop it, or pass another output_dir") from None
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            log.warning("cannot lock %s (%s): a second run in this output_dir would not be detected", key, e)
-            return False
-        raise
-    stale = _read_holder(fd)
-    if stale:
+    except (NotImplementedError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in _NO_LOCKS:
+            raise
+        log.warning("cannot lock %s (%s): a second run in this output_dir would not be detected", path, e)
+        return False
+    if before is not None:
         log.warning("output_dir %s: the previous run (%s) ended without releasing its lock (killed?); taking it over",
-                    out, _describe(stale))
+                    out, _describe(before))
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
           "argv": " ".join(sys.argv)[:2000]}
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(me) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:  # a full or read-only disk: let go of the lock, or this process's next try says "in use"
-        os.close(fd)
-        raise OSError(e.errno, e.strerror, key) from None  # named: fspo/runtime/checks/errors.py makes it one line
+        lock.release(force=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None  # named: fspo/runtime/checks/errors.py: one line
     if not _held:
         atexit.unregister(_release_at_exit)  # registered once
         atexit.register(_release_at_exit)
-    _held[key] = [fd, 1]
+    _held[str(path)] = lock
     return True
 
 
@@ -112,28 +112,21 @@ def _release_at_exit() -> None:
     still held is released cleanly, even when Hydra's ``on_run_end`` was skipped by the exception: only a run
     that was killed leaves its record for the next one to report."""
     for key in list(_held):
-        _held[key][1] = 1
-        release(Path(key).parent)
+        release(Path(key).parent, force=True)
 
 
-def release(output_dir) -> None:
-    """Drop one reference to this process's lock of ``output_dir``; the last one empties the file
-    (a clean end) and unlocks it. No-op when not held."""
+def release(output_dir, force: bool = False) -> None:
+    """Drop one reference (all with ``force``) to this process's lock of ``output_dir``; the last one
+    empties the file (a clean end) and unlocks it. No-op when not held."""
     key = str(Path(output_dir).resolve() / LOCK_FILE)
-    entry = _held.get(key)
-    if entry is None:
+    lock = _held.get(key)
+    if lock is None:
         return
-    entry[1] -= 1
-    if entry[1] > 0:
-        return
-    fd = _held.pop(key)[0]
-    try:
-        os.ftruncate(fd, 0)
-    except OSError:
-        pass
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    if force or lock.lock_counter <= 1:
+        del _held[key]
+        with contextlib.suppress(OSError):
+            os.truncate(key, 0)
+    lock.release(force=force)
 
 
 @contextlib.contextmanager
