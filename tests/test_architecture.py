@@ -18,7 +18,7 @@ PKG = ROOT / "fspo"
 
 # lowest first; a package may import only from packages in earlier layers (and from itself)
 LAYERS: List[Set[str]] = [
-    {"types"},
+    {"types", "seeds"},
     {"losses", "advantages"},
     {"clipping"},
     {"diagnostics"},
@@ -31,7 +31,7 @@ LAYERS: List[Set[str]] = [
     {"cli"},
     {"train", "sweeps"},
 ]
-TOP_LEVEL_MODULES = {"types", "losses", "advantages", "train", "cli", "sweeps"}
+TOP_LEVEL_MODULES = {"types", "seeds", "losses", "advantages", "train", "cli", "sweeps"}
 
 
 def _modules() -> Dict[str, Path]:

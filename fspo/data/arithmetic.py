@@ -21,6 +21,7 @@ import random
 from typing import List, Tuple
 
 from fspo.data.base import ListSource, Sample
+from fspo.seeds import SPLITS, split_seed
 
 
 def _problem(rng: random.Random, min_ops: int, max_ops: int, max_operand: int) -> Tuple[List[int], List[str]]:
@@ -49,20 +50,18 @@ def worked_solution(nums: List[int], ops: List[str]) -> Tuple[str, int]:
 class ArithmeticTask:
     """Deterministic train / validation / test prompt sets for the built-in task.
 
-    ``split`` is "train", "val" or "test"; ``size`` problems are generated from ``seed`` (val uses
-    ``seed + 1_000_003``, test ``seed + 2_000_003``). Val and test exclude every prompt among the first
+    ``split`` is "train", "val" or "test"; ``size`` problems are generated from `fspo.seeds.split_seed`
+    ``(seed, split)``. Val and test exclude every prompt among the first
     ``exclude_size`` train problems of the same seed (set it to the train split's size; default
     ``10 * size``); test also excludes every prompt of the val split of size ``val_size`` (the run's
     ``val.size``; default ``size``) built with the same settings. Each `Sample` keeps
     ``meta["nums"]``/``meta["ops"]`` so the warm start can render the worked solution.
     """
 
-    SEED_OFFSET = {"train": 0, "val": 1_000_003, "test": 2_000_003}
-
     def __init__(self, split: str = "train", size: int = 2000, seed: int = 0, min_ops: int = 2,
                  max_ops: int = 9, max_operand: int = 9, exclude_size: int | None = None,
                  val_size: int | None = None):
-        if split not in self.SEED_OFFSET:
+        if split not in SPLITS:
             raise ValueError(f"data.split must be 'train', 'val' or 'test', got {split!r}")
         if not 2 <= min_ops <= max_ops:
             raise ValueError(f"need 2 <= data.min_ops <= data.max_ops, got {min_ops}, {max_ops}")
@@ -77,7 +76,7 @@ class ArithmeticTask:
             val = ArithmeticTask("val", size if val_size is None else val_size, seed, min_ops, max_ops, max_operand,
                                  exclude_size=exclude_size)
             excluded |= {val[i].prompt for i in range(len(val))}
-        rng_seed = seed + self.SEED_OFFSET[split]
+        rng_seed = split_seed(seed, split)
         out: List[Sample] = []
         for s in _generate(size * 3, rng_seed, min_ops, max_ops, max_operand):
             if s.prompt not in excluded:

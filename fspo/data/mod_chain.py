@@ -29,6 +29,7 @@ import random
 from typing import List, Optional
 
 from fspo.data.base import ListSource, Sample
+from fspo.seeds import SPLITS, split_seed
 
 
 def render_prompt(v0: int, n: int) -> str:
@@ -68,11 +69,9 @@ class ModChainTask:
     task measures the clip, not generalisation. ``answer`` is ``"v0,n"``; ``meta`` holds v0, n and step.
     """
 
-    SEED_OFFSET = {"train": 0, "val": 1_000_003, "test": 2_000_003}
-
     def __init__(self, split: str = "train", size: int = 20000, seed: int = 0, min_lines: int = 4,
                  max_lines: int = 100, step: int = 7, exclude_size: Optional[int] = None):
-        if split not in self.SEED_OFFSET:
+        if split not in SPLITS:
             raise ValueError(f"data.split must be 'train', 'val' or 'test', got {split!r}")
         if not 1 <= min_lines <= max_lines <= 999:
             raise ValueError(f"need 1 <= min_lines <= max_lines <= 999 (a 3-digit counter), got {min_lines}, {max_lines}")
@@ -80,7 +79,7 @@ class ModChainTask:
             raise ValueError(f"data size must be >= 1, got {size}: the prompt set would be empty")
         if step % 10 == 0:
             raise ValueError(f"data step must not be a multiple of 10 (the digit would never change), got {step}")
-        rng = random.Random(seed + self.SEED_OFFSET[split])
+        rng = random.Random(split_seed(seed, split))
         out = []
         for i in range(size):
             n, v0 = _log_uniform_int(rng, min_lines, max_lines), rng.randrange(10)

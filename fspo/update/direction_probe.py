@@ -25,6 +25,7 @@ import lightning as L
 import torch
 
 from fspo.runtime.launch.distributed import dp_rank_size
+from fspo.seeds import step_seed
 from fspo.update import forward as passes
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class RandomDirectionGate(L.Callback):
             return
         step = int(pl_module.rl_step)
         base = passes.old_log_probs(pl_module, rollout)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(step_seed(self.seed, step))
         moved = []
         for p in pl_module.policy.parameters():
             if not p.requires_grad:

@@ -48,6 +48,7 @@ from fspo.runtime.launch.distributed import (
     reduce_step_stats,
     reduce_sum,
 )
+from fspo.seeds import step_seed
 from fspo.types import RolloutBatch
 from fspo.update import forward as passes
 from fspo.update.grad_probe import probe_minibatch
@@ -141,7 +142,7 @@ class RLModule(L.LightningModule):
         rank, world = dp_rank_size(self)
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.rl_step))
+        g = torch.Generator().manual_seed(step_seed(self.seed, int(self.rl_step)))
         groups = None
         if self.ppo.mini_batch_unit == "prompts":  # whole groups: the global batch's group ids
             if rollout.group_ids is None:
