@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt" (tests/test_lightning_internals.py)
 
 from fspo.runtime.checkpoints.safe_load import safe_dcp_reader, safe_torch_load
 
@@ -43,7 +44,7 @@ def list_checkpoints(dirpath) -> List[Path]:
 def read_resume_meta(path) -> Dict[str, Any]:
     """``checkpoint["fspo_resume"]`` of a checkpoint file or shard folder (its ``meta.pt``); raises if unreadable."""
     p = Path(path)
-    f = p / "meta.pt" if p.is_dir() else p
+    f = p / _METADATA_FILENAME if p.is_dir() else p
     ckpt = safe_torch_load(f)  # a crafted or non-torch file: one line, nothing unpickled
     if not isinstance(ckpt, dict) or META_KEY not in ckpt:
         raise ValueError(f"{p} is not a checkpoint written by fspo.runtime.checkpoints.checkpointing (no {META_KEY!r})")
@@ -148,7 +149,7 @@ def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
     if sd:
         dcp.load({"state_dict": sd}, storage_reader=reader)
     ckpt = {"state_dict": sd}
-    meta = path / "meta.pt"  # Lightning's non-tensor state (loops, global_step)
+    meta = path / _METADATA_FILENAME  # Lightning's non-tensor state (loops, global_step)
     if meta.exists():
         ckpt = {**_torch_load(meta), **ckpt}
     return ckpt
