@@ -31,7 +31,6 @@ USES = [
     ("fspo/tracking/outage_buffer.py", '"_tracking_uri"', "the logger's tracking URI: no public property"),
     ("fspo/tracking/logger.py", "._experiment_name", "the experiment's name before the run exists"),
     ("fspo/train.py", '"_run_name"', "the run name to print before the run exists"),
-    ("fspo/update/metric_logging.py", '"_trainer"', "a module used without a trainer: .trainer raises"),
 ]
 
 
@@ -60,7 +59,10 @@ def test_each_private_attribute_exists_on_the_installed_lightning(tmp_path):
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
     assert _METADATA_FILENAME == "meta.pt"
-    assert LightningModule()._trainer is None
+    assert LightningModule().device_mesh is None  # public: fspo/runtime/launch/distributed.py
+    from fspo.runtime.launch.distributed import attached_trainer
+
+    assert attached_trainer(LightningModule()) is None and attached_trainer(object()) is None  # .trainer raises
     logger = MLFlowLogger(experiment_name="e", run_name="r", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
     assert (logger._tracking_uri, logger._experiment_name, logger._run_name) == (
         f"sqlite:///{tmp_path / 'm.db'}", "e", "r")

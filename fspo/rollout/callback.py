@@ -52,7 +52,7 @@ from fspo.runtime.checkpoints.stop_signal import (
     rewind_to_last_step_end,
     synced_stops,
 )
-from fspo.runtime.launch.distributed import dp_rank_size, pad_slice, rank_slice, reduce_sum
+from fspo.runtime.launch.distributed import attached_trainer, dp_rank_size, pad_slice, rank_slice, reduce_sum
 from fspo.seeds import round_seed, step_seed, val_seed
 from fspo.types import RolloutBatch
 
@@ -96,7 +96,7 @@ class RolloutCallback(L.Callback):
         # callbacks' setup, and an engine that copies weights must see the sharded module
         if not self._ready:
             self._workdir.mkdir(parents=True, exist_ok=True)
-            trainer = getattr(pl_module, "_trainer", None)
+            trainer = attached_trainer(pl_module)
             if trainer is not None and hasattr(self.engine, "trainer_local_rank"):
                 self.engine.trainer_local_rank = trainer.local_rank  # Lightning's cluster environment
             self.engine.setup(pl_module.policy, self.tokenizer, str(self._workdir))
@@ -123,7 +123,7 @@ class RolloutCallback(L.Callback):
     def _generate(self, pl_module, prompts: List[str], params: SamplingConfig,
                   timings: Dict[str, float]) -> RolloutBatch:
         self._ensure_engine(pl_module)
-        trainer = getattr(pl_module, "_trainer", None)
+        trainer = attached_trainer(pl_module)
         optimizers = trainer.optimizers if trainer is not None else []
         t0 = time.perf_counter()
         # free the trainer's gradients, wake the engine's weights, sync, then its KV cache; sleep after

@@ -20,6 +20,7 @@ from typing import Dict, Iterable
 import torch
 
 from fspo.diagnostics.metric_keys import display_key, headline
+from fspo.runtime.launch.distributed import attached_trainer
 
 
 def emit_metrics(module, metrics: Dict[str, float], step: int, prog_bar: Iterable[str] = (),
@@ -30,7 +31,7 @@ def emit_metrics(module, metrics: Dict[str, float], step: int, prog_bar: Iterabl
     for logger in module.loggers:
         logger.log_metrics(shown, step=int(step))
     prog_bar = set(prog_bar)
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     direct = {}
     for k, v in metrics.items():
         if k in prog_bar or not on_step or trainer is None:

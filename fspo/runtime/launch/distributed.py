@@ -128,7 +128,7 @@ def configure_sharding(module) -> None:
     (its data-parallel mesh; `ShardingConfig` from an `FSDP2Strategy`), do nothing otherwise."""
     from fspo.models.meta_init import is_on_meta, load_local_shards
 
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
         if is_on_meta(module.policy):  # built for sharded loading, run unsharded: load it whole
             load_local_shards(module.policy, module.device)
@@ -152,10 +152,18 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def attached_trainer(module):
+    """The Trainer ``module`` is attached to; None when it has none (Lightning's ``.trainer`` raises there)."""
+    try:
+        return getattr(module, "trainer", None)
+    except RuntimeError:
+        return None
+
+
 def dp_rank_size(module=None) -> tuple[int, int]:
     """(data-parallel rank, size): the mesh's ``data_parallel`` dimension when ``module`` has one,
     else the world; (0, 1) without torch.distributed."""
-    mesh = getattr(module, "_device_mesh", None)
+    mesh = getattr(module, "device_mesh", None)  # LightningModule's, set by ModelParallelStrategy
     if mesh is not None:
         dp = mesh["data_parallel"]
         return dp.get_local_rank(), dp.size()
