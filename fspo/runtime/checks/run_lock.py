@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 from filelock import FileLock, Timeout
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
@@ -142,21 +144,13 @@ def hold_output_dir(output_dir, owner: bool = True) -> Iterator[None]:
 
 
 def _run_dir(config) -> Optional[str]:
-    from omegaconf import OmegaConf
-
     try:
         return OmegaConf.select(config, "output_dir") or OmegaConf.select(config, "hydra.run.dir")
     except Exception:  # noqa: BLE001 - an interpolation that cannot resolve yet: train() locks later
         return None
 
 
-try:
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover - hydra is a dependency
-    _HydraCallback = object
-
-
-class LockOutputDir(_HydraCallback):
+class LockOutputDir(Callback):
     """Hydra callback: take the output folder's lock in ``on_run_start`` (before Hydra writes into
     the folder) and drop it in ``on_run_end``. A folder in use ends the command with one line and
     exit code 2. Multirun jobs are locked by ``train`` itself (each job has its own folder)."""
