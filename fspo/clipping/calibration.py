@@ -201,7 +201,7 @@ class PowerLawBand(_MomentBand):
 
     gamma is clamped to [``gamma_min``, ``gamma_max``] = [0, 1.5] by default: gamma in [0, 1] spans
     every stationary token process (1/2 independent increments, 1 all tokens moving together);
-    above 1 the per-token spread itself grows with L (seen on our tiny task), and the clamp
+    above 1 the per-token spread itself grows with L (seen on the tiny arithmetic task), and the clamp
     bounds how far a noisy fit from two close bins can blow the band up when the law is
     extrapolated beyond the observed lengths (2,000^1.5 = 9e4 already). A negative gamma
     (longer sequences less spread) has no token-sum reading. Where the true gamma lies outside the

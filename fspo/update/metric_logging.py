@@ -9,7 +9,7 @@ Lightning's counter) and made visible to callbacks in ``trainer.callback_metrics
 ModelCheckpoint / EarlyStopping ``monitor`` read). Only the progress-bar metrics (and epoch-level
 ones, e.g. validation) go through ``LightningModule.log``: each ``log`` call costs ~0.6 ms on CPU
 (Lightning wraps every value in a torchmetrics result and moves it to the device), which for the
-~90 metrics of an RL step was ~60 ms a step, 8% of the default step on our CPU. The others are
+~90 metrics of an RL step was ~60 ms a step, 8% of the default step on a 2-core CPU. The others are
 set in ``trainer.callback_metrics`` (the dict Lightning keeps and returns; it resets it only when
 a fit or sanity check starts) as float32 CPU tensors, the type ``log`` would have stored.
 """

@@ -25,7 +25,7 @@ the running band's ``observe``): only a step's first one, and only when its old 
 current weights' (recomputed, or the engine's with ``batch["policy_lag"]`` 0, whose S is the float gap
 ~1e-7). Under ``rollout.overlap`` the engine's weights are ``policy_lag`` (k) steps behind: the first
 mini-batch's ratio is against the policy that generated the batch and it is measured like the others
-(issue 30: the stale first batch).
+(it is stale, not on-policy).
 """
 from __future__ import annotations
 

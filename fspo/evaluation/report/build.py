@@ -124,7 +124,7 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     by_len = by_length_rows(groups, min_bin_count)
     length_md = by_length_markdown(by_len, min_bin_count)
     (out / "by_length.md").write_text(length_md)
-    law = law_rows(groups, min_count=min_bin_count)  # the length law's targets (issue 30 item 5): law.md, law.csv
+    law = law_rows(groups, min_count=min_bin_count)  # the length law's targets: law.md, law.csv
     write_csv(law, out / "law.csv")
     (out / "law.md").write_text(law_markdown(law))
 

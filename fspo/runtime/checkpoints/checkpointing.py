@@ -23,7 +23,7 @@ a signal during a step's rollout abandons the step (fspo/runtime/checkpoints/sto
 is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
 (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
 handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
-over ours (Lightning issue 13773).
+over ours (Lightning-AI/pytorch-lightning#13773).
 """
 from __future__ import annotations
 
