@@ -4,7 +4,7 @@
 Owns: `ClipFractionByLength`. Leaves out: the clip decisions themselves (fspo/clipping: binding
 masks, ``in_band`` and ``clip_cap`` in `ClipResult`) and the LRE formulas (lre.py).
 
-Two different events are counted per sequence (DESIGN.md section 2):
+Two different events are counted per sequence (docs/metrics.md):
 
 - acceptance (the paper's section "Length Fairness and LRE"): the ratio lies inside the rule's
   band, whatever the advantage's sign (``ClipResult.in_band``: FSPO lo_L <= S <= hi_L; RLOO

@@ -6,7 +6,7 @@ refusal of names it does not have), `apply_lora` (wrap a loaded HF causal LM wit
 frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share of a
 LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that
 hold a plain model: vLLM's weight sync). Leaves out: loading the base (fspo/models/loading.py),
-exporting a merged model from a checkpoint (fspo/models/lora_export.py) and the memory plan's
+exporting a merged model from a checkpoint (fspo/runtime/checkpoints/lora_export.py) and the memory plan's
 LoRA terms (fspo/runtime/launch/memory_plan.py).
 
 The adapted layer computes y = W0 x + (alpha / r) B A x, A [r, in], B [out, r], B = 0 at start
