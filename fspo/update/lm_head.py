@@ -8,7 +8,7 @@ Contract: for K positions with final hidden states ``hidden`` [K, H], the LM-hea
     logp_k = z_{k, y_k} / T - logsumexp_v(z_{k, v} / T)       (T = temperature)
     H_k    = logsumexp(z_k / T) - sum_v softmax(z_k / T)_v * z_{k, v} / T      (entropy, no gradient)
 
-which is what `fspo.logprobs.response_log_probs` computes from dense logits (``logits.float() /
+which is what `fspo.update.logprobs.response_log_probs` computes from dense logits (``logits.float() /
 temperature``, logsumexp, gather). Gradients follow from
 
     d logp_k / d z_{k, v} = (onehot(y_k)_v - softmax(z_k / T)_v) / T
