@@ -41,7 +41,8 @@ TRL pads each mini-batch to its longest and we pack): the two sides then sample 
 so the fair figure is response tokens/s from each side's own mean length, reported with both means.
 The phase split (ours: the ``time/*`` metrics of the run, and "other" = median step minus their sum:
 Lightning's loop, MLflow logging; TRL: timers around its generate, reward-function and no-grad
-log-prob calls, the rest of the step is "train_other": loss passes, optimizer, metrics, logging) is reported to show where the time goes.
+log-prob calls, the rest of the step is "train_other": loss passes, optimizer, metrics, logging) is reported to show
+where the time goes.
 
 What differs, and stays different (by design of each framework, not of the work):
   - ours logs ~100 metrics per step to MLflow (a temporary SQLite store) and updates the

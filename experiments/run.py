@@ -1,4 +1,4 @@
-"""Entry point: `python experiments/run.py [+method=fspo|grpo|rloo|gspo] [+model=tiny|qwen3_1_7b|qwen3_8b] [key=value ...]`.
+"""Entry point: `python experiments/run.py [+method=fspo|grpo|...] [+model=tiny|qwen3_1_7b|...] [key=value ...]`.
 
 With no arguments it runs the embedded default (FSPO, tiny warm-started Qwen3, built-in arithmetic
 task, CPU, MLflow SQLite store ./mlflow.db). Hydra multirun works as usual (`-m`, sweeps/).

@@ -1,13 +1,13 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
 Owns: `train(cfg)` — check every setting first (fspo/runtime/checks/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
-trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
-reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
-Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
-diagnostics and their figures to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock
-throughout (fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
-``output_dir`` and its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
+plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop),
+build the policy (under trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
+reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning Trainer from
+``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their figures
+to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock throughout
+(fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in ``output_dir`` and
+its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
 checkpoints and signal stops are fspo/runtime/checkpoints/checkpointing.py's. Leaves out: Hydra's command line
 (experiments/run.py) and every component's internals.
 """

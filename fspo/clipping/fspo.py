@@ -88,8 +88,9 @@ class FSPOClip(ClipRule):
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
     "fixed" | "ema" | "power" | "per_bin" | "quantile" | "affine" (``calibration``: keyword settings of the calibrator,
-    e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
-    running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
+    e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and
+    ``alpha`` in (0, 1] (EMA band and running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" |
+    "length_weighted".
     """
 
     level = "sequence"

@@ -22,7 +22,8 @@ The child answers requests in order; `result` returns the `RolloutBatch` of the 
 sent back and raised by `result` with the child's traceback text; a dead child is reported instead
 of waiting forever; an alive child that answers nothing within ``timeout_s`` is killed and reported
 (`EngineUnresponsive`), and a stop signal during a wait (``should_stop``) raises Lightning's
-``SIGTERMException`` so the run checkpoints and exits as the synchronous path does. The child dies with the trainer, however the trainer ends (`die_with_parent`).
+``SIGTERMException`` so the run checkpoints and exits as the synchronous path does. The child dies with the trainer,
+however the trainer ends (`die_with_parent`).
 """
 from __future__ import annotations
 

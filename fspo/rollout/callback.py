@@ -10,14 +10,13 @@ and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning t
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
 ``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
 ``pipeline`` (``rollout.overlap``, fspo/rollout/pipeline.py) training rollouts come from an engine
-process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
-overlong rate) from completions sampled with the validation settings.
-With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
-whose rewards are all equal are dropped and further prompts drawn from the sampler, within
-``max_rounds`` rounds; advantages are then computed on the kept groups. Round j >= 1 of step k
-samples with the round-1 seed + ``15_485_863 * j``; reward metrics stay those of round 1 (the
-step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
-estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
+process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches
+get ``batch["val_stats"]`` (accuracy, reward, length, overlong rate) from completions sampled with the validation
+settings. With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups whose
+rewards are all equal are dropped and further prompts drawn from the sampler, within ``max_rounds`` rounds; advantages
+are then computed on the kept groups. Round j >= 1 of step k samples with the round-1 seed + ``15_485_863 * j``; reward
+metrics stay those of round 1 (the step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions
+(fspo/rewards), the advantage estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
 
 Seeding: step k samples with seed ``seed * 1_000_003 + k``; validation batch j always with
 ``seed * 1_000_003 + 999_999_937 + j``, so successive validations differ only by the policy.

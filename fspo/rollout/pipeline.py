@@ -1,4 +1,4 @@
-"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on step t's.
+"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on step t.
 
 Owns: `OverlapConfig` (``rollout.overlap``: ``enable``, ``staleness`` k, ``engine_threads``) and
 `RolloutPipeline`, which keeps k training requests in flight on an `fspo.rollout.async_engine.AsyncEngine`.

@@ -3,9 +3,10 @@
 Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
 clip rule's theory curve as ``plots/<name>.png``, the resolved config as ``config.yaml`` and a uniform
-sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
-each kind of logger stores a figure or a file (fspo/tracking/sinks.py). With the MLflow server down
-(fspo/tracking/outage_buffer.py) the run metrics are buffered and the figures/config skipped for MLflow, in one warning line.
+sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step
+metrics (logged by the module through Lightning) and how each kind of logger stores a figure or a file
+(fspo/tracking/sinks.py). With the MLflow server down (fspo/tracking/outage_buffer.py) the run metrics are buffered and
+the figures/config skipped for MLflow, in one warning line.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Owns: `default_run_name` (``<method>-<model>-s<seed>-<MMDD>-<HHMMSS>`` when ``run_name`` is null),
 `EXPERIMENT_NOTE` and `describe_experiment` (the experiment's description, MLflow tag
-``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building the logger
-(fspo/tracking/logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
+``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building
+the logger (fspo/tracking/logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
 
 Why our own name: MLflow's random names (``capable-auk-759``) come from Python's global ``random``,
 which ``seed_everything(cfg.seed)`` has seeded before the run is created, so every launch with the

@@ -1,10 +1,10 @@
 """The policy's forward passes over a rollout batch, for `fspo.update.module.RLModule`.
 
 Owns: `micro_batches` (how a batch is split into token-budget micro-batches, and the layout each
-is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token log-probs and entropies) and `old_log_probs`
-(the no-grad pass giving log pi_old before the first update). Each takes the module: its policy,
-its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh.
-Leaves out: the update (fspo/update/module.py) and the log-prob arithmetic (fspo/update/logprobs.py).
+is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token
+log-probs and entropies) and `old_log_probs` (the no-grad pass giving log pi_old before the first update). Each takes
+the module: its policy, its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh. Leaves out:
+the update (fspo/update/module.py) and the log-prob arithmetic (fspo/update/logprobs.py).
 
 Micro-batch layouts (``ppo.packing``, ``ppo.micro_batch_max_tokens``):
   - packing on, segment-attention model (sdpa, the default): one unpadded row per micro-batch of

@@ -103,8 +103,8 @@ class DivergenceGuard:
 
     def check(self, grad_norm: Tensor, meter: UpdateMeter, device=None, where: str = "", lr: float = 0.0) -> str:
         """The verdict for one update: ``"step"`` (within limits), ``"warn"`` (exceeded, step anyway) or
-        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data parallelism: every rank must call it for
-        every update (``where`` and ``lr`` only go into the message)."""
+        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data
+        parallelism: every rank must call it for every update (``where`` and ``lr`` only go into the message)."""
         if not self.enabled:
             return "step"
         meter.flush()

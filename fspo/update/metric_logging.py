@@ -24,7 +24,8 @@ from fspo.diagnostics.metric_keys import display_key, headline
 
 def emit_metrics(module, metrics: Dict[str, float], step: int, prog_bar: Iterable[str] = (),
                  on_step: bool = True) -> None:
-    """Log ``metrics`` to each of ``module.loggers`` at ``step`` and mirror them into Lightning (see module docstring)."""
+    """Log ``metrics`` to each of ``module.loggers`` at ``step`` and mirror them into Lightning (see module
+    docstring)."""
     shown = {display_key(k): v for k, v in metrics.items()}
     shown.update(headline(metrics))  # copies in the first chart section (metric_keys.py)
     for logger in module.loggers:

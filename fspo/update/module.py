@@ -1,11 +1,11 @@
 """The LightningModule: holds the policy and optimizer and runs the PPO-style update on a rollout batch.
 
 Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
-aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are `fspo.update.settings.PPOConfig`.
-Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills ``batch["rollout"]``),
-the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
-forward passes and their micro-batch layouts (fspo/update/forward.py) and the diagnostics
-(fspo/diagnostics) — the step only wires them together, with no per-method code.
+aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are
+`fspo.update.settings.PPOConfig`. Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills
+``batch["rollout"]``), the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
+forward passes and their micro-batch layouts (fspo/update/forward.py) and the diagnostics (fspo/diagnostics) — the step
+only wires them together, with no per-method code.
 
 Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
 shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
@@ -329,7 +329,8 @@ class RLModule(L.LightningModule):
         self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
 
     def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
-        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics`` (fspo/update/metric_logging.py)."""
+        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics``
+        (fspo/update/metric_logging.py)."""
         emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
 
     # ---------------------------------------------------------------- validation

@@ -2,10 +2,10 @@
 
 Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
 ``by_length.md`` (c(L) per bin with counts and flatness), ``sl_band.csv`` and ``figures/sl_scatter.png`` (Figure 1
-left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
-(``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as artifacts of a new run
-named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command line
-(experiments/report.py).
+left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``,
+``figures/*.png`` and the runs' Q-Q plots (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as
+artifacts of a new run named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command
+line (experiments/report.py).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The report's numbers: the paper's Table 1 (best / last per benchmark) and a fairness summary.
 
-Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group and benchmark: best = max over the run's
-logged history, last = value at its final step, each averaged over the group's runs, i.e. seeds;
-"average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level
-LRE from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit,
-overlong rate, out-of-band and binding-clip fractions; mean over runs), `run_rows` (one row per
-run), and CSV / Markdown writers. Leaves out: reading MLflow (collect.py) and figures.
+Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group
+and benchmark: best = max over the run's logged history, last = value at its final step, each averaged over the group's
+runs, i.e. seeds; "average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level LRE
+from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit, overlong rate, out-of-band and
+binding-clip fractions; mean over runs), `run_rows` (one row per run), and CSV / Markdown writers. Leaves out: reading
+MLflow (collect.py) and figures.
 """
 from __future__ import annotations
 

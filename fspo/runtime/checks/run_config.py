@@ -17,8 +17,8 @@ Contract, for a continued run (a checkpoint or an MLflow run to continue):
   launch before anything loads, with one line listing every such key;
 - ``output_dir`` and ``resume`` always take this launch's values; ``steps`` may not go below the
   checkpoint's step;
-- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/checkpoints/resume.py records them as MLflow tags,
-  params being immutable) and the effective config is written back to ``run_config.yaml``.
+- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/checkpoints/resume.py records them as MLflow
+  tags, params being immutable) and the effective config is written back to ``run_config.yaml``.
 ``overrides`` are this launch's command-line overrides (Hydra's ``overrides.task``); None (a
 config built in code) counts every difference as set by the caller.
 """

@@ -3,8 +3,8 @@
 Owns: `FSDP2Strategy` (Lightning's `ModelParallelStrategy`, every rank data-parallel, carrying the
 `ShardingConfig`), `shard_model` / `configure_sharding` (torch ``fully_shard`` per decoder layer,
 then the root, from `RLModule.configure_model`; a policy built on the meta device is sharded first,
-then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W ranks
-each holding 1/W of the data compute exactly what one process computes on all of it:
+then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W
+ranks each holding 1/W of the data compute exactly what one process computes on all of it:
 
 - `dp_rank_size`: the data-parallel rank and size ((0, 1) without torch.distributed);
 - `pad_slice`: equal-sized, padded slices of a validation batch (padding is not scored);
