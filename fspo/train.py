@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
     edges = d.get("bin_edges")  # explicit (e.g. geometric) edges win over bin_width / max_len
-    bins = LengthBins(edges=[int(e) for e in edges]) if edges else LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
+    bins = (LengthBins(edges=[int(e) for e in edges]) if edges
+            else LengthBins(width=int(d.bin_width), max_len=int(d.max_len)))
     return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
                            acceptance_on_policy=bool(d.get("acceptance_on_policy", False)),
                            figure_min_count=int(d.get("figure_min_count", 20)))
@@ -76,15 +77,16 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py).
     A stop signal (SIGTERM, Ctrl-C, ``checkpoint.signals``) is honoured from the first line to the last
     (fspo/runtime/checkpoints/stop_signal.py): the run stops with one line naming the command that continues it."""
-    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
+    quiet_third_party()  # each console line once, third-party noise filtered
     with honour_stop_signals(_signal_names(cfg)):
-        check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
-        if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs (fspo/runtime/launch/placement.py)
+        check_config(cfg)  # every setting, before anything is locked, loaded, written or opened
+        if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs
             check_config(cfg)  # the placed settings together
-        auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)  # a plan that does not fit: settings that make it (fspo/runtime/launch/auto_fit.py)
-        if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
+        # a plan that does not fit: the settings that make it fit
+        auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)
+        if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written
             check_resume_target(cfg)  # resume=<path> names a checkpoint that reads
-            check_lora_targets(cfg.model)  # (fspo/models/lora.py)
+            check_lora_targets(cfg.model)
             dry_run(cfg)
             return {}
         out_dir = Path(cfg.output_dir)
@@ -163,7 +165,8 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
                       ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
                       run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed),
-                      ledger=SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True) else None,
+                      ledger=(SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True)
+                              else None),
                       guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
                       else None,  # train-inference mismatch correction (fspo/rollout/correction.py)

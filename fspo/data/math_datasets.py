@@ -10,13 +10,14 @@ Every loader returns a `ListSource` of ``Sample(prompt=render(template, problem)
 meta={"source": <file stem>, "row": <row in file>, "id": <problem id>})``. The source also carries
 ``.stats`` (rows read, bad rows skipped, de-duplication counts). References as stored:
 
-| name            | file(s)                                         | problem / reference                      |
-|-----------------|-------------------------------------------------|------------------------------------------|
-| dapo_aime_train | dapo_math_17k.parquet + aime_1983_2023.json     | prompt[0].content / reward_model.ground_truth; problem / answer (as int) |
-| math500         | math500_test.jsonl                              | problem / answer (LaTeX)                 |
-| aime24          | aime2024_test.jsonl                             | problem / answer ("025" -> "25")          |
-| aime25          | aime2025_test.jsonl                             | prompt minus the boxed instruction / answer |
-| gsm8k           | gsm8k_test.jsonl                                | question / text after "#### ", commas removed |
+| name            | file(s)                                     | problem / reference                             |
+|-----------------|---------------------------------------------|-------------------------------------------------|
+| dapo_aime_train | dapo_math_17k.parquet + aime_1983_2023.json | prompt[0].content / reward_model.ground_truth;  |
+|                 |                                             | problem / answer (as int)                       |
+| math500         | math500_test.jsonl                          | problem / answer (LaTeX)                        |
+| aime24          | aime2024_test.jsonl                         | problem / answer ("025" -> "25")                |
+| aime25          | aime2025_test.jsonl                         | prompt minus the boxed instruction / answer     |
+| gsm8k           | gsm8k_test.jsonl                            | question / text after "#### ", commas removed   |
 
 Row order: file order (the training set: DAPO rows, then the AIME rows that survive
 de-duplication); ``shuffle=True`` permutes with ``seed``; ``limit`` then keeps the first N.

@@ -188,7 +188,8 @@ class ClipFractionByLength(DiagnosticMetric):
         NB = float(band_n.sum())
         if NB > 0:
             out["band/out_frac"] = float(band_out.sum()) / NB
-            out["band/tok_out_frac"] = float(self.band_n_tok.sum() - self.band_in_tok.sum()) / float(self.band_n_tok.sum())
+            band_tok = float(self.band_n_tok.sum())
+            out["band/tok_out_frac"] = (band_tok - float(self.band_in_tok.sum())) / band_tok
             out["band/n_seq"] = NB
         out.update(length_fairness(self.band_n_seq, band_out, self.band_abs_adv, self.bins, self.lre_min_len,
                                    prefix="fairness/"))

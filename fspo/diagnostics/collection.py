@@ -35,9 +35,9 @@ from fspo.diagnostics.log_ratio import LogRatioStats
 from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
 
 METRIC_NAME_RE = re.compile(r"^[A-Za-z0-9_\-./: ]+$")
-FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens of tokens the per-token log-ratios are few "
-               "and correlated and that law is weak, so a rising curve here is not a failure of the method "
-               "(see docs: the length law).")
+FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens of tokens the per-token "
+               "log-ratios are few and correlated and that law is weak, so a rising curve here is not a failure "
+               "of the method (see docs: the length law).")
 
 
 def check_metric_names(metrics: Mapping[str, float]) -> None:

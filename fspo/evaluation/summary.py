@@ -72,7 +72,8 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
         best, last = (v["best"], v["last"]) if b != "Average" else ({"value": v["best"]}, {"value": v["last"]})
         lines.append(f"| {b} | {pct(v['base'])} | {pct(best['value'])} | {best.get('step', '')} | "
                      f"{pct(last['value'])} | {last.get('step', '')} |")
-    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
+    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "",
+              "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
               "|---|---|" + "---|" * (len(benches) + 1)]
     for e in summary["checkpoints"]:
         vals = [e["metrics"].get(b, {}).get(m) for b in benches]

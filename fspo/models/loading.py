@@ -153,7 +153,8 @@ def enable_activation_checkpointing(model) -> None:
     inputs need no gradient: a LoRA policy's frozen embeddings work); ``model.activation_checkpointing``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; set it false")
+        raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; "
+                         f"set it false")
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -219,6 +220,7 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
         raise ModelNotFoundError(
             f"could not load model '{hub_id}' from {where} ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]}). On a machine with internet run "
-            f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, and pass model.path=/path/to/... "
+            f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, "
+            f"and pass model.path=/path/to/... "
             f"(or set HF_HOME to a cache that holds it).") from None
     return model, tok

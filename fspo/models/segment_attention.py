@@ -63,7 +63,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
     for start, count, length in runs:
         end = start + count * length
 
-        def batch(x, start=start, end=end, count=count, length=length):  # [1, h, count x length, d] -> [count, h, length, d]
+        # [1, h, count x length, d] -> [count, h, length, d]
+        def batch(x, start=start, end=end, count=count, length=length):
             return x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)  # (a strided view)
 
         out, _ = sdpa_attention_forward(module, batch(query), batch(key), batch(value), None, dropout=dropout,

@@ -66,7 +66,8 @@ class MathVerifyReward:
         self.correct_reward, self.incorrect_reward = float(correct_reward), float(incorrect_reward)
         self.format_reward = float(format_reward)
         self.max_answer_chars = int(max_answer_chars)
-        self.overlong_buffer_len, self.overlong_penalty_factor = int(overlong_buffer_len), float(overlong_penalty_factor)
+        self.overlong_buffer_len = int(overlong_buffer_len)
+        self.overlong_penalty_factor = float(overlong_penalty_factor)
         self._pool_args = dict(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb, check=check)
         VerifyPool(**self._pool_args)  # validate the arguments now, start nothing
         self.fast_path = bool(fast_path)
@@ -80,7 +81,8 @@ class MathVerifyReward:
             self._pool = VerifyPool(**self._pool_args)
         return self._pool
 
-    def judge(self, completions: Sequence[str], references: Sequence[str]) -> Tuple[List[float], List[float], List[str]]:
+    def judge(self, completions: Sequence[str],
+              references: Sequence[str]) -> Tuple[List[float], List[float], List[str]]:
         """(correct, format, status) per completion; status is 'fast', 'verified', 'no_answer',
         'error' or 'timeout'."""
         n = len(completions)

@@ -177,7 +177,8 @@ class AsyncEngine:
             except queue.Empty:
                 if self.proc is None or not self.proc.is_alive():
                     code = None if self.proc is None else self.proc.exitcode
-                    raise RuntimeError(f"the rollout engine process died (exit code {code}); see the log above") from None
+                    raise RuntimeError(f"the rollout engine process died (exit code {code}); "
+                                       f"see the log above") from None
                 if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does (checkpoint, exit 0)
                     from lightning.pytorch.utilities.exceptions import SIGTERMException
 

@@ -223,7 +223,8 @@ class RolloutCallback(L.Callback):
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
         try:
-            return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+            batch = self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings)
+            return batch.to(pl_module.device)
         except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
             sampler.position = step  # checkpoint written now (fspo/runtime/checkpoints/checkpointing.py) resumes at it
             raise

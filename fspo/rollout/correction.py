@@ -181,8 +181,9 @@ class RolloutCorrection(torch.nn.Module):
                 f"rollout.old_log_probs=recompute (rollout=vllm does)")
         if self.enabled and float(temperature) != 1.0:
             raise ValueError(
-                f"rollout_correction.mode={mode}, off_policy_mask={off_policy_mask} needs ppo.logprob_temperature 1 (got {temperature}): the engines "
-                f"report untempered log-probs; set rollout.sampling.temperature=1.0 or rollout_correction.mode=none")
+                f"rollout_correction.mode={mode}, off_policy_mask={off_policy_mask} needs ppo.logprob_temperature 1 "
+                f"(got {temperature}): the engines report untempered log-probs; set rollout.sampling.temperature=1.0 "
+                f"or rollout_correction.mode=none")
         self.band = QuantileBand(z=self.z, max_len=max(int(max_len), 2), **dict(quantile or {})) \
             if self.reweights and band == "quantile" else None
         self.metrics = CorrectionMetrics(LengthBins(width=int(bin_width), max_len=int(max_len)), lre_min_len) \
@@ -281,7 +282,8 @@ class RolloutCorrection(torch.nn.Module):
             w = self._weights(d, seq, length, mask)[0].to(old.device)
         if self.opsm.enabled:
             if current is None:
-                raise ValueError("rollout_correction.off_policy_mask needs the current log-probs: weights(batch, current)")
+                raise ValueError("rollout_correction.off_policy_mask needs the current log-probs: "
+                                 "weights(batch, current)")
             eng = batch.engine_log_probs if batch.engine_log_probs is not None else batch.old_log_probs
             w = w * self.opsm.keep(eng, current, batch.advantages, mask)[:, None].to(w)
         return w

@@ -81,7 +81,7 @@ def _any_running(running: torch.Tensor, synced: bool) -> bool:
         return bool(running.any())
     flag = torch.tensor([float(bool(running.any())), float(synced_stop_wanted())], device=running.device)
     torch.distributed.all_reduce(flag)  # with a stop vote: a stop signal during a training rollout
-    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token (fspo/runtime/checkpoints/stop_signal.py)
+    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token
         raise StepInterrupted("stop signal during a synced generation")
     return bool(flag[0].item() > 0)
 

@@ -89,7 +89,8 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
         # the records behind run/law/* (fspo/diagnostics/ledger.py), in the output folder and the MLflow run
         p = write_csv(records, Path(cfg.output_dir) / "diagnostics" / "sequences.csv")
         if ml is not None and ml.run_id is not None:  # MLflow: artifact diagnostics/sequences.csv
-            _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p), "diagnostics")
+            _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p),
+                         "diagnostics")
     if down:  # one line; the same files are in the output folder's other loggers / run_config.yaml
         log.warning("MLflow server is down: not logged to the MLflow run: %s", ", ".join(down))
     for lg in loggers:

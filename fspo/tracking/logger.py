@@ -136,7 +136,7 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
     name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
     try:
         check_tracking_uri(lcfg.get("tracking_uri"))
-        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/runtime/checks/store_check.py
+        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # refused unless writable
     except (TrackingURIUnreachable, NotAnMLflowServer) as e:
         fallback = OmegaConf.select(cfg, "logger_fallback", default=None)
         if fallback != "local":
@@ -147,7 +147,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         kwargs = {"tracking_uri": local, "artifact_location": str((out / "mlartifacts").resolve())}
         prepare_store(local, name, kwargs["artifact_location"])
     if plan.run_id is None and not lcfg.get("run_name"):  # MLflow's random name repeats under a fixed seed
-        kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"), tags.get("seed", 0))
+        kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"),
+                                              tags.get("seed", 0))
     if plan.run_id is None and plan.origin:  # another run's checkpoint: a new run that says where it came from
         tags = {**tags, **plan.origin}
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
@@ -162,7 +163,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         try:
             client = logger.experiment  # get_run: fails for an unknown id
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot continue MLflow run {plan.run_id} at {kwargs.get('tracking_uri', lcfg.get('tracking_uri'))} "
+            uri = kwargs.get("tracking_uri", lcfg.get("tracking_uri"))
+            raise ValueError(f"cannot continue MLflow run {plan.run_id} at {uri} "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): point logger.tracking_uri at "
                              f"the store the run was started in") from None
         client.update_run(plan.run_id, status="RUNNING")

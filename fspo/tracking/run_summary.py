@@ -104,7 +104,8 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
     """The block a training run ends on: where everything is, held-out accuracy at the first and last
     validation (``start -> end``), the run's LRE (paper eq. LRE over all its steps) and how to open it."""
     end_acc = (metrics or {}).get("val/accuracy")
-    exp = f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None else experiment_name
+    exp = (f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None
+           else experiment_name)
     run = f"{run_name} (id {run_id})" if run_name and run_id else run_id
     return format_block(f"run {run_name or run_id or ''} finished".replace("  ", " "), [
         ("output dir", str(Path(output_dir).resolve())),

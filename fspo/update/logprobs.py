@@ -136,7 +136,8 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
         flat, flat_ent = (_padded_logits(model, batch, usage, head) if pack_width is None
                           else _packed_logits(model, batch, pack_width, usage, head))
         logp = flat.float().new_zeros(batch.response_ids.shape).masked_scatter(mask, flat.float())
-        ent = None if flat_ent is None else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float())
+        ent = (None if flat_ent is None
+               else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float()))
         return logp, ent
     if pack_width is None:
         logits = _padded_logits(model, batch, usage)

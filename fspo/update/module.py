@@ -103,8 +103,9 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):
-        # trainable parameters only: with LoRA (fspo/models/lora.py) the adapters, so no optimizer state for the base
-        opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=self.ppo.lr, betas=tuple(self.ppo.betas),
+        # trainable parameters only: with LoRA the adapters, so no optimizer state for the base
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=self.ppo.lr, betas=tuple(self.ppo.betas),
                                 weight_decay=self.ppo.weight_decay)
         warm = max(0, int(self.ppo.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)

@@ -148,7 +148,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     figs["logratio_qq_grid"] = F.image_grid_figure(qq, "Q-Q plots of standardised S_L (per run)")
     fig_paths = _save(figs, out / "figures")
 
-    source = f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; grouped by {', '.join(group_by)}."
+    source = (f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; "
+              f"grouped by {', '.join(group_by)}.")
     if incomplete:
         source += f"\n\n**Warning**: runs without run-level diagnostics (still running?): {', '.join(incomplete)}."
     (out / "report.md").write_text(_markdown(title, source, records, benches, t1_md, fair_md, seeds_md, length_md,

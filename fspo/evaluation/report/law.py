@@ -50,7 +50,7 @@ def run_shape(rec: RunRecord, min_count: float) -> Dict[str, Optional[float]]:
                 bins.append((lo, hi, c))
     bins.sort()
     if not bins:
-        return {"bins_lo": None, "bins_hi": None, "span": None, "oob_first": None, "oob_last": None, "oob_max_min": None}
+        return dict.fromkeys(("bins_lo", "bins_hi", "span", "oob_first", "oob_last", "oob_max_min"))
     lo, hi = bins[0][0], bins[-1][1]
     cs = [c for _, _, c in bins]
     return {"bins_lo": lo, "bins_hi": hi, "span": _ratio(hi, max(lo, 1)), "oob_first": cs[0], "oob_last": cs[-1],

@@ -126,7 +126,7 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- policy weights
 def _torch_load(path: Path) -> dict:
-    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/checkpoints/safe_load.py)
+    return safe_torch_load(path)  # tensors and plain values only; anything else is refused
 
 
 def _dcp_load(path: Path, prefix: str = "policy.") -> dict:

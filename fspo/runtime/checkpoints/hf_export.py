@@ -38,7 +38,8 @@ def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Opti
     checkpoint's. Raises ValueError (one line) for a checkpoint without a run config or whose weights do not
     fit the model its config builds, FileNotFoundError for a path with no checkpoint."""
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), got {dtype!r}")
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
+                         f"got {dtype!r}")
     path = newest_checkpoint(checkpoint)
     run_config = read_resume_meta(path).get("run_config")
     if not run_config:
@@ -71,12 +72,14 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="fspo-export", description="Export a training checkpoint (a .ckpt file, a "
-                                 "sharded checkpoint folder or a run folder: its newest) as a Hugging Face model folder.")
+    ap = argparse.ArgumentParser(prog="fspo-export",
+                                 description="Export a training checkpoint (a .ckpt file, a sharded checkpoint folder "
+                                             "or a run folder: its newest) as a Hugging Face model folder.")
     ap.add_argument("checkpoint")
     ap.add_argument("out_dir")
     ap.add_argument("--model-path", default=None, help="local folder of the base weights (overrides model.path)")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast the written weights (default: as stored)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="cast the written weights (default: as stored)")
     a = ap.parse_args(argv)
     try:
         out = export_hf(a.checkpoint, a.out_dir, a.model_path, a.dtype)

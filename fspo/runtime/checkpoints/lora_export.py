@@ -45,7 +45,8 @@ def export_merged(checkpoint, out_dir, model_path: Optional[str] = None) -> Path
                          f"weights are the whole model already (experiments/evaluate.py loads it as is)")
     if model_path is not None:
         model_cfg["path"] = model_path
-    policy, tokenizer = load_policy(**model_cfg, seed=int(run_cfg.get("seed", 0)))  # model.source=random: the run's seed
+    # the run's seed: with model.source=random it rebuilds the same base weights
+    policy, tokenizer = load_policy(**model_cfg, seed=int(run_cfg.get("seed", 0)))
     state, _ = load_checkpoint(path)
     load_into(policy, state)
     merged = policy.merge_and_unload()

@@ -129,9 +129,9 @@ def check_room(plan: "ResumePlan", output_dir) -> None:
     where = checkpoint_dir(output_dir) if checkpoint_dir(output_dir).is_dir() else Path(output_dir)
     free = shutil.disk_usage(where).free
     if free < need:
-        raise ValueError(f"disk full: {where} has {free / 2**20:.0f} MiB free, and this run's next checkpoint needs about "
-                         f"{need / 2**20:.0f} MiB (the size of {ckpt.name}): free space there, then run the same "
-                         f"command again; nothing was changed")
+        raise ValueError(f"disk full: {where} has {free / 2**20:.0f} MiB free, and this run's next checkpoint "
+                         f"needs about {need / 2**20:.0f} MiB (the size of {ckpt.name}): free space there, then run "
+                         f"the same command again; nothing was changed")
 
 
 def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
@@ -189,11 +189,13 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
         # another run's checkpoint continued in this output_dir: this folder's own MLflow run (a new one on
         # its first launch), tagged with where it came from; the other run's record is left untouched
         run_id = own
-        origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()), "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
+        origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()),
+                  "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
                   "fspo.resumed_from.run_id": str(meta.get(RUN_ID_KEY) or "unknown")}
     else:
         run_id = meta.get(RUN_ID_KEY) or own
     plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None,
                       origin=origin)
-    log.info("resume=%s: %s", mode, f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
+    log.info("resume=%s: %s", mode,
+             f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
     return plan

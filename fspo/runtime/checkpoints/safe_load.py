@@ -31,8 +31,9 @@ METADATA_GLOBALS = {
                              "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
-    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("builtins", "set"), ("builtins", "frozenset"),
 }
 
 

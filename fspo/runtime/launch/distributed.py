@@ -72,7 +72,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes))
         if mixed_precision not in (None, "auto", *_DTYPES):
-            raise ValueError(f"trainer.strategy.mixed_precision must be auto, bf16, fp16 or null, got {mixed_precision!r}")
+            raise ValueError(f"trainer.strategy.mixed_precision must be auto, bf16, fp16 or null, "
+                             f"got {mixed_precision!r}")
         self.sharding = ShardingConfig(layer_class, mixed_precision, activation_checkpointing, cpu_offload,
                                        reshard_after_forward)
 

@@ -261,7 +261,8 @@ class MemoryPlan:
         return (f"memory plan per rank ({self.ranks} rank(s)): "
                 + ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
                 + f"; peak {self.peak / GIB:.2f} GiB (train {self.phase_total('train') / GIB:.2f}, generate "
-                  f"{self.phase_total('generate') / GIB:.2f} on top of resident {self.phase_total('resident') / GIB:.2f})")
+                  f"{self.phase_total('generate') / GIB:.2f} on top of resident "
+                  f"{self.phase_total('resident') / GIB:.2f})")
 
     def table(self) -> str:
         """The plan as a table, a line per component (the dry run prints it)."""
