@@ -134,9 +134,9 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
-    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
+    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters
     check_lora_targets(cfg.model)  # LoRA targets the model does not have, a rank above a layer's side: one line
-    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/launch/memory_plan.py)
+    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
@@ -169,7 +169,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
                               else None),
                       guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
-                      else None,  # train-inference mismatch correction (fspo/rollout/correction.py)
+                      else None,  # train-inference mismatch correction
                       probe_every=int(OmegaConf.select(cfg, "diagnostics.grad_probe_every", default=0) or 0))
     seen["module"] = module
 
@@ -180,8 +180,8 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed),
                               group_filter=instantiate(ds) if (ds := OmegaConf.select(cfg, "rollout.dynamic_sampling"))
-                              is not None else None,  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
-                              pipeline=build_pipeline(cfg),  # rollout.overlap (fspo/rollout/pipeline.py)
+                              is not None else None,  # DAPO dynamic sampling
+                              pipeline=build_pipeline(cfg),  # rollout.overlap
                               max_reward_error_frac=float(OmegaConf.select(cfg, "reward_guard.max_error_frac",
                                                                            default=0.0) or 0.0),
                               advantage_mask=instantiate(am) if (am := cfg.get("advantage_mask")) else None)
@@ -218,7 +218,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     flush_or_report(logger)  # metrics buffered while the MLflow server was down: sent, or where they are
     log.info("run %s finished: %s", getattr(logger, "run_id", None),
              {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
-    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
+    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run
         print(_summary(logger, out_dir, final), flush=True)
     rollout.engine.shutdown()  # the last step (vLLM: frees its memory; it may tear down the process group)
     return final

@@ -67,7 +67,7 @@ class RolloutCallback(L.Callback):
                  pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0,
                  advantage_mask: Optional[Callable] = None):
         self.engine = engine
-        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac (fspo/rewards/guard.py)
+        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
@@ -77,7 +77,7 @@ class RolloutCallback(L.Callback):
         self.max_prompt_len = max_prompt_len
         self.seed = seed
         self.pipeline = pipeline  # rollout.overlap: training rollouts from an engine process, k steps ahead
-        self.advantage_mask = advantage_mask  # (lengths, group_ids) -> [B] multiplier (fspo/rollout/knockout.py)
+        self.advantage_mask = advantage_mask  # (lengths, group_ids) -> [B] multiplier
         self._ready = False
 
     def _advantages(self, rollout: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class OverlapConfig:
     enable: bool = False
     staleness: int = 1
     engine_threads: int = 1
-    timeout_s: float = 1800.0  # the longest wait for the engine's answer (fspo/rollout/async_engine.py)
+    timeout_s: float = 1800.0  # the longest wait for the engine's answer
 
     def __post_init__(self):
         if int(self.staleness) < 1:

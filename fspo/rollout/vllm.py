@@ -156,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
         path.mkdir(parents=True, exist_ok=True)
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-        lora = is_lora(model)  # LoRA: vLLM holds the merged weights, loaded by the first sync (fspo/models/lora.py)
+        lora = is_lora(model)  # LoRA: vLLM holds the merged weights, loaded by the first sync
         if sharded or lora:
             # save_pretrained would set this; fully_shard renames the class to FSDP<Name>.
             base = model.get_base_model() if lora else model
@@ -169,7 +169,7 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        # auto: bfloat16 on GPUs, the policy's own dtype on CPU (fspo/runtime/launch/precision.py)
+        # auto: bfloat16 on GPUs, the policy's own dtype on CPU
         dtype = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."), self.on_gpu)
         kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
@@ -218,7 +218,7 @@ class VLLMEngine(RolloutEngine):
                                 not current_platform.is_cpu())
             drain(model, _DTYPE_ALIASES.get(name) or getattr(torch, name))
             return
-        self.wake([WEIGHTS])  # the KV cache stays asleep (fspo/rollout/engine_memory.py)
+        self.wake([WEIGHTS])  # the KV cache stays asleep
         # a LoRA policy's adapters merged into its base; every tensor gathered in the engine's dtype
         weights = engine_weights(model, self.weight_dtype)
 

@@ -52,7 +52,7 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
     ledger = getattr(module, "ledger", None)
     records = ledger.compute() if ledger is not None else None  # a collective, like diag.compute()
     metrics.update(_law_metrics(records, cfg))
-    for lg in loggers:  # one section, `run` (fspo/diagnostics/metric_keys.py)
+    for lg in loggers:  # one section, `run`
         lg.log_metrics({display_key(f"run/{k}"): float(v) for k, v in metrics.items()}, step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
     theory = None

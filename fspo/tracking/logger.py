@@ -155,7 +155,7 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
     if is_rank_zero():  # an http server that dies mid-run: writes buffered, training goes on (outage_buffer.py)
         install_buffer(logger, output_dir)
     if plan.run_id is None and is_rank_zero():
-        try:  # the experiment's description, once (fspo/tracking/naming.py)
+        try:  # the experiment's description, once
             describe_experiment(logger._tracking_uri, logger._experiment_name)  # before the run exists
         except Exception as e:  # noqa: BLE001 - a description never fails a run
             log.warning("could not set the MLflow experiment description: %s", e)
@@ -271,7 +271,7 @@ def _log_params(logger, params: Dict[str, str]) -> None:
     have = logger.experiment.get_run(logger.run_id).data.params
     new = {k: v for k, v in params.items() if k not in have}
     changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250] and k not in PER_LAUNCH)
-    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags (fspo/runtime/checks/run_config.py)
+    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags
         log.info("continued run: MLflow params keep their first value (%s); this launch's values are in the "
                  "fspo.resume.* tags", ", ".join(changed))
     if new:

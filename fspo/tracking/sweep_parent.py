@@ -78,7 +78,7 @@ class MLflowSweepParent(Callback):
         self.ok = 0
         self.failed = 0
         self._closed = False
-        self._where: dict = {}  # what the end-of-sweep block names (fspo/tracking/run_summary.py)
+        self._where: dict = {}  # what the end-of-sweep block names
 
     # -- Hydra hooks -------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -128,7 +128,7 @@ class MLflowSweepParent(Callback):
                                        f"grid: {grid}\noverrides: {overrides}"}
         art = _select(config, "logger.artifact_location")  # as the jobs' MLFlowLogger would create it
         # the store and experiment under the store folder's lock, as a run's start does: two sweeps
-        # started together on a fresh store wait for each other (fspo/runtime/checks/store_check.py)
+        # started together on a fresh store wait for each other
         prepare_store(str(uri), str(exp_name), None if art is None else str(art))
         self.client = MlflowClient(tracking_uri=str(uri))
         exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))

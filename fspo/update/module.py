@@ -84,7 +84,7 @@ class RLModule(L.LightningModule):
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
                              "have zero mismatch by construction)")
         self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
-        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
+        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row
             enable_segment_attention(policy)
         self.clip = clip
         self.aggregator = aggregator
@@ -130,11 +130,11 @@ class RLModule(L.LightningModule):
             raise RuntimeError("training batch has no 'rollout': add fspo.rollout.callback.RolloutCallback to the "
                                "Trainer's callbacks (experiments/run.py does this)")
         rollout.validate()
-        self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward (fspo/rollout/callback.py)
+        self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward
         opt = self.optimizers()
         sched = self.lr_schedulers()
         stats = StepStats()
-        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio (fspo/update/update_ratio.py)
+        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio
         if moved is not None:
             moved.snapshot(self.policy.parameters())
         # data parallel (fspo/runtime/launch/distributed.py): each rank generated its share of the prompts; after its

@@ -47,7 +47,7 @@ class StepStats:
     loss_time: float = 0.0  # seconds in the clip rule + aggregation (forward)
     usage: TokenUsage = field(default_factory=TokenUsage)      # token slots of the training passes
     usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
-    update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old|| (fspo/update/update_ratio.py)
+    update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old||
 
     pending: Optional[Tensor] = None  # the sums below not yet read to the host, kept on the device (`PENDING`)
 

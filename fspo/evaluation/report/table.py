@@ -18,7 +18,7 @@ from fspo.evaluation.report.collect import RunRecord
 
 ORDER = ("base", "grpo", "rloo", "rloo_wide", "gspo", "fspo")  # the paper's row order
 # lre / lre_w / q_bar / out_of_band_frac: the paper's acceptance event (ratio inside the band, any
-# sign of A); binding_*, seq_clip_frac: binding clips (fspo/diagnostics/clip_fraction.py)
+# sign of A); binding_*, seq_clip_frac: binding clips
 FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_bar", "run/fairness/q_bar"),
             ("out_of_band_frac", "run/band/out_frac"), ("binding_lre", "run/fairness/binding_lre"),
             ("binding_q_bar", "run/fairness/binding_q_bar"),

@@ -225,7 +225,7 @@ def any_rank(flag: bool, device=None) -> bool:
 def reduce_step_stats(stats, device=None) -> None:
     """Sum a `fspo.update.stats.StepStats`'s token/loss accumulators over ranks, in place
     (grad norms are already global; ``loss_sum`` is a sum of partial losses)."""
-    stats.flush()  # the sums kept on the device first (fspo/update/stats.py)
+    stats.flush()  # the sums kept on the device first
     keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
     usages = (stats.usage, stats.usage_old)
     vals = reduce_sum([getattr(stats, k) for k in keys] + [x for u in usages for x in (u.slots, u.tokens)], device)
