@@ -3,7 +3,7 @@
 Owns: `PowerLawBand` and `PerBinBand` (running per-length-bin moments kept as a float64 buffer, so
 they land in checkpoints; their update in `observe`, exact across ranks; the scale std(S_L) the band
 is built from; their metrics) and `CALIBRATORS` (name -> class, for ``clip.band=power|per_bin``).
-Leaves out: the band, the clip and the loss (fspo/clipping/fspo.py builds mu_L +- z scale(L)), z,
+Leaves out: the band, the clip and the loss (fspo.py builds mu_L +- z scale(L)), z,
 the drift mu_L (the caller passes the one in effect) and when to observe (fspo/update/module.py: once per
 optimizer step, not on on-policy mini-batches, where S = 0 exactly).
 
@@ -268,5 +268,5 @@ class PerBinBand(_MomentBand):
         return out
 
 
-#: ``clip.band`` name -> calibrator class (fspo/clipping/fspo.py wires them in).
+#: ``clip.band`` name -> calibrator class (fspo.py wires them in).
 CALIBRATORS = {"power": PowerLawBand, "per_bin": PerBinBand}

@@ -2,7 +2,7 @@
 
 Owns: `normalize_problem` (the exact-duplicate key), `content_skeleton` + `NearDuplicateIndex`
 (near-duplicate detection by character n-gram containment) and `merge_deduplicated`. Leaves out:
-file reading and validation (fspo/data/math_datasets.py).
+file reading and validation (math_datasets.py).
 
 Two levels, because the same AIME problem appears in DAPO-17k re-typeset (``\\frac85`` vs
 ``\\frac{8}{5}``, ``$36^{}_{}$`` vs ``$36$``, AoPS signatures such as ``~ momeme``) and often with the

@@ -3,8 +3,8 @@ AIME25 (and GSM8K) for evaluation.
 
 Owns: one row extractor per file (what its fields mean), the loaders and `load_math_source`, the
 Hydra entry point (``_target_: fspo.data.math_datasets.load_math_source``). Leaves out: file
-reading, validation policy and the data directory (fspo/data/math_io.py), de-duplication
-(fspo/data/dedup.py), templates (fspo/data/templates.py) and scoring (fspo/rewards/).
+reading, validation policy and the data directory (math_io.py), de-duplication
+(dedup.py), templates (templates.py) and scoring (fspo/rewards/).
 
 Every loader returns a `ListSource` of ``Sample(prompt=render(template, problem), answer=reference,
 meta={"source": <file stem>, "row": <row in file>, "id": <problem id>})``. The source also carries
@@ -132,7 +132,7 @@ def load_math_source(name: str, data_dir: Optional[str] = None, template: str = 
 
     ``template``: a name in `TEMPLATES` or a string with ``{problem}``; ``limit``: keep the first N
     rows (after the optional seeded ``shuffle``); ``on_bad_row``: 'raise' or 'skip';
-    ``dedup`` (training only): drop duplicate problems (see fspo/data/dedup.py).
+    ``dedup`` (training only): drop duplicate problems (see dedup.py).
     """
     if name not in NAMES:
         raise ValueError(f"unknown math dataset {name!r}: choose one of {list(NAMES)} (data.name)")

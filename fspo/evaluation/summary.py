@@ -4,7 +4,7 @@ Owns: `summarize` / `summary_markdown` (best and last
 checkpoint per benchmark, as in the paper's results table) and `MlflowRecorder` (metrics,
 per-problem tables, tags and the summary of one evaluation, into a new MLflow run or into the
 training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoints/files.py), sampling
-and scoring (fspo/evaluation/benchmark.py) and the command line (experiments/evaluate.py).
+and scoring (benchmark.py) and the command line (experiments/evaluate.py).
 
 Summary conventions (paper, "Main Results"): per benchmark, **best** is the checkpoint with the
 highest Avg@k (ties: the earliest step) and **last** the checkpoint with the largest step; the

@@ -14,7 +14,7 @@ within seconds with a message saying how to point at local weights.
 ``meta=True`` (trainer=fsdp, fspo/train.py): a model read from a folder with safetensors weights
 (``warmstart``, ``pretrained`` with ``model.path``, or a hub id already in the local cache) is built
 with its parameters on the meta device and NO weights in memory; the sharding step fills each rank's
-shard from the safetensors (fspo/models/meta_init.py). ``random`` models, hub ids not in the cache
+shard from the safetensors (meta_init.py). ``random`` models, hub ids not in the cache
 and folders without safetensors are built in full as before. Leaves out: sharding (the module's
 configure_model).
 """
@@ -163,7 +163,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
                 lora: dict | None = None, **_ignored):
     """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
     parameters of a local folder's model on the meta device, for sharded loading. ``lora`` with
-    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (fspo/models/lora.py; built in
+    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (lora.py; built in
     full, not on meta: the adapters have no weights on disk to fill them from)."""
     from fspo.models.lora import apply_lora, lora_settings
 

@@ -5,7 +5,7 @@ Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, 
 linear layers a model offers, and the one-line refusal of names it does not have), `apply_lora` (wrap a loaded HF causal
 LM with peft's LoRA: base frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share
 of a LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that hold a plain
-model: vLLM's weight sync). Leaves out: loading the base (fspo/models/loading.py), exporting a merged model from a
+model: vLLM's weight sync). Leaves out: loading the base (loading.py), exporting a merged model from a
 checkpoint (fspo/runtime/checkpoints/lora_export.py) and the memory plan's LoRA terms
 (fspo/runtime/launch/memory_plan.py).
 

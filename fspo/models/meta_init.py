@@ -13,7 +13,7 @@ Sharding understood: a plain tensor (the whole parameter) and a DTensor with one
 dimension (FSDP2's layout: rank r holds rows [r*ceil(n/W), ...), ``torch.chunk`` semantics). Tied
 parameters (``tie_word_embeddings``) are one parameter under its first name; ``save_pretrained``
 stores it once. Leaves out: building the sharding (fspo/runtime/launch/distributed.py) and choosing the
-source folder (fspo/models/loading.py).
+source folder (loading.py).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Verifiable math reward: final-answer extraction + math-verify equivalence, with DAPO's optional
 soft overlong penalty.
 
-Owns: `MathVerifyReward` (a `RewardFn`, see fspo/rewards/base.py) and `overlong_penalty`. Leaves
-out: extraction details (fspo/rewards/answer_extraction.py) and the worker pool that enforces the
-per-check deadline (fspo/rewards/verify_pool.py).
+Owns: `MathVerifyReward` (a `RewardFn`, see base.py) and `overlong_penalty`. Leaves
+out: extraction details (answer_extraction.py) and the worker pool that enforces the
+per-check deadline (verify_pool.py).
 
 Per completion i with extracted answer a_i (None when there is none) and reference r_i::
 
@@ -113,7 +113,7 @@ class MathVerifyReward:
 
     def __call__(self, completions: Sequence[str], references: Sequence[str], lengths: Sequence[int],
                  overlong: Sequence[bool], max_new_tokens: int) -> RewardOutput:
-        """Score a rollout batch (the RewardFn contract in fspo/rewards/base.py)."""
+        """Score a rollout batch (the RewardFn contract in base.py)."""
         n = len(completions)
         if not (len(references) == len(lengths) == len(overlong) == n):
             raise ValueError(f"reward inputs differ in length: completions {n}, references {len(references)}, "

@@ -4,7 +4,7 @@ Owns: `AsyncEngine` (the trainer-side handle: `start`, `push`, `submit`, `result
 `_engine_main` (the child process). The child holds its own copy of the policy (rebuilt from the
 policy's config, plain sdpa attention) and an engine built from the same ``rollout.engine`` config
 (`fspo.rollout.hf.HFEngine`), with ``threads`` torch threads of its own. Leaves out: which step is
-requested when (fspo/rollout/pipeline.py) and scoring (fspo/rollout/callback.py).
+requested when (pipeline.py) and scoring (callback.py).
 
 Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight), keyed by
 checkpoint name. `push` copies the trainer's current parameters into a slot (a memcpy, no pickling),

@@ -4,15 +4,15 @@ Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
 
     sync weights -> generate G completions per prompt -> decode -> reward -> advantages
 
-(the memory steps around sync and generation: fspo/rollout/engine_memory.py)
+(the memory steps around sync and generation: engine_memory.py)
 
 and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
 ``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
-``pipeline`` (``rollout.overlap``, fspo/rollout/pipeline.py) training rollouts come from an engine
+``pipeline`` (``rollout.overlap``, pipeline.py) training rollouts come from an engine
 process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches
 get ``batch["val_stats"]`` (accuracy, reward, length, overlong rate) from completions sampled with the validation
-settings. With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups whose
+settings. With ``group_filter`` enabled (``rollout.dynamic_sampling``, group_filter.py) groups whose
 rewards are all equal are dropped and further prompts drawn from the sampler, within ``max_rounds`` rounds; advantages
 are then computed on the kept groups. Round j >= 1 of step k samples with the round-1 seed + ``15_485_863 * j``; reward
 metrics stay those of round 1 (the step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions
@@ -198,7 +198,7 @@ class RolloutCallback(L.Callback):
         batch["rollout_timings"] = timings
 
     def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
-        """Step ``step``'s rollout from the pipeline (fspo/rollout/pipeline.py), which asks for the
+        """Step ``step``'s rollout from the pipeline (pipeline.py), which asks for the
         prompts of steps ahead from the datamodule's sampler (this rank's slice and seed under data
         parallelism, each rank with its own engine process); they must be the ones Lightning gives."""
         dm = getattr(trainer, "datamodule", None)

@@ -6,7 +6,7 @@ the engine's log-probs of the same sampled tokens and the response mask it compu
 per token, [B, T], that fspo/update/module.py multiplies into each token's loss term before aggregation (as verl
 multiplies its ``rollout_is_weights`` into the per-token policy loss); and `CorrectionMetrics`, its
 per-length-bin diagnostics. Leaves out: the clip rule and aggregation (unchanged), where the old log-probs
-come from (fspo/update/module.py), the engines (fspo/rollout/hf.py, vllm.py report ``engine_log_probs``).
+come from (fspo/update/module.py), the engines (hf.py, vllm.py report ``engine_log_probs``).
 
 Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
 
@@ -41,7 +41,7 @@ masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), 
 of |S_L - m L| per geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py,
 observed on each step's sequences before use, its state checkpointed), right for any law of S_L.
 
-``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; fspo/rollout/off_policy_mask.py) adds
+``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; off_policy_mask.py) adds
 DeepSeek-V3.2's off-policy sequence mask or its length-fair variant on top of any mode (none included): it
 compares the behaviour log-probs with the current policy's in each micro-batch, so `weights` takes them.
 

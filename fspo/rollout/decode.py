@@ -2,7 +2,7 @@
 
 Owns: `decode_compact` (prefill, then one token per step for the rows still running) and
 `logits_pipeline` (the sampling transforms, Hugging Face's own processor classes, in `generate`'s
-order). Leaves out: padding prompts, group bookkeeping and the rollout batch (fspo/rollout/hf.py).
+order). Leaves out: padding prompts, group bookkeeping and the rollout batch (hf.py).
 
 Why: ``model.generate`` keeps every row of the batch in every decode step until the longest
 completion ends, so a batch whose completions average L tokens but reach L_max costs

@@ -1,7 +1,7 @@
 """Off-policy sequence masking (DeepSeek-V3.2's OPSM; TRL ``off_policy_mask_threshold``) and its length-fair
 variant, with per-length masked fractions.
 
-Owns: `OffPolicyMask` (built by fspo/rollout/correction.py's `RolloutCorrection` from
+Owns: `OffPolicyMask` (built by correction.py's `RolloutCorrection` from
 ``rollout_correction.off_policy_mask`` / ``off_policy_threshold``) and `MaskCounts`, its per-length-bin
 sums. Leaves out: the importance weights of the mismatch modes (correction.py), the loss (fspo/update/module.py
 multiplies the weights into each token's loss term).

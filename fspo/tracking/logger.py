@@ -7,10 +7,10 @@ gets only the arguments it accepts, ``save_dir: null`` becomes the run's output_
 only: checking that the tracking server answers and that the store can be written,
 fspo/runtime/checks/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
 store; a new run named by `default_run_name` unless ``run_name`` is set, its experiment described once,
-fspo/tracking/naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
+naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
 `check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
-(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
-fspo/tracking/sinks.py) and what happens when an http server dies mid-run (fspo/tracking/outage_buffer.py).
+(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (artifacts.py,
+sinks.py) and what happens when an http server dies mid-run (outage_buffer.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
 run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
@@ -228,7 +228,7 @@ def record_run_id(loggers, output_dir) -> None:
 def _skip_logged(logger, from_step: int) -> None:
     """Make the logger's MLflow client drop (key, step) pairs the run already holds for steps >=
     ``from_step``: both paths metrics take (``log_batch`` from the logger, ``log_metric`` from
-    fspo/tracking/artifacts.py's run-level metrics)."""
+    artifacts.py's run-level metrics)."""
     client, run_id = logger.experiment, logger.run_id
     seen = {k: {m.step for m in client.get_metric_history(run_id, k) if m.step >= from_step}
             for k in client.get_run(run_id).data.metrics}

@@ -5,7 +5,7 @@ for a file / SQLite store, with relative SQLite paths made absolute so the comma
 folder, then the experiment and run URLs, on ``mlflow ui``'s default address or on the http(s) server;
 every URL carries ``?workflowType=machine_learning``, without which MLflow 3.x opens the GenAI view),
 `format_block` (the plain-text block) and `training_summary` / `sweep_summary` / `eval_summary`
-(what each end prints). Used by fspo/train.py (rank zero), fspo/tracking/sweep_parent.py (the sweep
+(what each end prints). Used by fspo/train.py (rank zero), sweep_parent.py (the sweep
 parent) and experiments/evaluate.py. Leaves out: logging anything (callers print the block).
 """
 from __future__ import annotations

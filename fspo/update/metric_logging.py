@@ -1,6 +1,6 @@
 """Where a step's metrics go: the experiment loggers (MLflow, and any of conf/logger/) and Lightning's callback metrics.
 
-Owns: `emit_metrics`. Leaves out: computing the metrics (fspo/update/module.py, fspo/update/stats.py,
+Owns: `emit_metrics`. Leaves out: computing the metrics (module.py, stats.py,
 fspo/diagnostics) and the logger itself (conf/logger).
 
 Every metric is written once to each experiment logger (``module.loggers``) at step ``step`` (its key laid

@@ -4,13 +4,13 @@ Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches 
 aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are
 `fspo.update.settings.PPOConfig`. Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills
 ``batch["rollout"]``), the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
-forward passes and their micro-batch layouts (fspo/update/forward.py) and the diagnostics (fspo/diagnostics) — the step
+forward passes and their micro-batch layouts (forward.py) and the diagnostics (fspo/diagnostics) — the step
 only wires them together, with no per-method code.
 
 Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
 shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
 shuffled one by one; ``prompts``: whole groups of G, as verl counts ``ppo_mini_batch_size``;
-fspo/update/microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
+microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
 micro-batches with the mini-batch's total token and sequence counts as denominators, so
 micro-batching never changes the loss. Old log-probs
 (``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
@@ -74,7 +74,7 @@ class RLModule(L.LightningModule):
                  ledger=None):
         super().__init__()
         self.policy = policy
-        self.probe_every = int(probe_every)  # fspo/update/grad_probe.py every N steps on the last mini-batch; 0: off
+        self.probe_every = int(probe_every)  # grad_probe.py every N steps on the last mini-batch; 0: off
         if self.probe_every < 0:
             raise ValueError(f"diagnostics.grad_probe_every must be >= 0 (0: off), got {probe_every!r}")
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
@@ -83,7 +83,7 @@ class RLModule(L.LightningModule):
         if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
                              "have zero mismatch by construction)")
-        self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
+        self.guard = guard  # divergence limits checked before every optimizer step (guard.py); None: off
         if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row
             enable_segment_attention(policy)
         self.clip = clip
@@ -331,7 +331,7 @@ class RLModule(L.LightningModule):
 
     def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
         """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics``
-        (fspo/update/metric_logging.py)."""
+        (metric_logging.py)."""
         emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
 
     # ---------------------------------------------------------------- validation

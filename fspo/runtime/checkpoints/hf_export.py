@@ -4,12 +4,12 @@ Owns: `export_hf(checkpoint, out_dir)` (its command is ``fspo-export``, fspo/cli
 one-process Lightning ``.ckpt`` file, a sharded ``torch.distributed.checkpoint`` folder (trainer=fsdp, one
 shard per rank: the full tensors are read from the shards, never the optimizer state) or a run folder (its
 newest checkpoint). The model is rebuilt from the run's ``model`` config saved in the checkpoint
-(``run_config``, fspo/runtime/checkpoints/checkpointing.py), the policy weights loaded into it (LoRA adapters
+(``run_config``, checkpointing.py), the policy weights loaded into it (LoRA adapters
 merged into the base, W = W0 + (alpha / r) B A) and written with ``save_pretrained`` (safetensors) beside the
 tokenizer: a folder ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``model.source=pretrained
 model.path=<out_dir>`` load. The weights keep the checkpoint's dtype (float32 master weights: log-probs equal
 the trainer's) unless ``dtype`` casts them (e.g. bfloat16 for serving). Only tensors are ever unpickled
-(fspo/runtime/checkpoints/safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
+(safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
 Leaves out: training and evaluating (experiments/evaluate.py takes checkpoints directly).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: `export_merged(checkpoint, out_dir)` (experiments/export_lora.py is its command line). The
 checkpoint holds the adapters; the base is rebuilt from the run's ``model`` config (saved in the
-checkpoint as ``run_config``, fspo/runtime/checkpoints/checkpointing.py), the adapters loaded, merged
+checkpoint as ``run_config``, checkpointing.py), the adapters loaded, merged
 (W = W0 + (alpha / r) B A, peft's ``merge_and_unload``) and the result written with ``save_pretrained``
 together with the tokenizer: a folder that ``AutoModelForCausalLM.from_pretrained``, vLLM and
 ``+model=... model.source=pretrained model.path=<out_dir>`` load as any other model. Leaves out:

@@ -3,7 +3,7 @@
 Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`), `check_resume_target`
 (a dry run's ``resume=<path>``), `check_room` (a resume on a full disk is refused before anything loads),
 `ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
-writing checkpoints and signals (fspo/runtime/checkpoints/checkpointing.py), the config a continued run keeps
+writing checkpoints and signals (checkpointing.py), the config a continued run keeps
 (fspo/runtime/checks/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
 
 The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
@@ -12,7 +12,7 @@ of ANOTHER run folder (``resume=<path>`` outside ``<output_dir>/checkpoints``) c
 own MLflow run -- a new one at first, tagged ``fspo.resumed_from.{checkpoint,run_id,step}`` -- and never
 writes into the run that made the checkpoint.
 
-Damaged checkpoints (fspo/runtime/checkpoints/integrity.py): ``auto`` takes the newest checkpoint that passes
+Damaged checkpoints (integrity.py): ``auto`` takes the newest checkpoint that passes
 its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
 warning. When none passes, the run stops with an error and touches nothing; ``resume=fresh`` is
 the explicit way to start over from step 0 then (the damaged ones are moved aside, a new MLflow

@@ -15,7 +15,7 @@ skipped when the command line names it: an explicit setting always wins):
                                      model.activation_checkpointing (one device)
 
 Where even all of them leave the plan above the usable memory, nothing is changed and the plan's refusal
-names the layouts that would fit (fspo/runtime/launch/memory_plan.py). ``memory_plan.auto_fit=false``
+names the layouts that would fit (memory_plan.py). ``memory_plan.auto_fit=false``
 turns this off. Leaves out: the formulas (memory_components.py) and the device (memory_plan.py).
 """
 from __future__ import annotations

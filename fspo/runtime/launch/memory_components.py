@@ -4,7 +4,7 @@ Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depen
 run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
 per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
 arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
-and the refusal (fspo/runtime/launch/memory_plan.py). To add a component, write one function ``(shape, layout) ->
+and the refusal (memory_plan.py). To add a component, write one function ``(shape, layout) ->
 bytes`` and list it in `COMPONENTS` with its phase.
 
 Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
@@ -47,7 +47,7 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
                     engine parts: phase generate when the engine sleeps during training (vLLM sleep
                     mode on a GPU), else resident; HF's KV cache: generate
   cuda_context, nccl_buffers, cuda_graphs, root_grads, rollout_batch, fragmentation: what the
-                    tensors above leave out (fspo/runtime/launch/memory_overheads.py)
+                    tensors above leave out (memory_overheads.py)
   peak            = resident + max(train, generate)
 """
 from __future__ import annotations
@@ -274,7 +274,7 @@ class MemoryPlan:
 
 def plan_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
     """Every component of `COMPONENTS` for ``shape`` placed as ``layout``, then the allocator's
-    fragmentation as a share of their peak (fspo/runtime/launch/memory_overheads.py)."""
+    fragmentation as a share of their peak (memory_overheads.py)."""
     parts = {name: int(size(shape, layout)) for name, size, _ in COMPONENTS}
     phases = {name: phase(layout) for name, _, phase in COMPONENTS}
     rest = MemoryPlan(parts=parts, phases=phases, ranks=layout.ranks)

@@ -7,8 +7,8 @@ Owns: `model_shape` (the model's numbers from its config alone: the weights' loc
 memory of THIS rank's device: ``memory_plan.device_gib`` when set), `what_would_fit` (the fewest FSDP
 ranks that fit) and `check_memory_plan` (log the plan, raise `MemoryPlanError` above
 ``memory_plan.headroom`` x available), `dry_run` (print the plan and stop). Leaves out: the formulas
-(fspo/runtime/launch/memory_components.py), measuring real usage (benchmarks/bench_memory.py,
-experiments/gpu_smoke.py) and sharding itself (fspo/runtime/launch/distributed.py).
+(memory_components.py), measuring real usage (benchmarks/bench_memory.py,
+experiments/gpu_smoke.py) and sharding itself (distributed.py).
 
 Device: on CUDA the total memory of the rank's own GPU (its index from the launcher's LOCAL_RANK or
 SLURM_LOCALID, read before Lightning sets the device, without creating a context on GPU 0); on CPU
