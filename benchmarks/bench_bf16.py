@@ -52,7 +52,8 @@ def measure(model_name: str, repeats: int) -> list:
         gap = (lp - ref)[mask].abs()
         rows.append({"model": model_name, "params": sum(p.numel() for p in policy.parameters()),
                      "autocast": autocast or "fp32", "s_fwd_bwd": statistics.median(times),
-                     "s_min": min(times), "s_max": max(times), "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
+                     "s_min": min(times), "s_max": max(times),
+                     "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
                      "tokens": int(batch.prompt_mask.sum() + batch.response_mask.sum())})
     return rows
 

@@ -109,7 +109,8 @@ def main() -> None:
         result["modes"][mode] = json.loads(tmp.read_text())
         tmp.unlink()
     print(f"model: {n_params / 1e6:.1f}M parameters, {model_mib:.1f} MiB in fp32, {a.ranks} ranks (gloo, CPU)")
-    print(f"{'mode':6} {'rank':>4} {'peak RSS':>10} {'baseline':>10} {'added':>8} {'shard':>8} {'max|diff|':>10}  (MiB)")
+    print(f"{'mode':6} {'rank':>4} {'peak RSS':>10} {'baseline':>10} {'added':>8} {'shard':>8} "
+          f"{'max|diff|':>10}  (MiB)")
     for mode, rows in result["modes"].items():
         for r in rows:
             print(f"{mode:6} {r['rank']:>4} {r['peak_rss_mib']:>10} {r['baseline_rss_mib']:>10} "

@@ -77,7 +77,8 @@ def main(argv=None) -> Dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = compose(["model.source=random", f"steps={a.steps}", "prompts_per_step=4", "rollout.sampling.n=4",
-                           "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=64", "rollout.sampling.max_new_tokens=24",
+                           "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=64",
+                           "rollout.sampling.max_new_tokens=24",
                            "val.size=0", "logger=csv", "progress.mode=off", "checkpoint.every_n_steps=0",
                            f"output_dir={tmp}/out", *a.overrides])
             train(cfg)

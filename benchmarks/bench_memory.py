@@ -60,8 +60,9 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
     n_params = sum(p.numel() for p in policy.parameters())
     load_peak = rss_mib("VmHWM")
     diag = FairnessMetrics(LengthBins(width=16, max_len=96))
-    module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), PPOConfig(mini_batch_size=8, mini_batch_unit="sequences", lr=1e-5,
-                      micro_batch_max_tokens=budget, lm_head_chunk_rows=head_chunk), diag, seed=0)
+    ppo = PPOConfig(mini_batch_size=8, mini_batch_unit="sequences", lr=1e-5,
+                    micro_batch_max_tokens=budget, lm_head_chunk_rows=head_chunk)
+    module = RLModule(policy, FSPOClip(), Aggregator("token-mean"), ppo, diag, seed=0)
     full = synthetic_rollout()
     record = {}
 
@@ -72,7 +73,8 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
             part = full.select(torch.arange(rank * k, (rank + 1) * k))
             part.group_ids = part.group_ids - part.group_ids.min()
             batch["rollout"] = part
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.policy.parameters())
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                        for p in pl_module.policy.parameters())
             record["state_mib"] = local * 4 * 4 / 2**20
             reset_peak_rss(trim=True)
             record["step_base_mib"] = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() \
@@ -93,7 +95,8 @@ def worker(model_name: str, out: str, head_chunk: int = 0, budget: int = 1024) -
     from torch.utils.data import DataLoader
 
     trainer.fit(module, train_dataloaders=DataLoader([{"prompts": ["x"]}], batch_size=None))
-    record.update(model=model_name, lm_head_chunk_rows=head_chunk, micro_batch_max_tokens=budget, params=n_params, world=world, rank=trainer.global_rank, load_peak_mib=load_peak)
+    record.update(model=model_name, lm_head_chunk_rows=head_chunk, micro_batch_max_tokens=budget, params=n_params,
+                  world=world, rank=trainer.global_rank, load_peak_mib=load_peak)
     Path(out).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -126,11 +129,12 @@ def main(argv=None) -> None:
                             "--worker-budget", str(budget)]
             subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             rows += [json.loads(base.with_suffix(f".rank{r}.json").read_text()) for r in range(world)]
-    print(f"{'model':<11} {'head chunk':>10} {'mb tokens':>9} {'params':>10} {'world':>5} {'rank':>4} {'load peak':>10} {'step peak':>10} "
-          f"{'step adds':>10} {'param+grad+Adam':>16}   (MiB)")
+    print(f"{'model':<11} {'head chunk':>10} {'mb tokens':>9} {'params':>10} {'world':>5} {'rank':>4} "
+          f"{'load peak':>10} {'step peak':>10} {'step adds':>10} {'param+grad+Adam':>16}   (MiB)")
     for r in rows:
-        print(f"{r['model']:<11} {r['lm_head_chunk_rows']:>10} {r['micro_batch_max_tokens']:>9} {r['params']:>10} {r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} "
-              f"{r['step_peak_mib']:>10.0f} {r['step_delta_mib']:>10.0f} {r['state_mib']:>16.1f}")
+        print(f"{r['model']:<11} {r['lm_head_chunk_rows']:>10} {r['micro_batch_max_tokens']:>9} {r['params']:>10} "
+              f"{r['world']:>5} {r['rank']:>4} {r['load_peak_mib']:>10.0f} {r['step_peak_mib']:>10.0f} "
+              f"{r['step_delta_mib']:>10.0f} {r['state_mib']:>16.1f}")
     write_json(a.out, rows)
     print(f"peaks: {rows[0]['peak_kind'] if rows else ''}")
 

@@ -110,7 +110,8 @@ def table(res: Dict) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in res["rows"]:
         lines.append("| " + " | ".join(str(r[c]) if c in ("L", "n") else f"{r[c]:.4f}" for c in cols) + " |")
-    lines.append(f"\nper-token d = logp_trainer(float32) - logp_vllm({res['engine_dtype']}): mean {res['token_mean']:.5f}, "
+    lines.append(f"\nper-token d = logp_trainer(float32) - logp_vllm({res['engine_dtype']}): "
+                 f"mean {res['token_mean']:.5f}, "
                  f"std {res['token_std']:.5f}, mean |d| {res['token_abs']:.5f}; masked fraction = share of "
                  f"sequences each rule masks (trl_cap3: |S| > log 3, verl_cap2: |S| > log 2, fair_zK: "
                  f"|S - m L| > K s sqrt(L), fair_q_z2: quantile band)")

@@ -21,8 +21,8 @@ def run(length: int, group: int, prompts: int, steps: int, extra) -> dict:
     overrides = ["model.source=random", f"++model.arch.max_position_embeddings={length + 64}",
                  f"prompts_per_step={prompts}", f"rollout.sampling.n={group}",
                  f"ppo.mini_batch_size={max(1, prompts * group // 4)}", *extra]
-    res = bench.main(["--steps", str(steps), "--fixed-len", str(length), "--out", f".bench/scaling_L{length}_G{group}.json",
-                      *overrides])
+    res = bench.main(["--steps", str(steps), "--fixed-len", str(length),
+                      "--out", f".bench/scaling_L{length}_G{group}.json", *overrides])
     return {"L": length, "G": group, **res}
 
 

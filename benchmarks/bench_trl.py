@@ -41,7 +41,8 @@ TRL pads each mini-batch to its longest and we pack): the two sides then sample 
 so the fair figure is response tokens/s from each side's own mean length, reported with both means.
 The phase split (ours: the ``time/*`` metrics of the run, and "other" = median step minus their sum:
 Lightning's loop, MLflow logging; TRL: timers around its generate, reward-function and no-grad
-log-prob calls, the rest of the step is "train_other": loss passes, optimizer, metrics, logging) is reported to show where the time goes.
+log-prob calls, the rest of the step is "train_other": loss passes, optimizer, metrics, logging) is reported to show
+where the time goes.
 
 What differs, and stays different (by design of each framework, not of the work):
   - ours logs ~100 metrics per step to MLflow (a temporary SQLite store) and updates the
@@ -342,8 +343,8 @@ def main(argv=None):
                                                        theirs["response_len"]["min"], theirs["response_len"]["max"]))
     tokens = tok["fspo"]
     summary = {
-        "settings": {"prompts": a.prompts, "G": a.G, "max_new_tokens": T, "min_new_tokens": 0 if a.natural_lengths else T,
-                     "natural_lengths": a.natural_lengths,
+        "settings": {"prompts": a.prompts, "G": a.G, "max_new_tokens": T,
+                     "min_new_tokens": 0 if a.natural_lengths else T, "natural_lengths": a.natural_lengths,
                      "timed_steps": a.steps, "warmup_steps": 1, "mini_batch": a.mini_batch,
                      "updates_per_rl_step": B // a.mini_batch, "lr": a.lr, "model_source": a.model_source,
                      "method": a.method, "order": order, "overrides": a.overrides,
@@ -359,8 +360,8 @@ def main(argv=None):
     }
     summary["ratio_tokens_per_s_fspo_over_trl"] = summary["tokens_per_s"]["fspo"] / summary["tokens_per_s"]["trl"]
     r = summary["ratio_trl_over_fspo"]
-    print(f"\nRL step, {a.prompts} prompts x G {a.G} x {T} tokens ({'max, natural lengths' if a.natural_lengths else 'fixed'}), "
-          f"{B // a.mini_batch} updates/step, "
+    lengths = "max, natural lengths" if a.natural_lengths else "fixed"
+    print(f"\nRL step, {a.prompts} prompts x G {a.G} x {T} tokens ({lengths}), {B // a.mini_batch} updates/step, "
           f"median of {a.steps} steps after 1 warm-up, load {summary['loadavg'][0]:.2f}")
     print(f"{'side':<8}{'median s/step':>15}{'resp tok/s':>12}   steps (s)")
     for side in ("fspo", "trl"):

@@ -1,4 +1,4 @@
-"""Per length bin detail of a length-law sweep (issue 30): why std(S_L) does or does not grow like sqrt(L).
+"""Per length bin detail of a length-law sweep: why std(S_L) does or does not grow like sqrt(L).
 
     python benchmarks/length_law_detail.py --tracking-uri sqlite:///mlflow.db --experiment length_law > detail.md
 

@@ -4,9 +4,9 @@ rewrites them, tests/test_plan_docs.py fails when one is stale.
 Owns: `dry_run_output` (what ``python experiments/run.py ARGS`` prints for a dry run, in process: placement,
 auto-fit, the plan; a refusal as its one ``error:`` line), `table_row` (one row of a plan table: peak,
 usable, fits or refused) and `render` (a page with every block that starts with ``$ python
-experiments/run.py ... dry_run=true ...`` and every ``<!-- plan-table -->`` table refreshed). Placement is that of `MACHINE`
-(a GPU per process, vLLM not installed), so the pages do not depend on the machine that writes them.
-Leaves out: the plan itself (memory_plan.py, auto_fit.py).
+experiments/run.py ... dry_run=true ...`` and every ``<!-- plan-table -->`` table refreshed). Placement is that of
+`MACHINE` (a GPU per process, vLLM not installed), so the pages do not depend on the machine that writes them. Leaves
+out: the plan itself (memory_plan.py, auto_fit.py).
 """
 from __future__ import annotations
 

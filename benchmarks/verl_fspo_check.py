@@ -37,7 +37,8 @@ def batch(seed: int, B: int = 12, T: int = 48):
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     m = (torch.arange(T) < lengths[:, None]).float()
     old = -torch.rand(B, T, generator=g) * 2
-    new = old + torch.randn(B, 1, generator=g) * 0.1 / lengths[:, None].sqrt() * 2 + torch.randn(B, T, generator=g) * 0.01
+    seq_shift = torch.randn(B, 1, generator=g) * 0.1 / lengths[:, None].sqrt() * 2
+    new = old + seq_shift + torch.randn(B, T, generator=g) * 0.01
     adv = torch.randn(B, generator=g)[:, None] * m
     return old, new, adv, m
 

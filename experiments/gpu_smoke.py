@@ -152,7 +152,8 @@ def summarize(rows, peak_tflops):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3_100m", help="a conf/model/ name: tiny | qwen3_100m | qwen3_1_7b | qwen3_8b")
+    ap.add_argument("--model", default="qwen3_100m",
+                    help="a conf/model/ name: tiny | qwen3_100m | qwen3_1_7b | qwen3_8b")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak TFLOP/s for MFU")
     ap.add_argument("--out", default=".bench/gpu_smoke.json")

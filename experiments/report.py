@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     for row in res["fairness"]:
         print(f"LRE {row['group']}: {_round(row['lre'])}  (c(L) max - min over bins with >= {args.min_bin_count:g} "
               f"sequences a run: {flatness_text(res['by_length'], row['group'])})")
-    print(f"{res['n_runs']} runs -> {args.out}" + (f"; MLflow report run {res['report_run_id']}" if res["report_run_id"] else ""))
+    run = f"; MLflow report run {res['report_run_id']}" if res["report_run_id"] else ""
+    print(f"{res['n_runs']} runs -> {args.out}{run}")
     return 0
 
 

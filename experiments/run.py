@@ -1,4 +1,4 @@
-"""Entry point: `python experiments/run.py [+method=fspo|grpo|rloo|gspo] [+model=tiny|qwen3_1_7b|qwen3_8b] [key=value ...]`.
+"""Entry point: `python experiments/run.py [+method=fspo|grpo|...] [+model=tiny|qwen3_1_7b|...] [key=value ...]`.
 
 With no arguments it runs the embedded default (FSPO, tiny warm-started Qwen3, built-in arithmetic
 task, CPU, MLflow SQLite store ./mlflow.db). Hydra multirun works as usual (`-m`, sweeps/).
@@ -24,8 +24,9 @@ from fspo.runtime.launch.run_folder import protect_run_folder  # noqa: E402
 def main(cfg: DictConfig):
     if cfg.output_dir is None:
         hydra_cfg = HydraConfig.get()
-        if str(cfg.get("resume")) == "auto" and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) \
-                and hydra_cfg.mode.name == "RUN":  # a new timestamped folder holds nothing to continue
+        given_dir = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
+        # a new timestamped folder holds nothing to continue
+        if str(cfg.get("resume")) == "auto" and not given_dir and hydra_cfg.mode.name == "RUN":
             from fspo.runtime.checkpoints.continue_command import fresh_folder_resume_error
 
             print(f"error: {fresh_folder_resume_error(hydra_cfg.runtime.output_dir)}", file=sys.stderr)
@@ -35,7 +36,7 @@ def main(cfg: DictConfig):
     from fspo.train import train
 
     try:
-        final = train(cfg, overrides=list(HydraConfig.get().overrides.task))  # resume: fspo/runtime/checks/run_config.py
+        final = train(cfg, overrides=list(HydraConfig.get().overrides.task))
     except Exception as e:  # noqa: BLE001 - user errors become one clear line
         msg = user_error(e)
         if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -130,8 +130,9 @@ def main(argv=None):
                     "instead of a fresh model: the long-chain warm start continues the default one")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="of the accuracy evaluations")
     ap.add_argument("--eval-size", type=int, default=256)
-    ap.add_argument("--max-positions", type=int, default=None, help="set the config's max_position_embeddings "
-                    "(and the tokenizer's model_max_length): RoPE has no table, the number only bounds prompt + response")
+    ap.add_argument("--max-positions", type=int, default=None,
+                    help="set the config's max_position_embeddings (and the tokenizer's model_max_length): "
+                         "RoPE has no table, the number only bounds prompt + response")
     ap.add_argument("--out", default="fspo/assets/tiny_warmstart")
     a = ap.parse_args(argv)
 
@@ -184,9 +185,11 @@ def main(argv=None):
             model.eval()
             n = a.max_new_tokens
             by_len = {}
-            rec = {"step": step, "loss": float(loss.detach()), "greedy_acc": accuracy(model, tok, val, 0.0, n, reward=reward),
+            rec = {"step": step, "loss": float(loss.detach()),
+                   "greedy_acc": accuracy(model, tok, val, 0.0, n, reward=reward),
                    "sampled_acc": accuracy(model, tok, val, 1.0, n, reward=reward, by_length=by_len),
-                   "paper_decoding_acc": accuracy(model, tok, val, 0.6, n, reward=reward), "sampled_acc_by_length": by_len,
+                   "paper_decoding_acc": accuracy(model, tok, val, 0.6, n, reward=reward),
+                   "sampled_acc_by_length": by_len,
                    "elapsed_s": time.time() - t0}
             model.train()
             history.append(rec)

@@ -90,7 +90,7 @@ def main(argv: Sequence[str]) -> int:
     names = [argv[0]] if argv else list_sweeps()
     for n in names:
         over = list(argv[1:]) if argv else []
-        if over:  # method=x and +method=x both work, as with run.py (fspo/cli.py)
+        if over:  # method=x and +method=x both work, as with run.py
             from fspo.cli import normalize_group_overrides
 
             over = normalize_group_overrides(["--config-dir", str(SWEEPS_DIR), "--config-name", n, *over])[4:]

@@ -1,13 +1,13 @@
 """Assemble and run one training job from a composed config; reads top to bottom.
 
 Owns: `train(cfg)` — check every setting first (fspo/runtime/checks/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop), build the policy (under
-trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
-reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning
-Trainer from ``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level
-diagnostics and their figures to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock
-throughout (fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in
-``output_dir`` and its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
+plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop),
+build the policy (under trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
+reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning Trainer from
+``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their figures
+to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock throughout
+(fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in ``output_dir`` and
+its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
 checkpoints and signal stops are fspo/runtime/checkpoints/checkpointing.py's. Leaves out: Hydra's command line
 (experiments/run.py) and every component's internals.
 """
@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
     d = cfg.diagnostics
     edges = d.get("bin_edges")  # explicit (e.g. geometric) edges win over bin_width / max_len
-    bins = LengthBins(edges=[int(e) for e in edges]) if edges else LengthBins(width=int(d.bin_width), max_len=int(d.max_len))
+    bins = (LengthBins(edges=[int(e) for e in edges]) if edges
+            else LengthBins(width=int(d.bin_width), max_len=int(d.max_len)))
     return FairnessMetrics(bins, lre_min_len=d.lre_min_len, reservoir_size=int(d.reservoir_size), seed=seed,
                            acceptance_on_policy=bool(d.get("acceptance_on_policy", False)),
                            figure_min_count=int(d.get("figure_min_count", 20)))
@@ -76,15 +77,16 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
     the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py).
     A stop signal (SIGTERM, Ctrl-C, ``checkpoint.signals``) is honoured from the first line to the last
     (fspo/runtime/checkpoints/stop_signal.py): the run stops with one line naming the command that continues it."""
-    quiet_third_party()  # each console line once, third-party noise filtered (fspo/runtime/checks/console.py)
+    quiet_third_party()  # each console line once, third-party noise filtered
     with honour_stop_signals(_signal_names(cfg)):
-        check_config(cfg)  # every setting, before anything is locked, loaded, written or opened (fspo/runtime/checks/config_check.py)
-        if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs (fspo/runtime/launch/placement.py)
+        check_config(cfg)  # every setting, before anything is locked, loaded, written or opened
+        if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs
             check_config(cfg)  # the placed settings together
-        auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)  # a plan that does not fit: settings that make it (fspo/runtime/launch/auto_fit.py)
-        if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written (fspo/runtime/launch/memory_plan.py)
+        # a plan that does not fit: the settings that make it fit
+        auto_fit(cfg, overrides, out=print if launch_rank() == 0 else log.info)
+        if cfg.get("dry_run"):  # the per-rank memory plan, printed; nothing loaded or written
             check_resume_target(cfg)  # resume=<path> names a checkpoint that reads
-            check_lora_targets(cfg.model)  # (fspo/models/lora.py)
+            check_lora_targets(cfg.model)
             dry_run(cfg)
             return {}
         out_dir = Path(cfg.output_dir)
@@ -132,9 +134,9 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     ppo = instantiate(cfg.ppo)  # PPO and batch settings: a bad mini-batch fails here, before anything loads
-    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters (fspo/models/lora.py)
+    ppo = lora_update_settings(ppo, cfg.model)  # LoRA: model.lora.lr for the adapters
     check_lora_targets(cfg.model)  # LoRA targets the model does not have, a rank above a layer's side: one line
-    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too (fspo/runtime/launch/memory_plan.py)
+    check_memory_plan(cfg)  # logged; a layout that cannot fit is refused here too
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_writable(out_dir, "output_dir")  # read-only or full: one line now, not at the first checkpoint
@@ -163,10 +165,11 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     module = RLModule(policy=policy, clip=instantiate(cfg.clip), aggregator=instantiate(cfg.aggregator),
                       ppo=ppo, diagnostics=build_fairness(cfg, int(cfg.seed)),
                       run_diagnostics=build_fairness(cfg, int(cfg.seed)), seed=int(cfg.seed),
-                      ledger=SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True) else None,
+                      ledger=(SequenceLedger() if OmegaConf.select(cfg, "diagnostics.law.records", default=True)
+                              else None),
                       guard=instantiate(cfg.guard) if OmegaConf.select(cfg, "guard") is not None else None,
                       correction=instantiate(rc) if (rc := OmegaConf.select(cfg, "rollout_correction")) is not None
-                      else None,  # train-inference mismatch correction (fspo/rollout/correction.py)
+                      else None,  # train-inference mismatch correction
                       probe_every=int(OmegaConf.select(cfg, "diagnostics.grad_probe_every", default=0) or 0))
     seen["module"] = module
 
@@ -177,8 +180,8 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
                               sampling=sampling, val_sampling=instantiate(cfg.val.sampling),
                               max_prompt_len=int(cfg.data.max_prompt_len), seed=int(cfg.seed),
                               group_filter=instantiate(ds) if (ds := OmegaConf.select(cfg, "rollout.dynamic_sampling"))
-                              is not None else None,  # DAPO dynamic sampling (fspo/rollout/group_filter.py)
-                              pipeline=build_pipeline(cfg),  # rollout.overlap (fspo/rollout/pipeline.py)
+                              is not None else None,  # DAPO dynamic sampling
+                              pipeline=build_pipeline(cfg),  # rollout.overlap
                               max_reward_error_frac=float(OmegaConf.select(cfg, "reward_guard.max_error_frac",
                                                                            default=0.0) or 0.0),
                               advantage_mask=instantiate(am) if (am := cfg.get("advantage_mask")) else None)
@@ -215,7 +218,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     flush_or_report(logger)  # metrics buffered while the MLflow server was down: sent, or where they are
     log.info("run %s finished: %s", getattr(logger, "run_id", None),
              {k: round(v, 4) for k, v in final.items() if k.startswith("val/")})
-    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run (fspo/tracking/run_summary.py)
+    if launch_rank() == 0:  # where the results are: output dir, checkpoints, MLflow run
         print(_summary(logger, out_dir, final), flush=True)
     rollout.engine.shutdown()  # the last step (vLLM: frees its memory; it may tear down the process group)
     return final

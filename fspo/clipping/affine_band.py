@@ -4,7 +4,7 @@ std(S_L) is not sigma sqrt(L) because part of the variance does not grow with L.
 Owns: `AffineVarianceBand` (``clip.band=affine``): the running per-length-bin moments of `_MomentBand`
 (calibration.py; decayed, checkpointed, exact across ranks) and the weighted least-squares fit of each
 bin's mean square of r = S - mu_L on its mean length:  E[r^2 | L] = tau^2 + sigma^2 L. Leaves out: the band
-and the loss (fspo/clipping/fspo.py multiplies the scale by z), when to observe (fspo/update/module.py: after
+and the loss (fspo.py multiplies the scale by z), when to observe (fspo/update/module.py: after
 each optimizer update, so a mini-batch is always judged by a band fit on earlier ones: out of sample).
 
 Why: sequences correlated with the update (siblings of trained rows, shared prompts, the first line's and the

@@ -93,6 +93,6 @@ class ClipRule(torch.nn.Module):
         return {}
 
     def theory_clip_fraction(self, lengths, sigma: float):
-        """Closed-form clip probability c(L) when S_L ~ N(0, sigma^2 L) (DESIGN.md §2), as a
+        """Closed-form clip probability c(L) when S_L ~ N(0, sigma^2 L) (the paper's Gaussian model of S_L), as a
         numpy array over ``lengths``; None when the rule has no closed form (token-level rules)."""
         return None

@@ -3,7 +3,7 @@
 Owns: `PowerLawBand` and `PerBinBand` (running per-length-bin moments kept as a float64 buffer, so
 they land in checkpoints; their update in `observe`, exact across ranks; the scale std(S_L) the band
 is built from; their metrics) and `CALIBRATORS` (name -> class, for ``clip.band=power|per_bin``).
-Leaves out: the band, the clip and the loss (fspo/clipping/fspo.py builds mu_L +- z scale(L)), z,
+Leaves out: the band, the clip and the loss (fspo.py builds mu_L +- z scale(L)), z,
 the drift mu_L (the caller passes the one in effect) and when to observe (fspo/update/module.py: once per
 optimizer step, not on on-policy mini-batches, where S = 0 exactly).
 
@@ -201,7 +201,7 @@ class PowerLawBand(_MomentBand):
 
     gamma is clamped to [``gamma_min``, ``gamma_max``] = [0, 1.5] by default: gamma in [0, 1] spans
     every stationary token process (1/2 independent increments, 1 all tokens moving together);
-    above 1 the per-token spread itself grows with L (seen on our tiny task), and the clamp
+    above 1 the per-token spread itself grows with L (seen on the tiny arithmetic task), and the clamp
     bounds how far a noisy fit from two close bins can blow the band up when the law is
     extrapolated beyond the observed lengths (2,000^1.5 = 9e4 already). A negative gamma
     (longer sequences less spread) has no token-sum reading. Where the true gamma lies outside the
@@ -268,5 +268,5 @@ class PerBinBand(_MomentBand):
         return out
 
 
-#: ``clip.band`` name -> calibrator class (fspo/clipping/fspo.py wires them in).
+#: ``clip.band`` name -> calibrator class (fspo.py wires them in).
 CALIBRATORS = {"power": PowerLawBand, "per_bin": PerBinBand}

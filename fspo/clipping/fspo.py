@@ -21,7 +21,7 @@ Readings of the paper that this file commits to:
   sigma_t = (1 - alpha) sigma_{t-1} + alpha std_batch((S - mu_L) / sqrt(L)) over sequences with L > 0,
   sigma_0 = 0.03; the dual scale is max(c_dual, z sigma_t) so it never falls inside the band.
   sigma_hat is tracked in both modes (a diagnostic in "fixed" mode).
-* Calibrated bands (beyond the paper; fspo/clipping/calibration.py, quantile_band.py): ``band="quantile"``
+* Calibrated bands (beyond the paper; calibration.py, quantile_band.py): ``band="quantile"``
   sets the half-width to the observed erf(z / sqrt 2) quantile of |S_L - mu_L| per length bin (exact
   2 Phi(-z) out of band for any law of S_L); ``band="power"`` fits
   std(S_L - mu_L) = sigma L^gamma from running per-length-bin moments, ``band="per_bin"`` uses the
@@ -88,8 +88,9 @@ class FSPOClip(ClipRule):
     L = 0 gives band 0 and loss 0. Settings: ``c_upper``, ``c_lower``, ``c_dual`` (> 0, log space
     per sqrt(token), paper 0.03 each, ``c_dual`` >= ``c_upper`` or None to disable), ``band``
     "fixed" | "ema" | "power" | "per_bin" | "quantile" | "affine" (``calibration``: keyword settings of the calibrator,
-    e.g. alpha, min_count, bins_per_octave; fspo/clipping/calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and ``alpha`` in (0, 1] (EMA band and
-    running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" | "length_weighted".
+    e.g. alpha, min_count, bins_per_octave; calibration.py), ``drift`` "zero" | "kl", ``z`` > 0 and
+    ``alpha`` in (0, 1] (EMA band and running estimates), ``sigma0`` > 0 (EMA warm start), ``ratio_grad`` "per_token" |
+    "length_weighted".
     """
 
     level = "sequence"

@@ -4,7 +4,7 @@ out-of-band fraction is 2 Phi(-z) at every length whatever the law of S_L (shape
 Owns: `QuantileBand` (``clip.band=quantile``): a decayed per-length-bin histogram of
 u = |S - mu_L| / sqrt(L) (float64 buffer, checkpointed; one all_reduce per update, exact across
 ranks), the bin quantile at the coverage 1 - 2 Phi(-z) = erf(z / sqrt 2), and the scale FSPOClip
-multiplies by z. Leaves out: the band and the loss (fspo/clipping/fspo.py), when to observe
+multiplies by z. Leaves out: the band and the loss (fspo.py), when to observe
 (fspo/update/module.py), the moment state and the log-L interpolation it inherits (calibration.py).
 
 Why (measured on data=arithmetic_long, Q-Q R^2 ~0.8): the per-bin std band of `PerBinBand`

@@ -22,10 +22,10 @@ Metrics (python floats, masked token means): ``actor/pg_clipfrac`` (upper or low
 ``actor/pg_clipfrac_lower`` (verl's name for the dual-clip fraction; 0 for gspo).
 FSPO's settings are read by `fspo_settings` (``FSPO_KEYS``, defaults ``FSPO_DEFAULTS``: the paper's),
 the one mapping fspo/integrations/verl.py and trl.py share: each key by `setting`, from
-``config.policy_loss`` (verl's sub-config), else ``config`` itself, else the paper's value; a key present with value None is passed
-on (``c_dual=None`` turns the dual clip off). verl's ``clip_ratio*`` are ratio-space GRPO settings and
-are not read for fspo. `fspo_loss` is ``fspo`` returning the `ClipResult` too (per-length diagnostics).
-Leaves out: stateful running estimates (FSPO's EMA band needs the `FSPOClip` module itself).
+``config.policy_loss`` (verl's sub-config), else ``config`` itself, else the paper's value; a key present with value
+None is passed on (``c_dual=None`` turns the dual clip off). verl's ``clip_ratio*`` are ratio-space GRPO settings and
+are not read for fspo. `fspo_loss` is ``fspo`` returning the `ClipResult` too (per-length diagnostics). Leaves out:
+stateful running estimates (FSPO's EMA band needs the `FSPOClip` module itself).
 """
 from __future__ import annotations
 

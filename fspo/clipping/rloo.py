@@ -33,7 +33,7 @@ class RLOOClip(RatioClipRule):
     loss_i = min(loss_i, -A_i * clip_ratio_c). Paper settings: low 0.4, high 0.667, dual 3.0.
     With [B, T] advantages, A_i is their masked token mean.
 
-    ``ratio_grad="per_token"`` (default; verl's form of a sequence ratio, see fspo/clipping/base.py):
+    ``ratio_grad="per_token"`` (default; verl's form of a sequence ratio, see base.py):
     token t of sequence i carries loss_i with log s_{i,t} = sg(S_i) + logp_t - sg(logp_t), so where
     no clip binds d token_loss[i, t] / d logp_{i,t} = -A_i s_i, and "token-mean" gives every token
     of every sequence -A_i s_i / sum L: paper eq. rloo's gradient A_i s_i / G up to the constant

@@ -2,7 +2,7 @@
 
 Owns: `normalize_problem` (the exact-duplicate key), `content_skeleton` + `NearDuplicateIndex`
 (near-duplicate detection by character n-gram containment) and `merge_deduplicated`. Leaves out:
-file reading and validation (fspo/data/math_datasets.py).
+file reading and validation (math_datasets.py).
 
 Two levels, because the same AIME problem appears in DAPO-17k re-typeset (``\\frac85`` vs
 ``\\frac{8}{5}``, ``$36^{}_{}$`` vs ``$36$``, AoPS signatures such as ``~ momeme``) and often with the
@@ -17,9 +17,8 @@ question rewritten to ask for an integer:
    skeleton = lowercase text without ``[asy]`` blocks, LaTeX command names and anything but letters
    and digits; containment(A, D) = |grams16(A) & grams16(D)| / |grams16(A)|.  A is a duplicate when
    containment >= `NEAR_THRESHOLD` (0.7), or >= `NEAR_THRESHOLD_SAME_ANSWER` (0.45) and both
-   answers are equal. The thresholds come from the measured score histogram on the real files
-   (the note of issue 7 has the numbers): above 0.7 pairs are the same problem; between 0.45 and
-   0.7 only pairs with equal answers were.
+   answers are equal. The thresholds come from the score histogram measured on the real files:
+   above 0.7 pairs are the same problem; between 0.45 and 0.7 only pairs with equal answers were.
 
 When duplicates disagree, the first occurrence wins (primary before secondary, file order inside a
 source); the counts are returned in `DedupStats`.

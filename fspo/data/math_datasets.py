@@ -3,20 +3,21 @@ AIME25 (and GSM8K) for evaluation.
 
 Owns: one row extractor per file (what its fields mean), the loaders and `load_math_source`, the
 Hydra entry point (``_target_: fspo.data.math_datasets.load_math_source``). Leaves out: file
-reading, validation policy and the data directory (fspo/data/math_io.py), de-duplication
-(fspo/data/dedup.py), templates (fspo/data/templates.py) and scoring (fspo/rewards/).
+reading, validation policy and the data directory (math_io.py), de-duplication
+(dedup.py), templates (templates.py) and scoring (fspo/rewards/).
 
 Every loader returns a `ListSource` of ``Sample(prompt=render(template, problem), answer=reference,
 meta={"source": <file stem>, "row": <row in file>, "id": <problem id>})``. The source also carries
 ``.stats`` (rows read, bad rows skipped, de-duplication counts). References as stored:
 
-| name            | file(s)                                         | problem / reference                      |
-|-----------------|-------------------------------------------------|------------------------------------------|
-| dapo_aime_train | dapo_math_17k.parquet + aime_1983_2023.json     | prompt[0].content / reward_model.ground_truth; problem / answer (as int) |
-| math500         | math500_test.jsonl                              | problem / answer (LaTeX)                 |
-| aime24          | aime2024_test.jsonl                             | problem / answer ("025" -> "25")          |
-| aime25          | aime2025_test.jsonl                             | prompt minus the boxed instruction / answer |
-| gsm8k           | gsm8k_test.jsonl                                | question / text after "#### ", commas removed |
+| name            | file(s)                                     | problem / reference                             |
+|-----------------|---------------------------------------------|-------------------------------------------------|
+| dapo_aime_train | dapo_math_17k.parquet + aime_1983_2023.json | prompt[0].content / reward_model.ground_truth;  |
+|                 |                                             | problem / answer (as int)                       |
+| math500         | math500_test.jsonl                          | problem / answer (LaTeX)                        |
+| aime24          | aime2024_test.jsonl                         | problem / answer ("025" -> "25")                |
+| aime25          | aime2025_test.jsonl                         | prompt minus the boxed instruction / answer     |
+| gsm8k           | gsm8k_test.jsonl                            | question / text after "#### ", commas removed   |
 
 Row order: file order (the training set: DAPO rows, then the AIME rows that survive
 de-duplication); ``shuffle=True`` permutes with ``seed``; ``limit`` then keeps the first N.
@@ -131,7 +132,7 @@ def load_math_source(name: str, data_dir: Optional[str] = None, template: str = 
 
     ``template``: a name in `TEMPLATES` or a string with ``{problem}``; ``limit``: keep the first N
     rows (after the optional seeded ``shuffle``); ``on_bad_row``: 'raise' or 'skip';
-    ``dedup`` (training only): drop duplicate problems (see fspo/data/dedup.py).
+    ``dedup`` (training only): drop duplicate problems (see dedup.py).
     """
     if name not in NAMES:
         raise ValueError(f"unknown math dataset {name!r}: choose one of {list(NAMES)} (data.name)")

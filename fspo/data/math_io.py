@@ -1,7 +1,7 @@
 """Reading the math data files: where they are, row validation, and the optional hub fallback.
 
 Owns: `resolve_data_dir`, `read_rows`, `BadRow`, `DataRowError`, `RowCollector` (the raise/skip
-policy for bad rows). Leaves out: what each dataset's fields mean (fspo/data/math_datasets.py).
+policy for bad rows). Leaves out: what each dataset's fields mean (math_datasets.py).
 
 Data never lives in the repository. The directory comes from, in order: the ``data_dir`` argument
 (config ``data.data_dir``), the environment variable ``FSPO_DATA_DIR``, and the default

@@ -74,7 +74,8 @@ class ModChainTask:
         if split not in SPLITS:
             raise ValueError(f"data.split must be 'train', 'val' or 'test', got {split!r}")
         if not 1 <= min_lines <= max_lines <= 999:
-            raise ValueError(f"need 1 <= min_lines <= max_lines <= 999 (a 3-digit counter), got {min_lines}, {max_lines}")
+            raise ValueError(f"need 1 <= min_lines <= max_lines <= 999 (a 3-digit counter), "
+                             f"got {min_lines}, {max_lines}")
         if size < 1:
             raise ValueError(f"data size must be >= 1, got {size}: the prompt set would be empty")
         if step % 10 == 0:

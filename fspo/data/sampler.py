@@ -1,7 +1,7 @@
 """Which prompts each RL step sees: a deterministic, resumable batch sampler.
 
-Owns: `PromptStepSampler`. Leaves out: the prompt sources (fspo/data/arithmetic.py,
-fspo/data/math_datasets.py), the DataModule that uses it (fspo/data/datamodule.py) and the
+Owns: `PromptStepSampler`. Leaves out: the prompt sources (arithmetic.py,
+math_datasets.py), the DataModule that uses it (datamodule.py) and the
 mini-batches of the update (fspo/update/microbatches.py).
 """
 from __future__ import annotations

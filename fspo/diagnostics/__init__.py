@@ -1,4 +1,4 @@
-"""Length-fairness diagnostics (paper section "Length-Fairness Diagnostics", DESIGN.md §2).
+"""Length-fairness diagnostics (paper section "Length-Fairness Diagnostics"; docs/metrics.md).
 
 Owns: length bins, torchmetrics metrics with sum-reduced states (binding-clip and out-of-band
 fractions by length, the paper's LRE from acceptance and the binding-clip LRE,

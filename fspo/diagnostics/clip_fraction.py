@@ -4,7 +4,7 @@
 Owns: `ClipFractionByLength`. Leaves out: the clip decisions themselves (fspo/clipping: binding
 masks, ``in_band`` and ``clip_cap`` in `ClipResult`) and the LRE formulas (lre.py).
 
-Two different events are counted per sequence (DESIGN.md section 2):
+Two different events are counted per sequence (docs/metrics.md):
 
 - acceptance (the paper's section "Length Fairness and LRE"): the ratio lies inside the rule's
   band, whatever the advantage's sign (``ClipResult.in_band``: FSPO lo_L <= S <= hi_L; RLOO
@@ -188,7 +188,8 @@ class ClipFractionByLength(DiagnosticMetric):
         NB = float(band_n.sum())
         if NB > 0:
             out["band/out_frac"] = float(band_out.sum()) / NB
-            out["band/tok_out_frac"] = float(self.band_n_tok.sum() - self.band_in_tok.sum()) / float(self.band_n_tok.sum())
+            band_tok = float(self.band_n_tok.sum())
+            out["band/tok_out_frac"] = (band_tok - float(self.band_in_tok.sum())) / band_tok
             out["band/n_seq"] = NB
         out.update(length_fairness(self.band_n_seq, band_out, self.band_abs_adv, self.bins, self.lre_min_len,
                                    prefix="fairness/"))

@@ -35,9 +35,9 @@ from fspo.diagnostics.log_ratio import LogRatioStats
 from fspo.diagnostics.plots import plot_clip_fraction_by_length, plot_qq, plot_std_vs_sqrt_len
 
 METRIC_NAME_RE = re.compile(r"^[A-Za-z0-9_\-./: ]+$")
-FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens of tokens the per-token log-ratios are few "
-               "and correlated and that law is weak, so a rising curve here is not a failure of the method "
-               "(see docs: the length law).")
+FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens of tokens the per-token "
+               "log-ratios are few and correlated and that law is weak, so a rising curve here is not a failure "
+               "of the method (see docs: the length law).")
 
 
 def check_metric_names(metrics: Mapping[str, float]) -> None:
@@ -58,12 +58,12 @@ class FairnessMetrics(torch.nn.Module):
 
     On-policy convention: the first mini-batch of each step is trained before any update, so with
     recomputed old log-probs (or the engine's, sampled by the same weights) its S = 0 and it is always in the
-    band (a stale batch, rollout.overlap, is not on-policy: the training step counts it like any other). Like the log-ratio statistics (the paper's Figure 1
-    count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance counts (``band/*``,
-    ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
-    fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees.
-    With ``acceptance_on_policy=True`` on-policy batches count for acceptance too (q is pulled
-    towards 1 by a quarter of the sequences with the paper's 4 mini-batches per step).
+    band (a stale batch, rollout.overlap, is not on-policy: the training step counts it like any other). Like the
+    log-ratio statistics (the paper's Figure 1 count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance
+    counts (``band/*``, ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
+    fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees. With
+    ``acceptance_on_policy=True`` on-policy batches count for acceptance too (q is pulled towards 1 by a quarter of the
+    sequences with the paper's 4 mini-batches per step).
     """
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0, reservoir_size: int = 4096,
@@ -116,8 +116,8 @@ class FairnessMetrics(torch.nn.Module):
 
         Keys: ``band/*``, ``clip/*``, ``fairness/*``, ``logratio/*``, ``rollout/*`` (see each metric's
         docstring; ``fairness/lre`` is the paper's, from ``in_band``; ``fairness/binding_lre`` is
-        that of the binding clips). Names are checked against ``^[A-Za-z0-9_\\-./: ]+$``. Keys with nothing to report are
-        absent; no value is NaN.
+        that of the binding clips). Names are checked against ``^[A-Za-z0-9_\\-./: ]+$``. Keys with nothing to report
+        are absent; no value is NaN.
         """
         out: Dict[str, float] = {}
         with warnings.catch_warnings():

@@ -187,7 +187,7 @@ def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_up
 
 
 def cluster_ids(rec) -> np.ndarray:
-    """One id per (step, prompt group) of a record set (fspo/diagnostics/ledger.py): the bootstrap and the
+    """One id per (step, prompt group) of a record set (ledger.py): the bootstrap and the
     clustered test resample or pool whole groups."""
     return np.asarray(rec["step"]) * 1e6 + np.asarray(rec["group"])
 

@@ -41,7 +41,8 @@ def band_results(rec: Dict[str, np.ndarray], edges, min_count: int, seed: int = 
     sigma = math.sqrt(float(np.mean(S ** 2 / np.maximum(L, 1))))
     out = {}
     for name, band in lb.matched_bands(sigma, float(np.median(L))).items():
-        out[name] = lb.judge(L, S, lb.outside_of(band, L, S), edges, min_count, band.limits(L), seed, lb.cluster_ids(rec))
+        out[name] = lb.judge(L, S, lb.outside_of(band, L, S), edges, min_count, band.limits(L), seed,
+                             lb.cluster_ids(rec))
     for name, make in (("affine", lambda: lb.AffineBand(z=1.0)), ("quantile", lambda: lb.BinQuantileBand(z=1.0))):
         oos = lb.out_of_sample(L, S, rec["step"], rec["update"], make)
         j = oos["judged"]

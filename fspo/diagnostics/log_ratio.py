@@ -138,7 +138,8 @@ class LogRatioStats(DiagnosticMetric):
         has = n > 0
         nz = n.clamp_min(1.0)
         mu = torch.where(has, self.s_sum / nz, torch.zeros_like(n))
-        var = torch.where(n > 1, (self.s2_sum - n * mu * mu).clamp_min(0.0) / (n - 1).clamp_min(1.0), torch.zeros_like(n))
+        var = torch.where(n > 1, (self.s2_sum - n * mu * mu).clamp_min(0.0) / (n - 1).clamp_min(1.0),
+                          torch.zeros_like(n))
         std = var.sqrt()
         mean_len = torch.where(has, self.len_sum / nz, torch.zeros_like(n))
         labels = self.bins.labels

@@ -11,7 +11,7 @@ from a run. Our per-bin series (``clip/seq_frac/len_00016_00032``) and run-level
 MLflow the key keeps its first '/' and joins the rest with '.', so every family is one section:
 ``clip/seq_frac.len_00016_00032`` (section ``clip``), ``run/band.out_frac.len_...`` (section ``run``).
 Inside a section charts sort by key, so a family's bins stay together. Two sections break the
-alphabet on purpose (issue 34): ``Headline`` first, with copies of held-out accuracy, LRE and the
+alphabet on purpose: ``Headline`` first, with copies of held-out accuracy, LRE and the
 out-of-band fraction overall and by length (`headline`), and ``zz counts`` last, where sample
 counts (``n_seq`` per bin, ``qq_n`` ...) go instead of sitting between the results. Our names hold no '.', so the
 mapping is reversible; readers (experiments/report.py) map stored keys back with `canonical_key`,

@@ -94,7 +94,8 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
         curves = theory_curve if isinstance(theory_curve, Mapping) else {"theory": theory_curve}
         grid = np.linspace(1.0, xmax * 1.05, 400)
         for name, cur in curves.items():
-            x, y = (grid, np.asarray(cur(grid), float)) if callable(cur) else (np.asarray(cur[0], float), np.asarray(cur[1], float))
+            x, y = (grid, cur(grid)) if callable(cur) else cur
+            x, y = np.asarray(x, float), np.asarray(y, float)
             ax.plot(x, y, "--", lw=1.5, label=f"{name}")
     if not any(len(x) for x, _ in list(series.values()) + list(extra.values())):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)

@@ -3,8 +3,8 @@
 Owns: `avg_at_k`, `ProblemResult` / `BenchmarkResult` (per-problem rows and benchmark metrics),
 `evaluate_benchmark` (one benchmark with any `RolloutEngine` and any `RewardFn`), `check_fits_context`
 (the same prompt-length and context rules, checked for every benchmark before anything runs).
-Leaves out: finding and loading a run's checkpoints and config (fspo/runtime/checkpoints/files.py), best/last summaries and MLflow logging (fspo/evaluation/summary.py),
-and the command line (experiments/evaluate.py).
+Leaves out: finding and loading a run's checkpoints and config (fspo/runtime/checkpoints/files.py), best/last summaries
+and MLflow logging (summary.py), and the command line (experiments/evaluate.py).
 
 Metrics of one benchmark with problems p = 1..P, k_p samples each, c_p of them correct::
 

@@ -2,7 +2,7 @@
 
 Owns: `best_last`. Given values in step order: **best** is the highest value (ties: the earliest
 step), **last** the value at the largest step. Used by the evaluation summary
-(fspo/evaluation/summary.py, per benchmark over checkpoints) and by the sweep report
+(summary.py, per benchmark over checkpoints) and by the sweep report
 (fspo/evaluation/report/collect.py, over a metric's logged history).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ Owns: `Benchmark` (one benchmark's prompt source, k, own scorer and new-token bu
 (the built-in task's evaluation set, conf/eval_data/arithmetic.yaml, in place of the default math
 benchmarks when the run used the built-in task and no eval_data was asked for; its settings taken
 from the run so it stays disjoint from the run's train and validation splits) and `build_benchmarks`.
-Leaves out: sampling and scoring (fspo/evaluation/benchmark.py), the command line (experiments/evaluate.py).
+Leaves out: sampling and scoring (benchmark.py), the command line (experiments/evaluate.py).
 
 An ``eval_data.<name>`` node holds ``source`` (instantiated), ``samples_per_prompt`` and optionally
 ``reward`` (that benchmark's scorer; default: the evaluator's ``reward``), ``max_new_tokens`` (default:

@@ -4,7 +4,7 @@ Owns: `summarize` / `summary_markdown` (best and last
 checkpoint per benchmark, as in the paper's results table) and `MlflowRecorder` (metrics,
 per-problem tables, tags and the summary of one evaluation, into a new MLflow run or into the
 training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoints/files.py), sampling
-and scoring (fspo/evaluation/benchmark.py) and the command line (experiments/evaluate.py).
+and scoring (benchmark.py) and the command line (experiments/evaluate.py).
 
 Summary conventions (paper, "Main Results"): per benchmark, **best** is the checkpoint with the
 highest Avg@k (ties: the earliest step) and **last** the checkpoint with the largest step; the
@@ -72,7 +72,8 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
         best, last = (v["best"], v["last"]) if b != "Average" else ({"value": v["best"]}, {"value": v["last"]})
         lines.append(f"| {b} | {pct(v['base'])} | {pct(best['value'])} | {best.get('step', '')} | "
                      f"{pct(last['value'])} | {last.get('step', '')} |")
-    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "", "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
+    lines += ["", f"## {m} per checkpoint (fraction correct, 0-1)", "",
+              "| Step | Checkpoint | " + " | ".join(benches) + " | Average |",
               "|---|---|" + "---|" * (len(benches) + 1)]
     for e in summary["checkpoints"]:
         vals = [e["metrics"].get(b, {}).get(m) for b in benches]

@@ -81,7 +81,8 @@ class FSPOConfig(GRPOConfig):
     clip_rule: Optional[dict] = field(default=None, metadata={"help": "another clip rule of fspo.clipping instead "
                                       "of the fixed FSPO band, as a Hydra node, e.g. {'_target_': "
                                       "'fspo.clipping.fspo.FSPOClip', 'band': 'ema', 'z': 1.0} or "
-                                      "{'_target_': 'fspo.clipping.vespo.VESPOClip'}; the c_* settings are then unused"})
+                                      "{'_target_': 'fspo.clipping.vespo.VESPOClip'}; the c_* settings are then "
+                                      "unused"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -127,9 +128,11 @@ def build_rule(args) -> Optional[ClipRule]:
     except Exception as e:  # noqa: BLE001 - a bad node: one line naming it
         cause = e.__cause__ or e
         raise ValueError(f"FSPOConfig: clip_rule={dict(spec)!r} does not build ({type(cause).__name__}: "
-                         f"{str(cause).splitlines()[0]}); give _target_ a ClipRule of fspo.clipping and its settings") from None
+                         f"{str(cause).splitlines()[0]}); give _target_ a ClipRule of fspo.clipping and its "
+                         f"settings") from None
     if not isinstance(rule, ClipRule):
-        raise ValueError(f"FSPOConfig: clip_rule={dict(spec)!r} is a {type(rule).__name__}, not a fspo.clipping ClipRule")
+        raise ValueError(f"FSPOConfig: clip_rule={dict(spec)!r} is a {type(rule).__name__}, "
+                         f"not a fspo.clipping ClipRule")
     return rule
 
 

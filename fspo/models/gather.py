@@ -3,7 +3,7 @@
 Owns: `wire_dtype` (the dtype a weight crosses the all-gather in), `gathered` (one full tensor from a
 plain tensor or an FSDP2 / tensor-parallel DTensor) and `gathered_merge` (a LoRA layer's merged weight
 W0 + s B A, merged shard by shard). Leaves out: which weights, in which order and under which names
-(fspo/rollout/weights.py, fspo/models/lora.py `merged_weights`).
+(fspo/rollout/weights.py, lora.py `merged_weights`).
 
 Why cast first: under FSDP the trainer keeps float32 masters while a vLLM engine on a GPU holds
 bfloat16 weights. Gathering float32 shards and casting the whole tensor afterwards sends 4 bytes per

@@ -14,7 +14,7 @@ within seconds with a message saying how to point at local weights.
 ``meta=True`` (trainer=fsdp, fspo/train.py): a model read from a folder with safetensors weights
 (``warmstart``, ``pretrained`` with ``model.path``, or a hub id already in the local cache) is built
 with its parameters on the meta device and NO weights in memory; the sharding step fills each rank's
-shard from the safetensors (fspo/models/meta_init.py). ``random`` models, hub ids not in the cache
+shard from the safetensors (meta_init.py). ``random`` models, hub ids not in the cache
 and folders without safetensors are built in full as before. Leaves out: sharding (the module's
 configure_model).
 """
@@ -153,7 +153,8 @@ def enable_activation_checkpointing(model) -> None:
     inputs need no gradient: a LoRA policy's frozen embeddings work); ``model.activation_checkpointing``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; set it false")
+        raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; "
+                         f"set it false")
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -162,7 +163,7 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
                 lora: dict | None = None, **_ignored):
     """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
     parameters of a local folder's model on the meta device, for sharded loading. ``lora`` with
-    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (fspo/models/lora.py; built in
+    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (lora.py; built in
     full, not on meta: the adapters have no weights on disk to fill them from)."""
     from fspo.models.lora import apply_lora, lora_settings
 
@@ -219,6 +220,7 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
         raise ModelNotFoundError(
             f"could not load model '{hub_id}' from {where} ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]}). On a machine with internet run "
-            f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, and pass model.path=/path/to/... "
+            f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, "
+            f"and pass model.path=/path/to/... "
             f"(or set HF_HOME to a cache that holds it).") from None
     return model, tok

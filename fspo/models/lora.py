@@ -1,13 +1,13 @@
 """LoRA adapters on the policy (``model.lora``, built with peft): only the adapters train.
 
 Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, ``target_modules``,
-``lr``), `lora_settings`, `lora_update_settings` (the adapters' learning rate), `target_names` / `check_targets` (the linear layers a model offers, and the one-line
-refusal of names it does not have), `apply_lora` (wrap a loaded HF causal LM with peft's LoRA: base
-frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share of a
-LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that
-hold a plain model: vLLM's weight sync). Leaves out: loading the base (fspo/models/loading.py),
-exporting a merged model from a checkpoint (fspo/models/lora_export.py) and the memory plan's
-LoRA terms (fspo/runtime/launch/memory_plan.py).
+``lr``), `lora_settings`, `lora_update_settings` (the adapters' learning rate), `target_names` / `check_targets` (the
+linear layers a model offers, and the one-line refusal of names it does not have), `apply_lora` (wrap a loaded HF causal
+LM with peft's LoRA: base frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share
+of a LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that hold a plain
+model: vLLM's weight sync). Leaves out: loading the base (loading.py), exporting a merged model from a
+checkpoint (fspo/runtime/checkpoints/lora_export.py) and the memory plan's LoRA terms
+(fspo/runtime/launch/memory_plan.py).
 
 The adapted layer computes y = W0 x + (alpha / r) B A x, A [r, in], B [out, r], B = 0 at start
 (peft's init), so the wrapped policy equals the base model before the first update and the method

@@ -5,15 +5,15 @@ device: no host memory; buffers such as the rotary ``inv_freq`` are small and st
 `is_on_meta`, and `load_local_shards` (after the parameters were sharded, e.g. by FSDP2's
 ``fully_shard``, or not at all: materialise them on ``device`` and fill each one with ITS OWN part
 of the checkpoint, read through ``safetensors.safe_open(...).get_slice`` so that a rank touches only
-the rows of its shard; the file is mapped one tensor at a time, so its pages leave the RSS). Every rank reads its rows itself: no broadcast, and no rank ever holds the
-full model; peak host memory per rank ~ its shard + one shard-sized tensor at a time
-(benchmarks/bench_fsdp_load_memory.py measures it).
+the rows of its shard; the file is mapped one tensor at a time, so its pages leave the RSS). Every rank reads its rows
+itself: no broadcast, and no rank ever holds the full model; peak host memory per rank ~ its shard + one shard-sized
+tensor at a time (benchmarks/bench_fsdp_load_memory.py measures it).
 
 Sharding understood: a plain tensor (the whole parameter) and a DTensor with one ``Shard(0)`` mesh
 dimension (FSDP2's layout: rank r holds rows [r*ceil(n/W), ...), ``torch.chunk`` semantics). Tied
 parameters (``tie_word_embeddings``) are one parameter under its first name; ``save_pretrained``
 stores it once. Leaves out: building the sharding (fspo/runtime/launch/distributed.py) and choosing the
-source folder (fspo/models/loading.py).
+source folder (loading.py).
 """
 from __future__ import annotations
 

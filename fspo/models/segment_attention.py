@@ -18,12 +18,11 @@ forward-backward ~8% faster than 1.25-2x-wide masked rows, with no padding waste
 the padded pass to ~5e-6 (tests/test_segment_attention.py).
 
 How it is selected: `enable_segment_attention(model)` switches a model whose attention is
-``sdpa`` (and has no sliding-window layer) to ``SEGMENT_ATTENTION`` (RLModule does it when ``ppo.packing`` is on). Without the
-``fspo_segments`` keyword (generation, the padded pass) the function IS Hugging Face's sdpa
-attention, with sdpa's mask creation, so nothing else changes. The packed pass passes
-``fspo_segments`` (the runs) and a placeholder 4D ``attention_mask`` so that transformers builds
-no mask (a prepared 4D mask is used as is; this function ignores it). Flash-attention models
-(``flash_attention_2``) keep their own varlen kernels and the masked-rows layout.
+``sdpa`` (and has no sliding-window layer) to ``SEGMENT_ATTENTION`` (RLModule does it when ``ppo.packing`` is on).
+Without the ``fspo_segments`` keyword (generation, the padded pass) the function IS Hugging Face's sdpa attention, with
+sdpa's mask creation, so nothing else changes. The packed pass passes ``fspo_segments`` (the runs) and a placeholder 4D
+``attention_mask`` so that transformers builds no mask (a prepared 4D mask is used as is; this function ignores it).
+Flash-attention models (``flash_attention_2``) keep their own varlen kernels and the masked-rows layout.
 """
 from __future__ import annotations
 
@@ -64,7 +63,8 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
     for start, count, length in runs:
         end = start + count * length
 
-        def batch(x, start=start, end=end, count=count, length=length):  # [1, h, count x length, d] -> [count, h, length, d]
+        # [1, h, count x length, d] -> [count, h, length, d]
+        def batch(x, start=start, end=end, count=count, length=length):
             return x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)  # (a strided view)
 
         out, _ = sdpa_attention_forward(module, batch(query), batch(key), batch(value), None, dropout=dropout,

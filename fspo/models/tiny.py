@@ -1,7 +1,7 @@
 """The embedded tiny policy: a character-level tokenizer and a ~1M-parameter Qwen3 built from a config.
 
 Owns: `build_tokenizer` (made by this project, no download), `tiny_qwen3_config`, `build_tiny_model`.
-Leaves out: loading real checkpoints and the warm-start weights (fspo/models/loading.py,
+Leaves out: loading real checkpoints and the warm-start weights (loading.py,
 experiments/warmstart.py).
 
 The tokenizer maps every printable ASCII character to one token (plus <pad>=0, <s>=1, </s>=2,

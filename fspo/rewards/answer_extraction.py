@@ -1,7 +1,7 @@
 """Final-answer extraction from a completion, and the exact fast path of the math reward.
 
 Owns: `last_boxed`, `last_answer_line`, `extract_answer`, `canonical`, `fast_equal`. Leaves out:
-symbolic equivalence (math-verify, run in worker processes by fspo/rewards/verify_pool.py).
+symbolic equivalence (math-verify, run in worker processes by verify_pool.py).
 
 Everything here is linear-time string scanning with regular expressions and a brace counter:
 nothing from the completion is evaluated, and the extracted answer is capped at

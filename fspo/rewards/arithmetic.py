@@ -26,7 +26,7 @@ def parse_answer(text: str):
 
 
 class ArithmeticReward:
-    """RewardFn for the arithmetic task (see fspo/rewards/base.py for the call contract)."""
+    """RewardFn for the arithmetic task (see base.py for the call contract)."""
 
     def __init__(self, correct_reward: float = 1.0, format_reward: float = 0.0):
         self.correct_reward = float(correct_reward)

@@ -6,7 +6,7 @@ sample scores 0; non-finite scores become 0 and are flagged), `reward_name`, `ch
 the step's counts are summed over data-parallel ranks (fspo/rollout/callback.py, which calls
 `check_reward_health` on the summed counts so that every rank stops together).
 
-Policy (issue 33, item 10), per training step, over all of the step's samples:
+Policy, per training step, over all of the step's samples:
 - any non-finite score (NaN, +-inf) stops the run at once with a line naming the reward: a NaN reward
   zeroed silently trains on nothing;
 - a reward that fails on EVERY sample (raises, or reports every sample in ``RewardOutput.errors``)

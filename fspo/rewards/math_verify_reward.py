@@ -1,9 +1,9 @@
 """Verifiable math reward: final-answer extraction + math-verify equivalence, with DAPO's optional
 soft overlong penalty.
 
-Owns: `MathVerifyReward` (a `RewardFn`, see fspo/rewards/base.py) and `overlong_penalty`. Leaves
-out: extraction details (fspo/rewards/answer_extraction.py) and the worker pool that enforces the
-per-check deadline (fspo/rewards/verify_pool.py).
+Owns: `MathVerifyReward` (a `RewardFn`, see base.py) and `overlong_penalty`. Leaves
+out: extraction details (answer_extraction.py) and the worker pool that enforces the
+per-check deadline (verify_pool.py).
 
 Per completion i with extracted answer a_i (None when there is none) and reference r_i::
 
@@ -66,7 +66,8 @@ class MathVerifyReward:
         self.correct_reward, self.incorrect_reward = float(correct_reward), float(incorrect_reward)
         self.format_reward = float(format_reward)
         self.max_answer_chars = int(max_answer_chars)
-        self.overlong_buffer_len, self.overlong_penalty_factor = int(overlong_buffer_len), float(overlong_penalty_factor)
+        self.overlong_buffer_len = int(overlong_buffer_len)
+        self.overlong_penalty_factor = float(overlong_penalty_factor)
         self._pool_args = dict(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb, check=check)
         VerifyPool(**self._pool_args)  # validate the arguments now, start nothing
         self.fast_path = bool(fast_path)
@@ -80,7 +81,8 @@ class MathVerifyReward:
             self._pool = VerifyPool(**self._pool_args)
         return self._pool
 
-    def judge(self, completions: Sequence[str], references: Sequence[str]) -> Tuple[List[float], List[float], List[str]]:
+    def judge(self, completions: Sequence[str],
+              references: Sequence[str]) -> Tuple[List[float], List[float], List[str]]:
         """(correct, format, status) per completion; status is 'fast', 'verified', 'no_answer',
         'error' or 'timeout'."""
         n = len(completions)
@@ -111,7 +113,7 @@ class MathVerifyReward:
 
     def __call__(self, completions: Sequence[str], references: Sequence[str], lengths: Sequence[int],
                  overlong: Sequence[bool], max_new_tokens: int) -> RewardOutput:
-        """Score a rollout batch (the RewardFn contract in fspo/rewards/base.py)."""
+        """Score a rollout batch (the RewardFn contract in base.py)."""
         n = len(completions)
         if not (len(references) == len(lengths) == len(overlong) == n):
             raise ValueError(f"reward inputs differ in length: completions {n}, references {len(references)}, "

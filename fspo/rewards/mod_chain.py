@@ -37,7 +37,7 @@ def line_credit(text: str, v0: int, n: int, step: int = 7) -> Tuple[float, bool]
 
 
 class ChainConsistencyReward:
-    """RewardFn for the modular chain (call contract: fspo/rewards/base.py). References are ``"v0,n"``."""
+    """RewardFn for the modular chain (call contract: base.py). References are ``"v0,n"``."""
 
     def __init__(self, step: int = 7, correct_reward: float = 1.0):
         self.step, self.correct_reward = int(step), float(correct_reward)

@@ -2,7 +2,7 @@
 
 Owns: `VerifyPool`, `math_verify_equal` (the default check) and the process side (run as
 ``python -m fspo.rewards.verify_pool FD CHECK MEMORY_MB``). Leaves out: answer extraction
-(fspo/rewards/answer_extraction.py) and scoring (fspo/rewards/math_verify_reward.py).
+(answer_extraction.py) and scoring (math_verify_reward.py).
 
 Why processes: math-verify's own timeouts use ``signal.alarm`` (whole seconds, main thread only)
 and cannot interrupt C-level work -- ``verify`` on ``2^{2^{2^{100}}}`` never returns (also

@@ -4,7 +4,7 @@ Owns: `AsyncEngine` (the trainer-side handle: `start`, `push`, `submit`, `result
 `_engine_main` (the child process). The child holds its own copy of the policy (rebuilt from the
 policy's config, plain sdpa attention) and an engine built from the same ``rollout.engine`` config
 (`fspo.rollout.hf.HFEngine`), with ``threads`` torch threads of its own. Leaves out: which step is
-requested when (fspo/rollout/pipeline.py) and scoring (fspo/rollout/callback.py).
+requested when (pipeline.py) and scoring (callback.py).
 
 Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight), keyed by
 checkpoint name. `push` copies the trainer's current parameters into a slot (a memcpy, no pickling),
@@ -22,7 +22,8 @@ The child answers requests in order; `result` returns the `RolloutBatch` of the 
 sent back and raised by `result` with the child's traceback text; a dead child is reported instead
 of waiting forever; an alive child that answers nothing within ``timeout_s`` is killed and reported
 (`EngineUnresponsive`), and a stop signal during a wait (``should_stop``) raises Lightning's
-``SIGTERMException`` so the run checkpoints and exits as the synchronous path does. The child dies with the trainer, however the trainer ends (`die_with_parent`).
+``SIGTERMException`` so the run checkpoints and exits as the synchronous path does. The child dies with the trainer,
+however the trainer ends (`die_with_parent`).
 """
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ class AsyncEngine:
             except queue.Empty:
                 if self.proc is None or not self.proc.is_alive():
                     code = None if self.proc is None else self.proc.exitcode
-                    raise RuntimeError(f"the rollout engine process died (exit code {code}); see the log above") from None
+                    raise RuntimeError(f"the rollout engine process died (exit code {code}); "
+                                       f"see the log above") from None
                 if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does (checkpoint, exit 0)
                     from lightning.pytorch.utilities.exceptions import SIGTERMException
 

@@ -1,7 +1,7 @@
 """The rollout-engine contract: prompts in, a `RolloutBatch` of completions out.
 
 Owns: `SamplingConfig` and the `RolloutEngine` interface. Leaves out: scoring, advantages and
-old log-probs (fspo/rollout/callback.py) and the engines themselves (hf.py, vllm.py).
+old log-probs (callback.py) and the engines themselves (hf.py, vllm.py).
 
 Lifecycle, driven by the rollout callback:
   1. ``setup(model, tokenizer, workdir)`` once, on the rank that generates; ``model`` is the
@@ -11,7 +11,7 @@ Lifecycle, driven by the rollout callback:
      ``generate(prompt_token_ids, params)`` returns ``len(prompts) * params.n`` completions, the
      ``n`` completions of prompt k in rows ``k*n .. k*n+n-1`` with ``group_ids == k``.
   3. ``sleep()`` / ``wake(tags)`` around the training pass free engine memory (no-ops by default);
-     the order of the memory steps around a generation is fspo/rollout/engine_memory.py's.
+     the order of the memory steps around a generation is engine_memory.py's.
 The returned batch fills prompt_ids/prompt_mask (left-padded), response_ids/response_mask
 (right-padded, EOS included in the mask), group_ids, overlong, and optionally engine_log_probs.
 """

@@ -4,26 +4,26 @@ Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
 
     sync weights -> generate G completions per prompt -> decode -> reward -> advantages
 
-(the memory steps around sync and generation: fspo/rollout/engine_memory.py)
+(the memory steps around sync and generation: engine_memory.py)
 
 and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
 ``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
 ``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
-``pipeline`` (``rollout.overlap``, fspo/rollout/pipeline.py) training rollouts come from an engine
-process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches get ``batch["val_stats"]`` (accuracy, reward, length,
-overlong rate) from completions sampled with the validation settings.
-With ``group_filter`` enabled (``rollout.dynamic_sampling``, fspo/rollout/group_filter.py) groups
-whose rewards are all equal are dropped and further prompts drawn from the sampler, within
-``max_rounds`` rounds; advantages are then computed on the kept groups. Round j >= 1 of step k
-samples with `fspo.seeds.round_seed` of the step's seed; reward metrics stay those of round 1 (the
-step's own prompts). Leaves out: the engines (fspo/rollout), the reward functions (fspo/rewards), the advantage
-estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
+``pipeline`` (``rollout.overlap``, pipeline.py) training rollouts come from an engine
+process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches
+get ``batch["val_stats"]`` (accuracy, reward, length, overlong rate) from completions sampled with the validation
+settings. With ``group_filter`` enabled (``rollout.dynamic_sampling``, group_filter.py) groups whose
+rewards are all equal are dropped and further prompts drawn from the sampler, within ``max_rounds`` rounds; advantages
+are then computed on the kept groups. Round j >= 1 of step k samples with `fspo.seeds.round_seed` of the step's seed;
+reward metrics stay those of round 1 (the step's own prompts). Leaves out: the engines (fspo/rollout), the reward
+functions (fspo/rewards), the advantage estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
 
 Seeding (fspo/seeds.py): step k samples with `step_seed` ``(seed, k, rank)``; validation batch j always with
 `val_seed` ``(seed, j, rank)``, so successive validations differ only by the policy.
 
 Data parallel (fspo/runtime/launch/distributed.py): every rank receives the step's global prompt batch and
-generates for its contiguous slice (whole groups, so advantages are exact) with its own sampling seed. Reward metrics are sums over ranks. Validation batches are
+generates for its contiguous slice (whole groups, so advantages are exact) with its own sampling seed. Reward metrics
+are sums over ranks. Validation batches are
 padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RolloutCallback(L.Callback):
                  pipeline: Optional[RolloutPipeline] = None, max_reward_error_frac: float = 0.0,
                  advantage_mask: Optional[Callable] = None):
         self.engine = engine
-        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac (fspo/rewards/guard.py)
+        self.max_reward_error_frac = float(max_reward_error_frac)  # reward_guard.max_error_frac
         self.group_filter = group_filter if group_filter is not None and group_filter.enable else None
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
@@ -78,7 +78,7 @@ class RolloutCallback(L.Callback):
         self.max_prompt_len = max_prompt_len
         self.seed = seed
         self.pipeline = pipeline  # rollout.overlap: training rollouts from an engine process, k steps ahead
-        self.advantage_mask = advantage_mask  # (lengths, group_ids) -> [B] multiplier (fspo/rollout/knockout.py)
+        self.advantage_mask = advantage_mask  # (lengths, group_ids) -> [B] multiplier
         self._ready = False
 
     def _advantages(self, rollout: RolloutBatch, rewards: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ class RolloutCallback(L.Callback):
         batch["rollout_timings"] = timings
 
     def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
-        """Step ``step``'s rollout from the pipeline (fspo/rollout/pipeline.py), which asks for the
+        """Step ``step``'s rollout from the pipeline (pipeline.py), which asks for the
         prompts of steps ahead from the datamodule's sampler (this rank's slice and seed under data
         parallelism, each rank with its own engine process); they must be the ones Lightning gives."""
         dm = getattr(trainer, "datamodule", None)
@@ -223,7 +223,8 @@ class RolloutCallback(L.Callback):
         if list(ahead) != list(prompts):
             raise RuntimeError(f"rollout.overlap: step {step}'s prompts from the sampler differ from the batch's")
         try:
-            return self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings).to(pl_module.device)
+            batch = self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings)
+            return batch.to(pl_module.device)
         except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
             sampler.position = step  # checkpoint written now (fspo/runtime/checkpoints/checkpointing.py) resumes at it
             raise

@@ -6,7 +6,7 @@ the engine's log-probs of the same sampled tokens and the response mask it compu
 per token, [B, T], that fspo/update/module.py multiplies into each token's loss term before aggregation (as verl
 multiplies its ``rollout_is_weights`` into the per-token policy loss); and `CorrectionMetrics`, its
 per-length-bin diagnostics. Leaves out: the clip rule and aggregation (unchanged), where the old log-probs
-come from (fspo/update/module.py), the engines (fspo/rollout/hf.py, vllm.py report ``engine_log_probs``).
+come from (fspo/update/module.py), the engines (hf.py, vllm.py report ``engine_log_probs``).
 
 Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
 
@@ -37,11 +37,11 @@ m and std s per token, S_L ~ N(m L, s^2 L), so P(|S_L| > log cap) rises to 1 wit
 all masked). The fair band is centred on the drift m L and has half-width h(L) = z s sqrt(L) (``band:
 sqrt``: m = sum S / sum L and s^2 = mean over sequences of (S - m L)^2 / L, over every rank's rows:
 the token std of d for independent d_t, larger when they are correlated within a sequence), so its
-masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), or h(L) = the erf(z / sqrt 2) quantile of |S_L - m L| per
-geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py, observed
-on each step's sequences before use, its state checkpointed), right for any law of S_L.
+masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), or h(L) = the erf(z / sqrt 2) quantile
+of |S_L - m L| per geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py,
+observed on each step's sequences before use, its state checkpointed), right for any law of S_L.
 
-``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; fspo/rollout/off_policy_mask.py) adds
+``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; off_policy_mask.py) adds
 DeepSeek-V3.2's off-policy sequence mask or its length-fair variant on top of any mode (none included): it
 compares the behaviour log-probs with the current policy's in each micro-batch, so `weights` takes them.
 
@@ -147,9 +147,9 @@ class CorrectionMetrics(DiagnosticMetric):
 class RolloutCorrection(torch.nn.Module):
     """Mismatch weights (see the module docstring). ``cap`` > 1 is the fixed modes' cap on exp(d_t) or
     exp(S_i) (verl's threshold 2.0, TRL's cap 3.0); ``cap_min`` null or in [0, 1) their floor on the ratio;
-    ``z`` > 0 the fair band's width in std; ``band`` ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of `QuantileBand`, e.g. alpha, min_count).
-    ``old_log_probs`` and ``temperature`` mirror ppo's (checked: a correction needs ``recompute`` at
-    temperature 1). ``bin_width``, ``max_len``, ``lre_min_len``: the diagnostics' length bins."""
+    ``z`` > 0 the fair band's width in std; ``band`` ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of
+    `QuantileBand`, e.g. alpha, min_count). ``old_log_probs`` and ``temperature`` mirror ppo's (checked: a correction
+    needs ``recompute`` at temperature 1). ``bin_width``, ``max_len``, ``lre_min_len``: the diagnostics' length bins."""
 
     def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
                  quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
@@ -181,8 +181,9 @@ class RolloutCorrection(torch.nn.Module):
                 f"rollout.old_log_probs=recompute (rollout=vllm does)")
         if self.enabled and float(temperature) != 1.0:
             raise ValueError(
-                f"rollout_correction.mode={mode}, off_policy_mask={off_policy_mask} needs ppo.logprob_temperature 1 (got {temperature}): the engines "
-                f"report untempered log-probs; set rollout.sampling.temperature=1.0 or rollout_correction.mode=none")
+                f"rollout_correction.mode={mode}, off_policy_mask={off_policy_mask} needs ppo.logprob_temperature 1 "
+                f"(got {temperature}): the engines report untempered log-probs; set rollout.sampling.temperature=1.0 "
+                f"or rollout_correction.mode=none")
         self.band = QuantileBand(z=self.z, max_len=max(int(max_len), 2), **dict(quantile or {})) \
             if self.reweights and band == "quantile" else None
         self.metrics = CorrectionMetrics(LengthBins(width=int(bin_width), max_len=int(max_len)), lre_min_len) \
@@ -213,7 +214,8 @@ class RolloutCorrection(torch.nn.Module):
     # ------------------------------------------------------------------ per step
     @torch.no_grad()
     def fit(self, batch) -> None:
-        """Once per step, on this rank's rollout with its old log-probs: the band's m and s over all ranks, the quantile band's observation (all ranks), and the diagnostics of this rank's rows."""
+        """Once per step, on this rank's rollout with its old log-probs: the band's m and s over all ranks, the quantile
+        band's observation (all ranks), and the diagnostics of this rank's rows."""
         if not self.reweights:
             return
         old, eng, mask = self._inputs(batch)
@@ -280,7 +282,8 @@ class RolloutCorrection(torch.nn.Module):
             w = self._weights(d, seq, length, mask)[0].to(old.device)
         if self.opsm.enabled:
             if current is None:
-                raise ValueError("rollout_correction.off_policy_mask needs the current log-probs: weights(batch, current)")
+                raise ValueError("rollout_correction.off_policy_mask needs the current log-probs: "
+                                 "weights(batch, current)")
             eng = batch.engine_log_probs if batch.engine_log_probs is not None else batch.old_log_probs
             w = w * self.opsm.keep(eng, current, batch.advantages, mask)[:, None].to(w)
         return w

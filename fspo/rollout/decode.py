@@ -2,7 +2,7 @@
 
 Owns: `decode_compact` (prefill, then one token per step for the rows still running) and
 `logits_pipeline` (the sampling transforms, Hugging Face's own processor classes, in `generate`'s
-order). Leaves out: padding prompts, group bookkeeping and the rollout batch (fspo/rollout/hf.py).
+order). Leaves out: padding prompts, group bookkeeping and the rollout batch (hf.py).
 
 Why: ``model.generate`` keeps every row of the batch in every decode step until the longest
 completion ends, so a batch whose completions average L tokens but reach L_max costs
@@ -81,7 +81,7 @@ def _any_running(running: torch.Tensor, synced: bool) -> bool:
         return bool(running.any())
     flag = torch.tensor([float(bool(running.any())), float(synced_stop_wanted())], device=running.device)
     torch.distributed.all_reduce(flag)  # with a stop vote: a stop signal during a training rollout
-    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token (fspo/runtime/checkpoints/stop_signal.py)
+    if flag[1].item() > 0:  # every rank sees the same sum: all leave at this token
         raise StepInterrupted("stop signal during a synced generation")
     return bool(flag[0].item() > 0)
 

@@ -2,7 +2,7 @@
 
 Owns: `rollout_memory`, the ONE place that orders the memory steps around a generation, and its two
 helpers `offload_optimizer_state` / `restore_optimizer_state`. Leaves out: what the engine does in
-each step (fspo/rollout/base.py, vllm.py) and when rollouts happen (fspo/rollout/callback.py).
+each step (base.py, vllm.py) and when rollouts happen (callback.py).
 
 The order is verl's (its FSDP-vLLM sharding manager, later ``rollout_mode``/``trainer_mode`` of
 verl/workers/fsdp_workers.py): the engine's weights come back before the trainer's full parameters are
@@ -13,7 +13,7 @@ GPU is max(trainer, engine weights + one gathered tensor, engine weights + KV ca
            2. optimizer state moved to CPU        (only with ``offload_optimizer``)
            3. empty_cache()                       (hand the freed blocks back to the driver)
            4. engine.wake(["weights"])
-           5. engine.sync_weights(policy)         (one gathered tensor at a time: fspo/rollout/weights.py)
+           5. engine.sync_weights(policy)         (one gathered tensor at a time: weights.py)
            6. empty_cache()
            7. engine.wake(["kv_cache"])
     body:  generation

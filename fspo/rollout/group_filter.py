@@ -2,7 +2,7 @@
 
 Owns: `GroupFilter` (the settings ``rollout.dynamic_sampling``: ``enable``, ``metric``, ``max_rounds``;
 verl's enable / metric / max_num_gen_batches) and `informative_groups`. Leaves out: generating and
-scoring a round (fspo/rollout/callback.py passes them in as functions), drawing the prompts
+scoring a round (callback.py passes them in as functions), drawing the prompts
 (`fspo.data.sampler.PromptStepSampler.draw`) and the advantages (computed by the callback on the batch
 this returns).
 

@@ -1,10 +1,10 @@
 """Hugging Face rollout engine (the policy module itself, on CPU or GPU): the CPU default.
 
 Owns: `HFEngine` and `completion_mask` (the EOS-aware response mask). Leaves out: scoring and
-advantages (fspo/rollout/callback.py). The engine shares the trainer's policy module, so `sync_weights`
+advantages (callback.py). The engine shares the trainer's policy module, so `sync_weights`
 is a no-op: generation always sees the current parameters.
 
-Contract (fspo/rollout/base.py): prompts are LEFT-padded, each prompt is expanded to ``n``
+Contract (base.py): prompts are LEFT-padded, each prompt is expanded to ``n``
 samples (rows ``k*n .. k*n+n-1`` with ``group_ids == k``), sampling uses temperature / top-p /
 top-k, and generation stops at EOS or ``max_new_tokens``. The response mask is 1 up to and
 including the first EOS; a row with no EOS is ``overlong``. Sampling is seeded per call from

@@ -2,7 +2,7 @@
 
 Owns: the mask the rollout callback multiplies the advantages by (``advantage_mask`` in the config, off by
 default). Leaves out: the advantages themselves (fspo/advantages.py) and where they are applied
-(fspo/rollout/callback.py).
+(callback.py).
 
 Why: when only short responses carry advantages, the update moves the log-probs of short responses most,
 so measured on the step's other sequences the sequence log-ratio S_L no longer grows like sqrt(L): its

@@ -1,7 +1,7 @@
 """Off-policy sequence masking (DeepSeek-V3.2's OPSM; TRL ``off_policy_mask_threshold``) and its length-fair
 variant, with per-length masked fractions.
 
-Owns: `OffPolicyMask` (built by fspo/rollout/correction.py's `RolloutCorrection` from
+Owns: `OffPolicyMask` (built by correction.py's `RolloutCorrection` from
 ``rollout_correction.off_policy_mask`` / ``off_policy_threshold``) and `MaskCounts`, its per-length-bin
 sums. Leaves out: the importance weights of the mismatch modes (correction.py), the loss (fspo/update/module.py
 multiplies the weights into each token's loss term).
@@ -82,8 +82,9 @@ class OffPolicyMask(torch.nn.Module):
             raise ValueError(f"rollout_correction.off_policy_mask must be one of {', '.join(KINDS)}, got {kind!r}")
         if kind != "none" and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
                                    and math.isfinite(threshold) and threshold > 0):
-            raise ValueError(f"rollout_correction.off_policy_threshold must be a number > 0 with off_policy_mask={kind} "
-                             f"(per token for mean, per sqrt(token) for sqrt), got {threshold!r}")
+            raise ValueError(f"rollout_correction.off_policy_threshold must be a number > 0 with "
+                             f"off_policy_mask={kind} (per token for mean, per sqrt(token) for sqrt), "
+                             f"got {threshold!r}")
         self.kind, self.threshold = kind, None if threshold is None else float(threshold)
         self.counts = MaskCounts(bins or LengthBins(width=200, max_len=32768)) if kind != "none" else None
 

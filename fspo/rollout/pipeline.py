@@ -1,9 +1,9 @@
-"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on step t's.
+"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on step t.
 
 Owns: `OverlapConfig` (``rollout.overlap``: ``enable``, ``staleness`` k, ``engine_threads``) and
 `RolloutPipeline`, which keeps k training requests in flight on an `fspo.rollout.async_engine.AsyncEngine`.
-Leaves out: the engine process (fspo/rollout/async_engine.py), prompts, scoring and advantages
-(fspo/rollout/callback.py).
+Leaves out: the engine process (async_engine.py), prompts, scoring and advantages
+(callback.py).
 
 Schedule, with W_s the policy's weights at the end of RL step s (W_{-1}: the initial ones). At the
 start of step t the trainer holds W_{t-1} and requests t .. t+k-1 are in flight:
@@ -26,7 +26,7 @@ k-step policy lag too. Requests past ``last_step`` are not submitted. The lag of
 is not on-policy and is measured like the others (fspo/update/module.py).
 
 Data parallel (``trainer=fsdp``): every rank has its own engine process, fed the FULL weights gathered
-from the shards at each push (fspo/rollout/async_engine.py), and generates that rank's share of the
+from the shards at each push (async_engine.py), and generates that rank's share of the
 prompts; the schedule above is identical on every rank, so the gathers (collectives) line up. This is
 the one-step-off layout of verl's recipe with the engine beside the trainer on the host; on GPUs the
 colocated vLLM engine (time-shared through sleep/wake) is the supported layout instead.
@@ -52,7 +52,7 @@ class OverlapConfig:
     enable: bool = False
     staleness: int = 1
     engine_threads: int = 1
-    timeout_s: float = 1800.0  # the longest wait for the engine's answer (fspo/rollout/async_engine.py)
+    timeout_s: float = 1800.0  # the longest wait for the engine's answer
 
     def __post_init__(self):
         if int(self.staleness) < 1:

@@ -1,7 +1,7 @@
 """Rows of generated samples -> `RolloutBatch` (engine-independent packing used by the vLLM engine).
 
 Owns: `to_rollout_batch` (left-padded prompts, right-padded responses, engine log-probs) and
-`pad_id`. Leaves out: generation itself (fspo/rollout/vllm.py).
+`pad_id`. Leaves out: generation itself (vllm.py).
 """
 from __future__ import annotations
 

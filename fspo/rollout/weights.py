@@ -1,6 +1,6 @@
 """Stream the trainer's full (unsharded) HF state dict, one tensor at a time.
 
-Owns: `iter_full_state_dict`, the weight source for engine weight sync (fspo/rollout/vllm.py; `engine_weights`
+Owns: `iter_full_state_dict`, the weight source for engine weight sync (vllm.py; `engine_weights`
 picks it, or the merged weights of a LoRA policy),
 and `checkpoint_name`, which maps wrapped parameter names back to the HF checkpoint names.
 Leaves out: where the tensors go (the engine) and when sync happens (the rollout callback).

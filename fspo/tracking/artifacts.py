@@ -3,9 +3,10 @@
 Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
 and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
 clip rule's theory curve as ``plots/<name>.png``, the resolved config as ``config.yaml`` and a uniform
-sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step metrics (logged by the module through Lightning) and how
-each kind of logger stores a figure or a file (fspo/tracking/sinks.py). With the MLflow server down
-(fspo/tracking/outage_buffer.py) the run metrics are buffered and the figures/config skipped for MLflow, in one warning line.
+sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step
+metrics (logged by the module through Lightning) and how each kind of logger stores a figure or a file
+(sinks.py). With the MLflow server down (outage_buffer.py) the run metrics are buffered and
+the figures/config skipped for MLflow, in one warning line.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
     ledger = getattr(module, "ledger", None)
     records = ledger.compute() if ledger is not None else None  # a collective, like diag.compute()
     metrics.update(_law_metrics(records, cfg))
-    for lg in loggers:  # one section, `run` (fspo/diagnostics/metric_keys.py)
+    for lg in loggers:  # one section, `run`
         lg.log_metrics({display_key(f"run/{k}"): float(v) for k, v in metrics.items()}, step=step)
     sigma = metrics.get("logratio/sigma_hat", 0.0) or 0.0
     theory = None
@@ -88,7 +89,8 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
         # the records behind run/law/* (fspo/diagnostics/ledger.py), in the output folder and the MLflow run
         p = write_csv(records, Path(cfg.output_dir) / "diagnostics" / "sequences.csv")
         if ml is not None and ml.run_id is not None:  # MLflow: artifact diagnostics/sequences.csv
-            _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p), "diagnostics")
+            _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p),
+                         "diagnostics")
     if down:  # one line; the same files are in the output folder's other loggers / run_config.yaml
         log.warning("MLflow server is down: not logged to the MLflow run: %s", ", ".join(down))
     for lg in loggers:
@@ -124,7 +126,7 @@ def logratio_samples(diag) -> Any:
 
 
 def _unless_down(down: list, what: str, fn, *args) -> None:
-    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, fspo/tracking/outage_buffer.py) adds ``what``
+    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, outage_buffer.py) adds ``what``
     to ``down`` instead of ending the run."""
     try:
         fn(*args)

@@ -1,8 +1,8 @@
 """The file an MLflow run's writes go to while its tracking server is down: `OutageBuffer`.
 
 Owns: `OutageBuffer` (append-only JSONL rows, header first, bounded by ``max_bytes``; rows of one run), `BUFFER_FILE`
-and `MAX_BYTES`. Leaves out: when rows are buffered and sent (fspo/tracking/outage_buffer.py) and reading and
-importing them (fspo/tracking/replay.py, which also defines the row shapes).
+and `MAX_BYTES`. Leaves out: when rows are buffered and sent (outage_buffer.py) and reading and
+importing them (replay.py, which also defines the row shapes).
 """
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ gets only the arguments it accepts, ``save_dir: null`` becomes the run's output_
 only: checking that the tracking server answers and that the store can be written,
 fspo/runtime/checks/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
 store; a new run named by `default_run_name` unless ``run_name`` is set, its experiment described once,
-fspo/tracking/naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
+naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
 `check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
-(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (fspo/tracking/artifacts.py,
-fspo/tracking/sinks.py) and what happens when an http server dies mid-run (fspo/tracking/outage_buffer.py).
+(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (artifacts.py,
+sinks.py) and what happens when an http server dies mid-run (outage_buffer.py).
 
 Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
 run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
@@ -136,7 +136,7 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
     name = lcfg.get("experiment_name") if plan.run_id is None else None  # a continued run has its experiment
     try:
         check_tracking_uri(lcfg.get("tracking_uri"))
-        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # writable, fspo/runtime/checks/store_check.py
+        prepare_store(lcfg.get("tracking_uri"), name, lcfg.get("artifact_location"))  # refused unless writable
     except (TrackingURIUnreachable, NotAnMLflowServer) as e:
         fallback = OmegaConf.select(cfg, "logger_fallback", default=None)
         if fallback != "local":
@@ -147,14 +147,15 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         kwargs = {"tracking_uri": local, "artifact_location": str((out / "mlartifacts").resolve())}
         prepare_store(local, name, kwargs["artifact_location"])
     if plan.run_id is None and not lcfg.get("run_name"):  # MLflow's random name repeats under a fixed seed
-        kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"), tags.get("seed", 0))
+        kwargs["run_name"] = default_run_name(tags.get("method", "run"), tags.get("model", "model"),
+                                              tags.get("seed", 0))
     if plan.run_id is None and plan.origin:  # another run's checkpoint: a new run that says where it came from
         tags = {**tags, **plan.origin}
     logger = instantiate(lcfg, tags=tags, run_id=plan.run_id, **kwargs)
     if is_rank_zero():  # an http server that dies mid-run: writes buffered, training goes on (outage_buffer.py)
         install_buffer(logger, output_dir)
     if plan.run_id is None and is_rank_zero():
-        try:  # the experiment's description, once (fspo/tracking/naming.py)
+        try:  # the experiment's description, once
             describe_experiment(logger._tracking_uri, logger._experiment_name)  # before the run exists
         except Exception as e:  # noqa: BLE001 - a description never fails a run
             log.warning("could not set the MLflow experiment description: %s", e)
@@ -162,7 +163,8 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
         try:
             client = logger.experiment  # get_run: fails for an unknown id
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot continue MLflow run {plan.run_id} at {kwargs.get('tracking_uri', lcfg.get('tracking_uri'))} "
+            uri = kwargs.get("tracking_uri", lcfg.get("tracking_uri"))
+            raise ValueError(f"cannot continue MLflow run {plan.run_id} at {uri} "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): point logger.tracking_uri at "
                              f"the store the run was started in") from None
         client.update_run(plan.run_id, status="RUNNING")
@@ -226,7 +228,7 @@ def record_run_id(loggers, output_dir) -> None:
 def _skip_logged(logger, from_step: int) -> None:
     """Make the logger's MLflow client drop (key, step) pairs the run already holds for steps >=
     ``from_step``: both paths metrics take (``log_batch`` from the logger, ``log_metric`` from
-    fspo/tracking/artifacts.py's run-level metrics)."""
+    artifacts.py's run-level metrics)."""
     client, run_id = logger.experiment, logger.run_id
     seen = {k: {m.step for m in client.get_metric_history(run_id, k) if m.step >= from_step}
             for k in client.get_run(run_id).data.metrics}
@@ -269,7 +271,7 @@ def _log_params(logger, params: Dict[str, str]) -> None:
     have = logger.experiment.get_run(logger.run_id).data.params
     new = {k: v for k, v in params.items() if k not in have}
     changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250] and k not in PER_LAUNCH)
-    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags (fspo/runtime/checks/run_config.py)
+    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags
         log.info("continued run: MLflow params keep their first value (%s); this launch's values are in the "
                  "fspo.resume.* tags", ", ".join(changed))
     if new:

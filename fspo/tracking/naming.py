@@ -2,8 +2,8 @@
 
 Owns: `default_run_name` (``<method>-<model>-s<seed>-<MMDD>-<HHMMSS>`` when ``run_name`` is null),
 `EXPERIMENT_NOTE` and `describe_experiment` (the experiment's description, MLflow tag
-``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building the logger
-(fspo/tracking/logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
+``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building
+the logger (logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
 
 Why our own name: MLflow's random names (``capable-auk-759``) come from Python's global ``random``,
 which ``seed_everything(cfg.seed)`` has seeded before the run is created, so every launch with the
@@ -51,7 +51,7 @@ def describe_experiment(tracking_uri: Optional[str], experiment_name: Optional[s
     overwritten) or does not exist yet; True if set. Also tag it ``mlflow.experimentKind =
     custom_model_development`` when it has no kind: MLflow 3.17's UI reads that tag for its default view
     where the GenAI / Model training switch is off; where the switch is on, only the URL's
-    ``?workflowType=machine_learning`` decides (fspo/tracking/run_summary.py prints such URLs)."""
+    ``?workflowType=machine_learning`` decides (run_summary.py prints such URLs)."""
     from mlflow.tracking import MlflowClient
 
     if not experiment_name:

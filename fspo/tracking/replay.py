@@ -1,6 +1,6 @@
 """Importing an MLflow outage buffer into its run: ``python -m fspo.tracking.replay <buffer> [--tracking-uri URI]``.
 
-Owns: `read_buffer` / `read_rows` (the header and rows of a buffer written by fspo/tracking/outage_buffer.py;
+Owns: `read_buffer` / `read_rows` (the header and rows of a buffer written by outage_buffer.py;
 a torn line -- a process killed while writing --, a malformed row or a row for another run than the buffer's
 is listed with its line number and never imported), `row_problem`, `replay_rows` (write rows into their runs,
 in order, idempotently: a (metric, step) pair the run already holds and a param it already has are
@@ -8,7 +8,7 @@ skipped, tags and statuses are set again) and `main` (the import command; the bu
 unless ``--tracking-uri`` is given; the file is kept, importing it again adds nothing; exit 1 and a line naming
 the lines not imported when there are any, else the file is said to be deletable; 2 with one line on an
 unreadable file or a failing import). Leaves out:
-when rows are buffered (fspo/tracking/outage_buffer.py).
+when rows are buffered (outage_buffer.py).
 """
 from __future__ import annotations
 

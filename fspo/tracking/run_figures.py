@@ -3,7 +3,7 @@
 Owns: `LRE_BY_STEP` (the keys drawn), `history_series` and `lre_by_step_figure` (the length
 reweighting error and the clip fractions against the RL step: whether the run stayed length-fair
 all along, not only on the whole-run pool). Leaves out: the by-length figures of the run-level
-pool (fspo/diagnostics/collection.py `figures`) and logging the artifacts (fspo/tracking/artifacts.py).
+pool (fspo/diagnostics/collection.py `figures`) and logging the artifacts (artifacts.py).
 """
 from __future__ import annotations
 

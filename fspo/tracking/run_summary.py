@@ -5,7 +5,7 @@ for a file / SQLite store, with relative SQLite paths made absolute so the comma
 folder, then the experiment and run URLs, on ``mlflow ui``'s default address or on the http(s) server;
 every URL carries ``?workflowType=machine_learning``, without which MLflow 3.x opens the GenAI view),
 `format_block` (the plain-text block) and `training_summary` / `sweep_summary` / `eval_summary`
-(what each end prints). Used by fspo/train.py (rank zero), fspo/tracking/sweep_parent.py (the sweep
+(what each end prints). Used by fspo/train.py (rank zero), sweep_parent.py (the sweep
 parent) and experiments/evaluate.py. Leaves out: logging anything (callers print the block).
 """
 from __future__ import annotations
@@ -104,7 +104,8 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
     """The block a training run ends on: where everything is, held-out accuracy at the first and last
     validation (``start -> end``), the run's LRE (paper eq. LRE over all its steps) and how to open it."""
     end_acc = (metrics or {}).get("val/accuracy")
-    exp = f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None else experiment_name
+    exp = (f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None
+           else experiment_name)
     run = f"{run_name} (id {run_id})" if run_name and run_id else run_id
     return format_block(f"run {run_name or run_id or ''} finished".replace("  ", " "), [
         ("output dir", str(Path(output_dir).resolve())),

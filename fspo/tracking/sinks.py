@@ -5,7 +5,7 @@ logger's class (MLflow: the run's artifacts; TensorBoard: ``add_figure`` / ``add
 ``wandb.Image`` / a run file under ``fspo/``; CSV and any other logger: a PNG / a copy of the file
 under the logger's ``log_dir``; ranks other than 0: nothing), and `finish(logger)` (write out what a
 file-based logger buffers). Leaves out: what is logged at the end of a run
-(fspo/tracking/artifacts.py) and building the loggers (fspo/tracking/logger.py).
+(artifacts.py) and building the loggers (logger.py).
 
 Dispatch is by class name along the logger's MRO, so neither wandb nor tensorboard is imported
 unless such a logger is in use.

@@ -78,7 +78,7 @@ class MLflowSweepParent(Callback):
         self.ok = 0
         self.failed = 0
         self._closed = False
-        self._where: dict = {}  # what the end-of-sweep block names (fspo/tracking/run_summary.py)
+        self._where: dict = {}  # what the end-of-sweep block names
 
     # -- Hydra hooks -------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -111,7 +111,7 @@ class MLflowSweepParent(Callback):
         from fspo.runtime.checks.console import quiet_mlflow
         from fspo.runtime.checks.store_check import prepare_store
 
-        quiet_mlflow()  # no schema-creation lines when the parent run creates the store (fspo/runtime/checks/console.py)
+        quiet_mlflow()  # no schema-creation lines when the parent run creates the store
         uri = _select(config, "logger.tracking_uri")
         exp_name = _select(config, "logger.experiment_name")
         if not uri or not exp_name:
@@ -119,7 +119,8 @@ class MLflowSweepParent(Callback):
                              "(sweeps/_base.yaml sets experiment_name = sweep.name)")
         sweep = str(_select(config, "sweep.name", exp_name))
         task = list(_select(config, "hydra.overrides.task", []) or [])
-        grid = " ".join(f"{k}={v}" for k, v in effective_grid(_select(config, "hydra.sweeper.params", {}), task).items())
+        params = effective_grid(_select(config, "hydra.sweeper.params", {}), task)
+        grid = " ".join(f"{k}={v}" for k, v in params.items())
         overrides = " ".join(task)
         tags = {ROLE_TAG: "sweep_parent", "sweep": sweep, "model": str(_select(config, "model.name", "")),
                 "sweep.grid": grid[:5000], "sweep.overrides": overrides[:5000],
@@ -127,7 +128,7 @@ class MLflowSweepParent(Callback):
                                        f"grid: {grid}\noverrides: {overrides}"}
         art = _select(config, "logger.artifact_location")  # as the jobs' MLFlowLogger would create it
         # the store and experiment under the store folder's lock, as a run's start does: two sweeps
-        # started together on a fresh store wait for each other (fspo/runtime/checks/store_check.py)
+        # started together on a fresh store wait for each other
         prepare_store(str(uri), str(exp_name), None if art is None else str(art))
         self.client = MlflowClient(tracking_uri=str(uri))
         exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))

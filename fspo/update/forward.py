@@ -1,17 +1,17 @@
 """The policy's forward passes over a rollout batch, for `fspo.update.module.RLModule`.
 
 Owns: `micro_batches` (how a batch is split into token-budget micro-batches, and the layout each
-is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token log-probs and entropies) and `old_log_probs`
-(the no-grad pass giving log pi_old before the first update). Each takes the module: its policy,
-its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh.
-Leaves out: the update (fspo/update/module.py) and the log-prob arithmetic (fspo/update/logprobs.py).
+is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token
+log-probs and entropies) and `old_log_probs` (the no-grad pass giving log pi_old before the first update). Each takes
+the module: its policy, its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh. Leaves out:
+the update (module.py) and the log-prob arithmetic (logprobs.py).
 
 Micro-batch layouts (``ppo.packing``, ``ppo.micro_batch_max_tokens``):
   - packing on, segment-attention model (sdpa, the default): one unpadded row per micro-batch of
     at most the budget in real tokens (fspo/models/segment_attention.py, `segment_micro_batches`);
   - packing on, other attention (flash-attention, eager): rows of a common width, block-diagonal
     attention from restarting position ids (`packed_micro_batches`, `row_width`);
-  - packing off: padded micro-batches of sequences sorted by length (fspo/update/microbatches.py).
+  - packing off: padded micro-batches of sequences sorted by length (microbatches.py).
 With several data-parallel ranks the micro-batch lists are padded with ``None`` (a zero-weight
 dummy forward) to the largest count on any rank: FSDP forward/backward are collectives.
 """
@@ -57,7 +57,7 @@ def dummy_micro_batch(batch: RolloutBatch) -> RolloutBatch:
 def log_probs(module, batch: RolloutBatch, with_entropy: bool = False, pack_width: Optional[int] = None,
               usage: Optional[TokenUsage] = None):
     """(logp [B, T], entropy or None) at ``ppo.logprob_temperature``, under bf16 autocast with
-    ``ppo.autocast=bf16`` (the log-softmax itself stays float32: fspo/update/logprobs.py); a +-inf log-prob becomes NaN
+    ``ppo.autocast=bf16`` (the log-softmax itself stays float32: logprobs.py); a +-inf log-prob becomes NaN
     (most clip rules would clip it to a finite loss yet it would poison the EMA sigma and the
     diagnostics; NaN makes the update's non-finite guard skip the update)."""
     bf16 = module.ppo.autocast == "bf16"  # parameters stay fp32; backward runs outside autocast

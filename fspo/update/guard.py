@@ -1,10 +1,10 @@
 """The divergence guard: limits on each optimizer update's gradient norm, loss and KL, checked before the step.
 
 Owns: `DivergenceGuard` (config ``guard:`` in conf/config.yaml), `UpdateMeter` (what one update
-measured) and `DivergenceError`. fspo/update/module.py feeds the meter while it accumulates an update's
+measured) and `DivergenceError`. module.py feeds the meter while it accumulates an update's
 micro-batches and calls `DivergenceGuard.check` after the backward passes and the gradient norm, before
 ``optimizer.step()``. Leaves out: non-finite values (``ppo.nonfinite``, handled before the guard) and
-the metrics themselves (fspo/update/stats.py).
+the metrics themselves (stats.py).
 
 The three measures, over the whole mini-batch of the update (all ranks together):
 
@@ -103,8 +103,8 @@ class DivergenceGuard:
 
     def check(self, grad_norm: Tensor, meter: UpdateMeter, device=None, where: str = "", lr: float = 0.0) -> str:
         """The verdict for one update: ``"step"`` (within limits), ``"warn"`` (exceeded, step anyway) or
-        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data parallelism: every rank must call it for
-        every update (``where`` and ``lr`` only go into the message)."""
+        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data
+        parallelism: every rank must call it for every update (``where`` and ``lr`` only go into the message)."""
         if not self.enabled:
             return "step"
         meter.flush()

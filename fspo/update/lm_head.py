@@ -8,7 +8,7 @@ Contract: for K positions with final hidden states ``hidden`` [K, H], the LM-hea
     logp_k = z_{k, y_k} / T - logsumexp_v(z_{k, v} / T)       (T = temperature)
     H_k    = logsumexp(z_k / T) - sum_v softmax(z_k / T)_v * z_{k, v} / T      (entropy, no gradient)
 
-which is what `fspo.logprobs.response_log_probs` computes from dense logits (``logits.float() /
+which is what `fspo.update.logprobs.response_log_probs` computes from dense logits (``logits.float() /
 temperature``, logsumexp, gather). Gradients follow from
 
     d logp_k / d z_{k, v} = (onehot(y_k)_v - softmax(z_k / T)_v) / T
@@ -37,7 +37,8 @@ the caller runs this inside the root module's forward, where FSDP has gathered i
 Memory: the peak extra memory is about ``chunk_size * V * 4 bytes * 2`` (one chunk's float32
 logits plus its softmax / gradient) plus the [V, H] weight gradient (a float32 accumulator for a
 bf16 weight), instead of ``K * V * 4 * (2-3)`` for the dense path (logits, float32 copy / scaled
-logits, softmax saved for backward). For V = 151,936, K = 8192 and chunk_size = 1024 that is ~1.2 GiB instead of ~10-15 GiB.
+logits, softmax saved for backward). For V = 151,936, K = 8192 and chunk_size = 1024 that is ~1.2 GiB instead of ~10-15
+GiB.
 """
 from __future__ import annotations
 
@@ -131,9 +132,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                            chunk_size: int = 4096, bias: Optional[Tensor] = None,
                            with_entropy: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """(logp [K] float32 (float64 for float64 inputs), entropy [K] or None) of ``targets`` under softmax((hidden @ weight.T
-    (+ bias)) / temperature), computed ``chunk_size`` rows at a time (see the module docstring).
-    Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``; the entropy carries no gradient."""
+    """(logp [K] float32 (float64 for float64 inputs), entropy [K] or None) of ``targets`` under softmax((hidden @
+    weight.T (+ bias)) / temperature), computed ``chunk_size`` rows at a time (see the module docstring). Differentiable
+    w.r.t. ``hidden``, ``weight`` and ``bias``; the entropy carries no gradient."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [K, H] and weight [V, H] expected, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")

@@ -2,7 +2,7 @@
 
 Owns: `response_log_probs`, the one forward pass the trainer uses both for old log-probs and
 for the policy loss (so both sides of the ratio come from the same computation), and
-`in_root_forward`, which runs the chunked LM head (fspo/update/lm_head.py) inside the model's own
+`in_root_forward`, which runs the chunked LM head (lm_head.py) inside the model's own
 forward call so that it works under FSDP2 as well as on one device.
 
     logp[i, t] = log softmax(logits[i, P - 1 + t] / temperature)[response_ids[i, t]]
@@ -18,7 +18,7 @@ With ``pack_width`` set, the sequences are packed without padding and the respon
 gathered back to the [B, T] layout, so the result is the same as the padded pass: into one row
 with causal attention per sequence when the model uses segment attention
 (fspo/models/segment_attention.py; ``pack_width`` is then ignored), else into rows of
-``pack_width`` with block-diagonal attention from restarting position ids (fspo/update/packing.py). ``usage`` (a
+``pack_width`` with block-diagonal attention from restarting position ids (packing.py). ``usage`` (a
 `fspo.update.packing.TokenUsage`) counts the token slots computed vs real tokens (padding waste).
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
 
     ``pack_width``: None for the padded pass, else the packed row width (at least the longest
     sequence; see the module docstring). ``head_chunk_rows`` > 0: the LM head runs in chunks of that
-    many positions (fspo/update/lm_head.py), so the [K, V] float32 logits are never held at once."""
+    many positions (lm_head.py), so the [K, V] float32 logits are never held at once."""
     mask = batch.response_mask.bool()
     if head_chunk_rows > 0:
         def head(hidden: Tensor):  # inside the model's forward call: the head's weight is gathered under FSDP
@@ -136,7 +136,8 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
         flat, flat_ent = (_padded_logits(model, batch, usage, head) if pack_width is None
                           else _packed_logits(model, batch, pack_width, usage, head))
         logp = flat.float().new_zeros(batch.response_ids.shape).masked_scatter(mask, flat.float())
-        ent = None if flat_ent is None else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float())
+        ent = (None if flat_ent is None
+               else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float()))
         return logp, ent
     if pack_width is None:
         logits = _padded_logits(model, batch, usage)

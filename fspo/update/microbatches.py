@@ -4,7 +4,7 @@ Owns: the PPO mini-batches of a step
 (`minibatch_plan`: `minibatch_indices` shuffles sequences, `group_minibatch_indices` whole prompt
 groups; `check_mini_batch` validates the batch settings), `balanced_rank_rows` (each data-parallel
 rank's rows of a mini-batch, balanced by tokens) and `token_budget_micro_batches` (micro-batches for
-the forward/backward passes). Leaves out: the loss itself (fspo/update/module.py,
+the forward/backward passes). Leaves out: the loss itself (module.py,
 fspo/losses.py) and which prompts a step sees (fspo/data/sampler.py).
 
 Units: ``prompts_per_step`` counts prompts; the step's batch is ``prompts_per_step * n`` sequences

@@ -1,16 +1,16 @@
 """The LightningModule: holds the policy and optimizer and runs the PPO-style update on a rollout batch.
 
 Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
-aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are `fspo.update.settings.PPOConfig`.
-Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills ``batch["rollout"]``),
-the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
-forward passes and their micro-batch layouts (fspo/update/forward.py) and the diagnostics
-(fspo/diagnostics) — the step only wires them together, with no per-method code.
+aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are
+`fspo.update.settings.PPOConfig`. Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills
+``batch["rollout"]``), the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
+forward passes and their micro-batch layouts (forward.py) and the diagnostics (fspo/diagnostics) — the step
+only wires them together, with no per-method code.
 
 Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
 shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
 shuffled one by one; ``prompts``: whole groups of G, as verl counts ``ppo_mini_batch_size``;
-fspo/update/microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
+microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
 micro-batches with the mini-batch's total token and sequence counts as denominators, so
 micro-batching never changes the loss. Old log-probs
 (``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
@@ -25,7 +25,7 @@ the running band's ``observe``): only a step's first one, and only when its old 
 current weights' (recomputed, or the engine's with ``batch["policy_lag"]`` 0, whose S is the float gap
 ~1e-7). Under ``rollout.overlap`` the engine's weights are ``policy_lag`` (k) steps behind: the first
 mini-batch's ratio is against the policy that generated the batch and it is measured like the others
-(issue 30: the stale first batch).
+(it is stale, not on-policy).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class RLModule(L.LightningModule):
                  ledger=None):
         super().__init__()
         self.policy = policy
-        self.probe_every = int(probe_every)  # fspo/update/grad_probe.py every N steps on the last mini-batch; 0: off
+        self.probe_every = int(probe_every)  # grad_probe.py every N steps on the last mini-batch; 0: off
         if self.probe_every < 0:
             raise ValueError(f"diagnostics.grad_probe_every must be >= 0 (0: off), got {probe_every!r}")
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
@@ -84,8 +84,8 @@ class RLModule(L.LightningModule):
         if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
                              "have zero mismatch by construction)")
-        self.guard = guard  # divergence limits checked before every optimizer step (fspo/update/guard.py); None: off
-        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row (fspo/models/segment_attention.py)
+        self.guard = guard  # divergence limits checked before every optimizer step (guard.py); None: off
+        if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row
             enable_segment_attention(policy)
         self.clip = clip
         self.aggregator = aggregator
@@ -104,8 +104,9 @@ class RLModule(L.LightningModule):
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):
-        # trainable parameters only: with LoRA (fspo/models/lora.py) the adapters, so no optimizer state for the base
-        opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=self.ppo.lr, betas=tuple(self.ppo.betas),
+        # trainable parameters only: with LoRA the adapters, so no optimizer state for the base
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=self.ppo.lr, betas=tuple(self.ppo.betas),
                                 weight_decay=self.ppo.weight_decay)
         warm = max(0, int(self.ppo.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -130,11 +131,11 @@ class RLModule(L.LightningModule):
             raise RuntimeError("training batch has no 'rollout': add fspo.rollout.callback.RolloutCallback to the "
                                "Trainer's callbacks (experiments/run.py does this)")
         rollout.validate()
-        self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward (fspo/rollout/callback.py)
+        self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward
         opt = self.optimizers()
         sched = self.lr_schedulers()
         stats = StepStats()
-        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio (fspo/update/update_ratio.py)
+        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio
         if moved is not None:
             moved.snapshot(self.policy.parameters())
         # data parallel (fspo/runtime/launch/distributed.py): each rank generated its share of the prompts; after its
@@ -330,7 +331,8 @@ class RLModule(L.LightningModule):
         self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
 
     def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
-        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics`` (fspo/update/metric_logging.py)."""
+        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics``
+        (metric_logging.py)."""
         emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
 
     # ---------------------------------------------------------------- validation

@@ -21,8 +21,8 @@ The unused tail of a row is filler whose positions restart at 0 (its own block, 
 
     padding waste = (rows * width - real tokens) / real tokens
 
-Leaves out: the log-prob arithmetic (fspo/update/logprobs.py) and which micro-batches the trainer runs
-(fspo/update/module.py).
+Leaves out: the log-prob arithmetic (logprobs.py) and which micro-batches the trainer runs
+(module.py).
 """
 from __future__ import annotations
 

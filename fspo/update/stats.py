@@ -8,11 +8,11 @@ statistics are token-weighted over every micro-batch of every update in the step
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
-    train/update_ratio = ||theta_new - theta_old|| / ||theta_old|| over the step (fspo/update/update_ratio.py)
-    guard/trips    = updates that exceeded a divergence limit (fspo/update/guard.py; skipped ones also count
+    train/update_ratio = ||theta_new - theta_old|| / ||theta_old|| over the step (update_ratio.py)
+    guard/trips    = updates that exceeded a divergence limit (guard.py; skipped ones also count
                      in train/skipped_updates)
     perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
-                     (old log-probs and training; fspo/update/packing.py); perf/train_tokens and
+                     (old log-probs and training; packing.py); perf/train_tokens and
                      perf/old_log_probs_tokens count the real (prompt + response) tokens of each pass
     rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| over sampled response tokens: the
                      train-inference mismatch (logged only when the engine reports log-probs)
@@ -39,7 +39,7 @@ class StepStats:
     ent_tokens: float = 0.0
     grad_norms: List[float] = field(default_factory=list)
     skipped: int = 0
-    guard_trips: int = 0  # updates past a divergence limit (fspo/update/guard.py), skipped or not
+    guard_trips: int = 0  # updates past a divergence limit (guard.py), skipped or not
     nonfinite: bool = False
     metrics_time: float = 0.0
     gap_sum: float = 0.0
@@ -47,7 +47,7 @@ class StepStats:
     loss_time: float = 0.0  # seconds in the clip rule + aggregation (forward)
     usage: TokenUsage = field(default_factory=TokenUsage)      # token slots of the training passes
     usage_old: TokenUsage = field(default_factory=TokenUsage)  # ... of the old-log-prob pass
-    update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old|| (fspo/update/update_ratio.py)
+    update_ratio: Optional[float] = None  # ||theta_new - theta_old|| / ||theta_old||
 
     pending: Optional[Tensor] = None  # the sums below not yet read to the host, kept on the device (`PENDING`)
 

@@ -1,8 +1,8 @@
 """How far one RL step moved the trainable weights: ``train/update_ratio``, logged every step by every method.
 
 Owns: `UpdateRatio` (snapshot the trainable weights when a step starts; the relative change when it
-ends). Leaves out: the update itself (fspo/update/module.py) and where the metric goes
-(fspo/update/metric_logging.py).
+ends). Leaves out: the update itself (module.py) and where the metric goes
+(metric_logging.py).
 
     train/update_ratio = ||theta_new - theta_old|| / ||theta_old||
 

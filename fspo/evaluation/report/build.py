@@ -2,10 +2,10 @@
 
 Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
 ``by_length.md`` (c(L) per bin with counts and flatness), ``sl_band.csv`` and ``figures/sl_scatter.png`` (Figure 1
-left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``, ``figures/*.png`` and the runs' Q-Q plots
-(``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as artifacts of a new run
-named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command line
-(experiments/report.py).
+left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``,
+``figures/*.png`` and the runs' Q-Q plots (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as
+artifacts of a new run named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command
+line (experiments/report.py).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     by_len = by_length_rows(groups, min_bin_count)
     length_md = by_length_markdown(by_len, min_bin_count)
     (out / "by_length.md").write_text(length_md)
-    law = law_rows(groups, min_count=min_bin_count)  # the length law's targets (issue 30 item 5): law.md, law.csv
+    law = law_rows(groups, min_count=min_bin_count)  # the length law's targets: law.md, law.csv
     write_csv(law, out / "law.csv")
     (out / "law.md").write_text(law_markdown(law))
 
@@ -148,7 +148,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     figs["logratio_qq_grid"] = F.image_grid_figure(qq, "Q-Q plots of standardised S_L (per run)")
     fig_paths = _save(figs, out / "figures")
 
-    source = f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; grouped by {', '.join(group_by)}."
+    source = (f"Experiments: {', '.join(experiments) or 'all'}; filter: `{filter_string or '-'}`; "
+              f"grouped by {', '.join(group_by)}.")
     if incomplete:
         source += f"\n\n**Warning**: runs without run-level diagnostics (still running?): {', '.join(incomplete)}."
     (out / "report.md").write_text(_markdown(title, source, records, benches, t1_md, fair_md, seeds_md, length_md,

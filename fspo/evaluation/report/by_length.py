@@ -4,7 +4,7 @@ sequences behind each cell, and how flat each group's curve is over its populate
 Owns: `by_length_rows` (per group and bin: c(L) as the mean over runs of each run's run-level
 ``run/band/out_frac/<bin>``, and the mean per run of ``run/band/n_seq/<bin>``, the sequences
 counted for acceptance there), `flatness` (max - min of c(L) over the populated bins: a bin
-counts when its mean count per run is >= ``min_count``; the issue's "flat within 0.05"), and the
+counts when its mean count per run is >= ``min_count``; the target is "flat within 0.05"), and the
 Markdown table. Leaves out: reading MLflow (collect.py), figures (figures.py).
 
 Why counts: a bin with 3 sequences shows 0.00 or 0.67 by chance; the LRE already weighs bins by

@@ -33,7 +33,8 @@ def difficulty_rows(table: Table, max_new_tokens: float) -> List[Dict[str, float
     need = ("problem_id", "k", "n_correct", "mean_response_len", "n_overlong")
     missing = [c for c in need if c not in table]
     if missing:
-        raise ValueError(f"per-problem table lacks columns {missing}: expected experiments/evaluate.py's per_problem.json")
+        raise ValueError(f"per-problem table lacks columns {missing}: "
+                         f"expected experiments/evaluate.py's per_problem.json")
     rows = []
     for pid, k, c, mean_len, n_over in zip(*(table[c] for c in need)):
         k, n_over = int(k), int(n_over)

@@ -146,7 +146,8 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
                 ax.plot(*zip(*thin), "o", mfc="none", color="C0", ms=4, label=f"thin bin (n < {min_count:g})")
         bind = group_clip_by_length(runs)
         if bind:
-            ax.plot([_bin_mid(b) for b in bind], list(bind.values()), "s:", color="C2", ms=2, lw=1, label="binding clip")
+            ax.plot([_bin_mid(b) for b in bind], list(bind.values()), "s:", color="C2", ms=2, lw=1,
+                    label="binding clip")
         cur = theory_curve(runs[0].params, group_sigma(runs)) if runs else None
         if cur is not None:
             grid = np.linspace(1.0, 250.0 if xmax < 250 else xmax * 1.05, 300)
@@ -264,8 +265,9 @@ def learning_curves_figure(groups: Groups) -> Figure:
     """Three panels: ``reward/mean``, ``rollout/response_len_mean`` and ``val/accuracy`` against the
     step (thin: runs, thick: mean over runs at each step)."""
     fig, axes = _figure(3, size=(5.0, 4.0))
-    for ax, (key, lab) in zip(axes, (("reward/mean", "mean reward"), ("rollout/response_len_mean", "mean response length"),
-                                     ("val/accuracy", "validation accuracy"))):
+    curves = (("reward/mean", "mean reward"), ("rollout/response_len_mean", "mean response length"),
+              ("val/accuracy", "validation accuracy"))
+    for ax, (key, lab) in zip(axes, curves):
         _plot_mean_curves(ax, groups, key, lab)
         ax.set_title(key)
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""The length law's targets (issue 30 item 5) checked on a sweep's runs: one row per method.
+"""The length law's targets checked on a sweep's runs: one row per method.
 
 Owns: `law_rows` (per run group: the std(S_L) ~ c L^gamma fit, the Q-Q R^2, the span of the length bins,
 the out-of-band fraction's shape over the bins, the run LRE and the token log-ratio autocorrelation) and
@@ -50,7 +50,7 @@ def run_shape(rec: RunRecord, min_count: float) -> Dict[str, Optional[float]]:
                 bins.append((lo, hi, c))
     bins.sort()
     if not bins:
-        return {"bins_lo": None, "bins_hi": None, "span": None, "oob_first": None, "oob_last": None, "oob_max_min": None}
+        return dict.fromkeys(("bins_lo", "bins_hi", "span", "oob_first", "oob_last", "oob_max_min"))
     lo, hi = bins[0][0], bins[-1][1]
     cs = [c for _, _, c in bins]
     return {"bins_lo": lo, "bins_hi": hi, "span": _ratio(hi, max(lo, 1)), "oob_first": cs[0], "oob_last": cs[-1],
@@ -76,7 +76,7 @@ def _f(x, digits: int = 3) -> str:
 
 
 def law_markdown(rows: Sequence[Dict[str, object]]) -> str:
-    """The rows as a markdown table (targets in the header: issue 30 item 5)."""
+    """The rows as a markdown table (the targets in the header)."""
     cols = [("group", "Method"), ("n_runs", "n"), ("std_exponent", "std exponent [0.4,0.6]"),
             ("std_exponent_r2", "fit R2"), ("qq_r2", "Q-Q R2 (>= 0.97)"), ("qq_r2_per_bin", "Q-Q R2 per bin"),
             ("bins_lo", "bins from"), ("bins_hi", "bins to"), ("oob_first", "c(L) first"), ("oob_last", "c(L) last"),

@@ -66,7 +66,8 @@ def lab_rows(records: Dict[str, Dict[str, np.ndarray]], min_count: int = 50, n_b
         row.update(st.affine_variance(m, min_count))
         row["var_inflation"] = st.variance_inflation(m, min_count)["pooled"]
         ok = m.populated(min_count)
-        row["std_by_bin"] = [(float(m.mean_l[b]), float(math.sqrt(m.var_s[b])), int(m.n[b])) for b in np.flatnonzero(ok)]
+        row["std_by_bin"] = [(float(m.mean_l[b]), float(math.sqrt(m.var_s[b])), int(m.n[b]))
+                             for b in np.flatnonzero(ok)]
         band = (own_bands or {}).get(g)  # RLOO / GSPO: the Gaussian prediction of their own band per bin
         own = lb.judge(L, S, rec["out"] > 0.5, edges, min_count, band.limits(L) if band else None, seed,
                        lb.cluster_ids(rec))
@@ -155,7 +156,8 @@ def lab_markdown(rows: Dict[str, dict], tgt: Sequence[dict]) -> str:
         for name, res in (r.get("panel") or {}).items():
             floor = res.get("lre_floor", {}).get("mean")
             lines.append(f"\n{g} panel band **{name}** on the same sequences: c(L) "
-                         + ", ".join(f"{c:.3f}" for c in res["c"]) + f"; homogeneity p {_f(res.get('p_homogeneity_clustered'))} "
+                         + ", ".join(f"{c:.3f}" for c in res["c"])
+                         + f"; homogeneity p {_f(res.get('p_homogeneity_clustered'))} "
                          f"(clustered; iid {_f(res['p_homogeneity'])}, design effect {_f(res.get('design_effect'))}); "
                          f"LRE {_f(res['lre'])} (floor {_f(floor)}); last/first {_f(res['ratio_last_first'])}"
                          + ("; Gaussian prediction " + ", ".join(f"{c:.3f}" for c in res["c_gauss"])
@@ -191,7 +193,8 @@ def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
     xs = np.array([min(e for e in edges if e > 0), max(edges)], float)
     ys = [v for r in rows.values() for _, v, _ in r["std_by_bin"]]
     if ys:
-        b.plot(xs, np.median(ys) * np.sqrt(xs / np.sqrt(xs[0] * xs[1])), "k--", lw=1, label="slope 1/2 (the sqrt(L) law)")
+        b.plot(xs, np.median(ys) * np.sqrt(xs / np.sqrt(xs[0] * xs[1])), "k--", lw=1,
+               label="slope 1/2 (the sqrt(L) law)")
     a.set(xscale="log", xlabel="response length L (tokens)", ylabel="out-of-band fraction c(L)",
           title="each arm's own band (flat = fair), 95% CIs")
     m.set(xscale="log", xlabel="response length L (tokens)", ylabel="out-of-band fraction c(L)",

@@ -1,11 +1,11 @@
 """The report's numbers: the paper's Table 1 (best / last per benchmark) and a fairness summary.
 
-Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group and benchmark: best = max over the run's
-logged history, last = value at its final step, each averaged over the group's runs, i.e. seeds;
-"average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level
-LRE from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit,
-overlong rate, out-of-band and binding-clip fractions; mean over runs), `run_rows` (one row per
-run), and CSV / Markdown writers. Leaves out: reading MLflow (collect.py) and figures.
+Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group
+and benchmark: best = max over the run's logged history, last = value at its final step, each averaged over the group's
+runs, i.e. seeds; "average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level LRE
+from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit, overlong rate, out-of-band and
+binding-clip fractions; mean over runs), `run_rows` (one row per run), and CSV / Markdown writers. Leaves out: reading
+MLflow (collect.py) and figures.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fspo.evaluation.report.collect import RunRecord
 
 ORDER = ("base", "grpo", "rloo", "rloo_wide", "gspo", "fspo")  # the paper's row order
 # lre / lre_w / q_bar / out_of_band_frac: the paper's acceptance event (ratio inside the band, any
-# sign of A); binding_*, seq_clip_frac: binding clips (fspo/diagnostics/clip_fraction.py)
+# sign of A); binding_*, seq_clip_frac: binding clips
 FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_bar", "run/fairness/q_bar"),
             ("out_of_band_frac", "run/band/out_frac"), ("binding_lre", "run/fairness/binding_lre"),
             ("binding_q_bar", "run/fairness/binding_q_bar"),

@@ -8,9 +8,10 @@ reading checkpoints (fspo/runtime/checkpoints/files.py), choosing the checkpoint
 what Lightning saves (module state dict with the policy, FSPO's ``sigma_hat``/``kl_bar`` buffers,
 ``rl_step``, ``skipped_updates``; optimizer; LR scheduler; loop progress; the sampler position)
 plus ``checkpoint["fspo_resume"]``: every torchmetrics state of the module (``run_diagnostics``
-accumulates over the run; its states are non-persistent), the RNG states (both: fspo/runtime/checkpoints/resume_state.py),
-the MLflow run id and the run's config (``run_config``, YAML: fspo/runtime/checks/run_config.py restores it on resume).
-Sampling seeds and mini-batch shuffles derive from ``rl_step``, so they follow.
+accumulates over the run; its states are non-persistent), the RNG states (both:
+fspo/runtime/checkpoints/resume_state.py), the MLflow run id and the run's config (``run_config``, YAML:
+fspo/runtime/checks/run_config.py restores it on resume). Sampling seeds and mini-batch shuffles derive from
+``rl_step``, so they follow.
 
 Writing: Lightning writes ``step_N.ckpt.partial`` (a file, or a folder of shards under FSDP); it is
 fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``step_N.ckpt.sha256``
@@ -20,10 +21,10 @@ only checkpoints of this run that nothing failed to load; damaged ones live in `
 Signals: SIGTERM (``trainer.received_sigterm``, set by fspo/runtime/checkpoints/stop_signal.py's handler, which replaces
 Lightning's collective one during fit) and ``signals`` (SIGUSR1: SLURM's ``--signal=USR1@90``) through ours;
 a signal during a step's rollout abandons the step (fspo/runtime/checkpoints/stop_signal.py) and the last completed step
-is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's ``SIGTERMException``
-(``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
-handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt``
-over ours (Lightning issue 13773).
+is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's
+``SIGTERMException`` (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
+handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt`` over ours
+(Lightning-AI/pytorch-lightning#13773).
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The command that continues a run, as printed by its stop lines.
 
 Owns: `fresh_folder_resume_error` (``resume=auto`` in a new Hydra run folder: names the newest interrupted run
-next to it, `newest_interrupted_run`, and its command), `continue_command` (``python experiments/run.py hydra.run.dir=<output_dir> resume=auto`` as this process
-was launched: the same entry point -- the script path as typed, or the ``fspo-train`` console script -- the
-same working directory, and the run's folder as an absolute path) and `hydra_quote`. Leaves out: what
-``resume=auto`` does with it (fspo/runtime/checkpoints/resume.py, fspo/runtime/checks/run_config.py).
+next to it, `newest_interrupted_run`, and its command), `continue_command` (``python experiments/run.py
+hydra.run.dir=<output_dir> resume=auto`` as this process was launched: the same entry point -- the script path as typed,
+or the ``fspo-train`` console script -- the same working directory, and the run's folder as an absolute path) and
+`hydra_quote`. Leaves out: what ``resume=auto`` does with it (resume.py,
+fspo/runtime/checks/run_config.py).
 
 Contract: pasted into a shell, the command continues the run that printed it: its output folder is named
 ``hydra.run.dir=`` when it is Hydra's run folder (Hydra's ``.hydra/`` and log stay in it, as in docs/resume.md),

@@ -1,14 +1,14 @@
 """Reading checkpoints: where a run's checkpoints are, what they hold, and the policy weights in them.
 
 Owns: `checkpoint_dir` / `list_checkpoints` (``<output_dir>/checkpoints/step_N.ckpt``, complete ones
-only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what fspo/runtime/checkpoints/resume.py looks for);
+only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what resume.py looks for);
 `RUN_ID_FILE` (``<output_dir>/mlflow_run_id``, the tracking run id: written by fspo/tracking/logger.py,
 read by resume and evaluation); `find_checkpoints` (files, run folders, globs), `find_run_config` (the
 run's config next to a checkpoint) and `run_id_of_checkpoint`; `load_checkpoint` (a Lightning ``.ckpt``
 file or a distributed-checkpoint folder -> the policy's state dict and its RL step; a folder's optimizer
 state is never read), `checkpoint_step`
-and `load_into`. Leaves out: writing checkpoints (fspo/runtime/checkpoints/checkpointing.py) and checking their
-integrity (fspo/runtime/checkpoints/integrity.py).
+and `load_into`. Leaves out: writing checkpoints (checkpointing.py) and checking their
+integrity (integrity.py).
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------- policy weights
 def _torch_load(path: Path) -> dict:
-    return safe_torch_load(path)  # tensors and plain values only; anything else is refused (fspo/runtime/checkpoints/safe_load.py)
+    return safe_torch_load(path)  # tensors and plain values only; anything else is refused
 
 
 def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
@@ -135,7 +135,7 @@ def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
     ``rl_step``, as ``{"state_dict": ...}`` plus ``meta.pt``: only the tensors of ``state_dict.<prefix>*``
     and ``state_dict.rl_step`` are read (``torch.distributed.checkpoint`` loads the entries asked for), never
     the optimizer's state (AdamW: twice the weights again). Its ``.metadata`` is read through the allow-list
-    of fspo/runtime/checkpoints/safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
+    of safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
     loaded (no pickled byte items)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

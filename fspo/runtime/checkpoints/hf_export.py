@@ -4,12 +4,12 @@ Owns: `export_hf(checkpoint, out_dir)` (its command is ``fspo-export``, fspo/cli
 one-process Lightning ``.ckpt`` file, a sharded ``torch.distributed.checkpoint`` folder (trainer=fsdp, one
 shard per rank: the full tensors are read from the shards, never the optimizer state) or a run folder (its
 newest checkpoint). The model is rebuilt from the run's ``model`` config saved in the checkpoint
-(``run_config``, fspo/runtime/checkpoints/checkpointing.py), the policy weights loaded into it (LoRA adapters
+(``run_config``, checkpointing.py), the policy weights loaded into it (LoRA adapters
 merged into the base, W = W0 + (alpha / r) B A) and written with ``save_pretrained`` (safetensors) beside the
 tokenizer: a folder ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``model.source=pretrained
 model.path=<out_dir>`` load. The weights keep the checkpoint's dtype (float32 master weights: log-probs equal
 the trainer's) unless ``dtype`` casts them (e.g. bfloat16 for serving). Only tensors are ever unpickled
-(fspo/runtime/checkpoints/safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
+(safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
 Leaves out: training and evaluating (experiments/evaluate.py takes checkpoints directly).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Opti
     checkpoint's. Raises ValueError (one line) for a checkpoint without a run config or whose weights do not
     fit the model its config builds, FileNotFoundError for a path with no checkpoint."""
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), got {dtype!r}")
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
+                         f"got {dtype!r}")
     path = newest_checkpoint(checkpoint)
     run_config = read_resume_meta(path).get("run_config")
     if not run_config:
@@ -71,12 +72,14 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="fspo-export", description="Export a training checkpoint (a .ckpt file, a "
-                                 "sharded checkpoint folder or a run folder: its newest) as a Hugging Face model folder.")
+    ap = argparse.ArgumentParser(prog="fspo-export",
+                                 description="Export a training checkpoint (a .ckpt file, a sharded checkpoint folder "
+                                             "or a run folder: its newest) as a Hugging Face model folder.")
     ap.add_argument("checkpoint")
     ap.add_argument("out_dir")
     ap.add_argument("--model-path", default=None, help="local folder of the base weights (overrides model.path)")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast the written weights (default: as stored)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="cast the written weights (default: as stored)")
     a = ap.parse_args(argv)
     try:
         out = export_hf(a.checkpoint, a.out_dir, a.model_path, a.dtype)

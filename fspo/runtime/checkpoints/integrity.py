@@ -3,11 +3,11 @@ damaged checkpoints moved aside (never deleted), and a non-finite check of loade
 
 Owns: `write_manifest` / `verify` / `manifest_path` (``step_N.ckpt.sha256`` next to
 ``step_N.ckpt``, in ``sha256sum`` format: ``cd <output_dir>/checkpoints && sha256sum -c
-step_N.ckpt.sha256`` checks it by hand), `shard_digests` / `gathered_shard_digests` (each rank hashes its own shards of a
-sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to
-``checkpoints/damaged/``), `atomic_commit` (fsync, rename into place, fsync the folder), `nonfinite_tensors`
-and `CheckpointCorrupt`. Leaves out: when checkpoints
-are written and pruned (fspo/runtime/checkpoints/checkpointing.py) and which one a run resumes from (fspo/runtime/checkpoints/resume.py).
+step_N.ckpt.sha256`` checks it by hand), `shard_digests` / `gathered_shard_digests` (each rank hashes its own shards of
+a sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to ``checkpoints/damaged/``),
+`atomic_commit` (fsync, rename into place, fsync the folder), `nonfinite_tensors` and `CheckpointCorrupt`. Leaves out:
+when checkpoints are written and pruned (checkpointing.py) and which one a run resumes from
+(resume.py).
 
 Contract:
 - the manifest lists every file of the checkpoint (one line for a file checkpoint; one per file,

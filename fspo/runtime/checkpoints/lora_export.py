@@ -2,7 +2,7 @@
 
 Owns: `export_merged(checkpoint, out_dir)` (experiments/export_lora.py is its command line). The
 checkpoint holds the adapters; the base is rebuilt from the run's ``model`` config (saved in the
-checkpoint as ``run_config``, fspo/runtime/checkpoints/checkpointing.py), the adapters loaded, merged
+checkpoint as ``run_config``, checkpointing.py), the adapters loaded, merged
 (W = W0 + (alpha / r) B A, peft's ``merge_and_unload``) and the result written with ``save_pretrained``
 together with the tokenizer: a folder that ``AutoModelForCausalLM.from_pretrained``, vLLM and
 ``+model=... model.source=pretrained model.path=<out_dir>`` load as any other model. Leaves out:
@@ -45,7 +45,8 @@ def export_merged(checkpoint, out_dir, model_path: Optional[str] = None) -> Path
                          f"weights are the whole model already (experiments/evaluate.py loads it as is)")
     if model_path is not None:
         model_cfg["path"] = model_path
-    policy, tokenizer = load_policy(**model_cfg, seed=int(run_cfg.get("seed", 0)))  # model.source=random: the run's seed
+    # the run's seed: with model.source=random it rebuilds the same base weights
+    policy, tokenizer = load_policy(**model_cfg, seed=int(run_cfg.get("seed", 0)))
     state, _ = load_checkpoint(path)
     load_into(policy, state)
     merged = policy.merge_and_unload()

@@ -3,7 +3,7 @@
 Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`), `check_resume_target`
 (a dry run's ``resume=<path>``), `check_room` (a resume on a full disk is refused before anything loads),
 `ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
-writing checkpoints and signals (fspo/runtime/checkpoints/checkpointing.py), the config a continued run keeps
+writing checkpoints and signals (checkpointing.py), the config a continued run keeps
 (fspo/runtime/checks/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
 
 The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
@@ -12,7 +12,7 @@ of ANOTHER run folder (``resume=<path>`` outside ``<output_dir>/checkpoints``) c
 own MLflow run -- a new one at first, tagged ``fspo.resumed_from.{checkpoint,run_id,step}`` -- and never
 writes into the run that made the checkpoint.
 
-Damaged checkpoints (fspo/runtime/checkpoints/integrity.py): ``auto`` takes the newest checkpoint that passes
+Damaged checkpoints (integrity.py): ``auto`` takes the newest checkpoint that passes
 its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
 warning. When none passes, the run stops with an error and touches nothing; ``resume=fresh`` is
 the explicit way to start over from step 0 then (the damaged ones are moved aside, a new MLflow
@@ -129,9 +129,9 @@ def check_room(plan: "ResumePlan", output_dir) -> None:
     where = checkpoint_dir(output_dir) if checkpoint_dir(output_dir).is_dir() else Path(output_dir)
     free = shutil.disk_usage(where).free
     if free < need:
-        raise ValueError(f"disk full: {where} has {free / 2**20:.0f} MiB free, and this run's next checkpoint needs about "
-                         f"{need / 2**20:.0f} MiB (the size of {ckpt.name}): free space there, then run the same "
-                         f"command again; nothing was changed")
+        raise ValueError(f"disk full: {where} has {free / 2**20:.0f} MiB free, and this run's next checkpoint "
+                         f"needs about {need / 2**20:.0f} MiB (the size of {ckpt.name}): free space there, then run "
+                         f"the same command again; nothing was changed")
 
 
 def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
@@ -189,11 +189,13 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
         # another run's checkpoint continued in this output_dir: this folder's own MLflow run (a new one on
         # its first launch), tagged with where it came from; the other run's record is left untouched
         run_id = own
-        origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()), "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
+        origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()),
+                  "fspo.resumed_from.step": str(meta.get("rl_step", 0)),
                   "fspo.resumed_from.run_id": str(meta.get(RUN_ID_KEY) or "unknown")}
     else:
         run_id = meta.get(RUN_ID_KEY) or own
     plan = ResumePlan(str(ckpt) if ckpt is not None else None, int(meta.get("rl_step", 0)), run_id or None,
                       origin=origin)
-    log.info("resume=%s: %s", mode, f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
+    log.info("resume=%s: %s", mode,
+             f"continuing from {ckpt} (step {plan.step})" if ckpt else "no checkpoint, starting fresh")
     return plan

@@ -4,7 +4,7 @@ Owns: `rng_states` / `set_rng_states` (torch CPU and CUDA, numpy, python) and `m
 `load_metric_states` (every torchmetrics Metric under a module: their states are non-persistent,
 so the module state dict leaves them out, yet ``run_diagnostics`` accumulates over the whole run).
 All values are tensors or plain Python objects, so checkpoints load with
-``torch.load(weights_only=True)``. Leaves out: when checkpoints are written (fspo/runtime/checkpoints/checkpointing.py).
+``torch.load(weights_only=True)``. Leaves out: when checkpoints are written (checkpointing.py).
 """
 from __future__ import annotations
 

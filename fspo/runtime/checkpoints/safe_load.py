@@ -5,12 +5,12 @@ plain Python values, never an arbitrary object), `safe_dcp_load` (a torch.distri
 its ``.metadata`` read by an unpickler that allows only the checkpoint-metadata classes of
 torch.distributed.checkpoint, its byte items with ``weights_only=True``), `METADATA_GLOBALS` (that
 allow-list) and `UnsafeCheckpoint`. Leaves out: where checkpoints are and what they must hold
-(fspo/runtime/checkpoints/files.py) and their checksums (fspo/runtime/checkpoints/integrity.py).
+(files.py) and their checksums (integrity.py).
 
 Contract: a file holding anything else (a pickled object whose ``__reduce__`` would call a
 function, an ``nn.Module``, ...) is refused with one line naming the file and what it holds; nothing
 in it is called. Checkpoints written by fspo (Lightning ``.ckpt`` files and shard folders) hold only
-tensors, numbers, strings, lists and dicts (fspo/runtime/checkpoints/resume_state.py), so they always load.
+tensors, numbers, strings, lists and dicts (resume_state.py), so they always load.
 A legacy (pre-zip, torch < 1.6) file is refused with its own line: re-save it with a current torch.
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ METADATA_GLOBALS = {
                              "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
-    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("builtins", "set"), ("builtins", "frozenset"),
 }
 
 

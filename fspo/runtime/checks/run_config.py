@@ -17,8 +17,8 @@ Contract, for a continued run (a checkpoint or an MLflow run to continue):
   launch before anything loads, with one line listing every such key;
 - ``output_dir`` and ``resume`` always take this launch's values; ``steps`` may not go below the
   checkpoint's step;
-- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/checkpoints/resume.py records them as MLflow tags,
-  params being immutable) and the effective config is written back to ``run_config.yaml``.
+- the allowed changes are returned in ``plan.overrides`` (fspo/runtime/checkpoints/resume.py records them as MLflow
+  tags, params being immutable) and the effective config is written back to ``run_config.yaml``.
 ``overrides`` are this launch's command-line overrides (Hydra's ``overrides.task``); None (a
 config built in code) counts every difference as set by the caller.
 """
@@ -111,7 +111,8 @@ def upgrade_legacy_targets(node: Any) -> int:
     """Rewrite, in place, every ``_target_`` of a saved config that names a moved class (`LEGACY_TARGETS`);
     returns how many were rewritten."""
     n = 0
-    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig) else []
+    keys = (list(node.keys()) if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig)
+            else [])
     for k in keys:
         child = node._get_node(k)
         if isinstance(child, (DictConfig, ListConfig)):
@@ -148,7 +149,8 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
     """The config this launch runs with (module docstring); fills ``plan.overrides``. Raises
     `ConfigChangedOnResume` before anything is loaded or written when the command line changes the
     experiment of a continued run."""
-    earlier = str(OmegaConf.select(cfg, "resume", default=None)) == "auto" and (Path(output_dir) / RUN_CONFIG_FILE).is_file()
+    earlier = (str(OmegaConf.select(cfg, "resume", default=None)) == "auto"
+               and (Path(output_dir) / RUN_CONFIG_FILE).is_file())
     if not plan.resuming and not earlier:  # (earlier: an attempt that died before its MLflow run existed)
         save_run_config(cfg, output_dir)
         return cfg
@@ -166,7 +168,8 @@ def resume_config(cfg: DictConfig, plan, output_dir, overrides: Optional[Sequenc
                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]}): repair it, or start a new run in "
                          f"another output_dir") from None
     if upgrade_legacy_targets(saved):
-        log.info("resume: the saved config names classes by their paths before fspo/ was regrouped; read as the new ones")
+        log.info("resume: the saved config names classes by their paths before fspo/ was regrouped; "
+                 "read as the new ones")
     check_stored_targets(saved, source, trusted=cfg)  # a stored _target_ builds only allow-listed classes
     old = _flatten(OmegaConf.to_container(saved, resolve=False))
     new = _flatten(OmegaConf.to_container(cfg, resolve=False))

@@ -1,9 +1,9 @@
 """Creating an MLflow SQLite store atomically, and what to do with one whose creation was interrupted.
 
-Owns: `ensure_sqlite_store` (called by fspo/runtime/checks/store_check.py's `prepare_store` and the sweep parent
+Owns: `ensure_sqlite_store` (called by store_check.py's `prepare_store` and the sweep parent
 (fspo/tracking/sweep_parent.py) while they hold the store folder's lock), `store_state` and
 `HalfMigratedStore`. Leaves out: the folder lock itself and every other storage check
-(fspo/runtime/checks/store_check.py).
+(store_check.py).
 
 Why: MLflow creates a new SQLite store by running its ~60 alembic migrations on the file in place (about
 a second); a SIGINT or kill inside that window leaves a file every later open fails on

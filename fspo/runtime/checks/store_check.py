@@ -2,7 +2,7 @@
 fresh SQLite store safely, and name storage failures in one line.
 
 Owns: `prepare_store` (called by fspo/runtime/checkpoints/resume.py's `build_logger` on rank 0, before any MLflow run is
-opened), `check_writable`, `check_mlflow_server`, `storage_error` (used by fspo/runtime/checks/errors.py) and the
+opened), `check_writable`, `check_mlflow_server`, `storage_error` (used by errors.py) and the
 errors `StoreError` / `NotAnMLflowServer`. Leaves out: whether an http(s) server answers at all
 (fspo/runtime/checkpoints/resume.py's ``check_tracking_uri``, with its ``logger_fallback``), and writing checkpoints.
 
@@ -12,7 +12,7 @@ At start-up, within seconds and before anything is written:
     missing permission or a full disk fail there, named, instead of after MLflow's 100 s of retries
     or mid-run;
   - an existing SQLite store is opened for writing (``BEGIN IMMEDIATE``) to catch a read-only file;
-  - a missing SQLite store is created atomically, a half-created one repaired (fspo/runtime/checks/sqlite_store.py);
+  - a missing SQLite store is created atomically, a half-created one repaired (sqlite_store.py);
   - a SQLite store is opened (schema created or upgraded) and the experiment created while holding an
     exclusive lock on the store's folder, so runs starting together on one fresh store wait for each
     other instead of racing on the schema (MLflow's tracking store creates tables unlocked); an

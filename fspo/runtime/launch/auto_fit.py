@@ -15,7 +15,7 @@ skipped when the command line names it: an explicit setting always wins):
                                      model.activation_checkpointing (one device)
 
 Where even all of them leave the plan above the usable memory, nothing is changed and the plan's refusal
-names the layouts that would fit (fspo/runtime/launch/memory_plan.py). ``memory_plan.auto_fit=false``
+names the layouts that would fit (memory_plan.py). ``memory_plan.auto_fit=false``
 turns this off. Leaves out: the formulas (memory_components.py) and the device (memory_plan.py).
 """
 from __future__ import annotations
@@ -132,7 +132,8 @@ def _apply(cfg, best, out) -> List[str]:
         for k, v in chosen.items():
             OmegaConf.update(cfg, k, v, merge=False, force_add=True)
     choices = [f"{k}={_hydra(v)}" for k, v in chosen.items()]
-    margin = "" if peak <= MARGIN * usable else f" (less than the {1 - MARGIN:.0%} margin: nothing else is left to change)"
+    margin = ("" if peak <= MARGIN * usable
+              else f" (less than the {1 - MARGIN:.0%} margin: nothing else is left to change)")
     out(f"auto-fit: {' '.join(choices)}: peak {peak / GIB:.2f} GiB = {peak / usable:.2f} of {usable / GIB:.2f} GiB "
         f"usable per rank{margin} (an explicit setting of any of these keys wins; memory_plan.auto_fit=false: off)")
     return choices

@@ -3,8 +3,8 @@
 Owns: `FSDP2Strategy` (Lightning's `ModelParallelStrategy`, every rank data-parallel, carrying the
 `ShardingConfig`), `shard_model` / `configure_sharding` (torch ``fully_shard`` per decoder layer,
 then the root, from `RLModule.configure_model`; a policy built on the meta device is sharded first,
-then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W ranks
-each holding 1/W of the data compute exactly what one process computes on all of it:
+then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W
+ranks each holding 1/W of the data compute exactly what one process computes on all of it:
 
 - `dp_rank_size`: the data-parallel rank and size ((0, 1) without torch.distributed);
 - `pad_slice`: equal-sized, padded slices of a validation batch (padding is not scored);
@@ -72,7 +72,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes))
         if mixed_precision not in (None, "auto", *_DTYPES):
-            raise ValueError(f"trainer.strategy.mixed_precision must be auto, bf16, fp16 or null, got {mixed_precision!r}")
+            raise ValueError(f"trainer.strategy.mixed_precision must be auto, bf16, fp16 or null, "
+                             f"got {mixed_precision!r}")
         self.sharding = ShardingConfig(layer_class, mixed_precision, activation_checkpointing, cpu_offload,
                                        reshard_after_forward)
 
@@ -232,7 +233,7 @@ def any_rank(flag: bool, device=None) -> bool:
 def reduce_step_stats(stats, device=None) -> None:
     """Sum a `fspo.update.stats.StepStats`'s token/loss accumulators over ranks, in place
     (grad norms are already global; ``loss_sum`` is a sum of partial losses)."""
-    stats.flush()  # the sums kept on the device first (fspo/update/stats.py)
+    stats.flush()  # the sums kept on the device first
     keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
     usages = (stats.usage, stats.usage_old)
     vals = reduce_sum([getattr(stats, k) for k in keys] + [x for u in usages for x in (u.slots, u.tokens)], device)

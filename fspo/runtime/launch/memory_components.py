@@ -4,7 +4,8 @@ Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depen
 run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
 per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
 arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
-and the refusal (fspo/runtime/launch/memory_plan.py). To add a component, write one function ``(shape, layout) -> bytes`` and list it in `COMPONENTS` with its phase.
+and the refusal (memory_plan.py). To add a component, write one function ``(shape, layout) ->
+bytes`` and list it in `COMPONENTS` with its phase.
 
 Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
 dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a full fine-tune):
@@ -36,9 +37,9 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
                     of fspo/update/logprobs.py over Qwen3 layers on CPU, shapes varied one at a time: the
                     tensors saved for backward per token and layer (float32: the formula, to the byte;
                     autocast: the formula is 9-19 % above), and the head's saved plus temporary bytes at
-                    the peak (torch's MemTracker): 20 (float32) and 21 (autocast) per element. The earlier formula (b_c (4 H + 2 q + 2 kv + 4 I), T V (b_c + 8)) was about half:
-                    on an H100 a Qwen3-1.7B-shaped step it planned at 63.5 GiB ran out of memory at 79 GiB
-                    (docs/memory.md, "Measured on a GPU").
+                    the peak (torch's MemTracker): 20 (float32) and 21 (autocast) per element. The earlier formula (b_c
+                    (4 H + 2 q + 2 kv + 4 I), T V (b_c + 8)) was about half: on an H100 a Qwen3-1.7B-shaped step it
+                    planned at 63.5 GiB ran out of memory at 79 GiB (docs/memory.md, "Measured on a GPU").
   engine_weights  = vLLM: N b_e / tp (its own copy, b_e its dtype); HF engine: 0 (it runs the policy)
   kv_cache        = vLLM on a GPU: reserved - engine_weights (reserved = gpu_memory_utilization x device
                     memory, which covers weights and KV cache); vLLM on CPU: its kv_cache_space;
@@ -46,7 +47,7 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
                     engine parts: phase generate when the engine sleeps during training (vLLM sleep
                     mode on a GPU), else resident; HF's KV cache: generate
   cuda_context, nccl_buffers, cuda_graphs, root_grads, rollout_batch, fragmentation: what the
-                    tensors above leave out (fspo/runtime/launch/memory_overheads.py)
+                    tensors above leave out (memory_overheads.py)
   peak            = resident + max(train, generate)
 """
 from __future__ import annotations
@@ -260,7 +261,8 @@ class MemoryPlan:
         return (f"memory plan per rank ({self.ranks} rank(s)): "
                 + ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
                 + f"; peak {self.peak / GIB:.2f} GiB (train {self.phase_total('train') / GIB:.2f}, generate "
-                  f"{self.phase_total('generate') / GIB:.2f} on top of resident {self.phase_total('resident') / GIB:.2f})")
+                  f"{self.phase_total('generate') / GIB:.2f} on top of resident "
+                  f"{self.phase_total('resident') / GIB:.2f})")
 
     def table(self) -> str:
         """The plan as a table, a line per component (the dry run prints it)."""
@@ -272,7 +274,7 @@ class MemoryPlan:
 
 def plan_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
     """Every component of `COMPONENTS` for ``shape`` placed as ``layout``, then the allocator's
-    fragmentation as a share of their peak (fspo/runtime/launch/memory_overheads.py)."""
+    fragmentation as a share of their peak (memory_overheads.py)."""
     parts = {name: int(size(shape, layout)) for name, size, _ in COMPONENTS}
     phases = {name: phase(layout) for name, _, phase in COMPONENTS}
     rest = MemoryPlan(parts=parts, phases=phases, ranks=layout.ranks)

@@ -3,7 +3,7 @@ CUDA context, NCCL's buffers, vLLM's CUDA-graph pool, FSDP's unsharded root grad
 buffer, the gathered rollout batch and the allocator's fragmentation.
 
 Owns: `tokens` (the tokens of the largest micro-batch) and one function per component, listed in
-fspo/runtime/launch/memory_components.py's ``COMPONENTS``. Pure arithmetic on a ``ModelShape`` ``s`` and a
+memory_components.py's ``COMPONENTS``. Pure arithmetic on a ``ModelShape`` ``s`` and a
 ``Layout`` ``x`` (memory_components.py), no torch, no config.
 
   tokens        = max(ppo.micro_batch_max_tokens, max_prompt_len + max_new_tokens): a sequence longer

@@ -7,8 +7,8 @@ Owns: `model_shape` (the model's numbers from its config alone: the weights' loc
 memory of THIS rank's device: ``memory_plan.device_gib`` when set), `what_would_fit` (the fewest FSDP
 ranks that fit) and `check_memory_plan` (log the plan, raise `MemoryPlanError` above
 ``memory_plan.headroom`` x available), `dry_run` (print the plan and stop). Leaves out: the formulas
-(fspo/runtime/launch/memory_components.py), measuring real usage (benchmarks/bench_memory.py,
-experiments/gpu_smoke.py) and sharding itself (fspo/runtime/launch/distributed.py).
+(memory_components.py), measuring real usage (benchmarks/bench_memory.py,
+experiments/gpu_smoke.py) and sharding itself (distributed.py).
 
 Device: on CUDA the total memory of the rank's own GPU (its index from the launcher's LOCAL_RANK or
 SLURM_LOCALID, read before Lightning sets the device, without creating a context on GPU 0); on CPU
@@ -131,7 +131,8 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
                // ranks * int(_select(cfg, "val.sampling.n", 1)))
     rows = min(rows, int(_select(cfg, "rollout.engine.batch_size", rows)))
     vllm = str(_select(cfg, "rollout.engine._target_", "")).endswith("VLLMEngine")
-    e_dtype = engine_dtype(str(_select(cfg, "rollout.engine.dtype", "auto")), str(cfg.model.get("dtype", "float32")), gpu)
+    e_dtype = engine_dtype(str(_select(cfg, "rollout.engine.dtype", "auto")), str(cfg.model.get("dtype", "float32")),
+                           gpu)
     tp = int(_select(cfg, "rollout.engine.tensor_parallel_size", 1))
     longest = int(_select(cfg, "data.max_prompt_len", 0)) + int(_select(cfg, "rollout.sampling.max_new_tokens", 0))
     reserved = 0
@@ -211,7 +212,8 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
         raise MemoryPlanError(
             f"rollout.engine.gpu_memory_utilization={_select(cfg, 'rollout.engine.gpu_memory_utilization')}: vLLM's "
             f"share ({layout.engine_reserved / GIB:.2f} GiB) does not hold its weights "
-            f"({plan.engine_weights / GIB:.2f} GiB), so no KV cache is left; raise it or set rollout.engine.tensor_parallel_size")
+            f"({plan.engine_weights / GIB:.2f} GiB), so no KV cache is left; raise it or set "
+            f"rollout.engine.tensor_parallel_size")
     if plan.peak > headroom * avail:
         fits = what_would_fit(shape, layout, headroom * avail)
         lora = None  # on these ranks: LoRA r 64 (fspo/models/lora.py) and what auto-fit adds to it
@@ -246,7 +248,8 @@ def dry_run(cfg, available: Optional[int] = None, out: Callable[[str], None] = p
               f"{'sleeps while training' if x.engine_sleeps else 'held throughout'}") if x.engine == "vllm" \
         else "HF generate (runs the policy itself)"
     out(f"dry run: {cfg.model.get('name')} ({shape.params / 1e9:.3f}B parameters: {shape.layers} layers, hidden "
-        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, vocab {shape.vocab})")
+        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, "
+        f"vocab {shape.vocab})")
     out(f"  {x.ranks} data-parallel rank(s); per rank {avail / GIB:.2f} GiB ({where}), usable {headroom:.2f} x = "
         f"{headroom * avail / GIB:.2f} GiB")
     weights = (f"LoRA r {x.lora_rank}: frozen base {names.get(x.dtype_bytes)}, adapters float32" if x.lora_rank

@@ -3,8 +3,8 @@ is placed on the GPUs the machine has, unless the command line says otherwise.
 
 Owns: `Machine` (what this process sees: CUDA, its GPUs, the launched processes, vLLM installed) and
 `place` (turn the composed config into the concrete placement, in place, and return one line per choice).
-Leaves out: the memory plan and what it changes to fit (fspo/runtime/launch/memory_plan.py,
-fspo/runtime/launch/auto_fit.py) and sharding itself (fspo/runtime/launch/distributed.py).
+Leaves out: the memory plan and what it changes to fit (memory_plan.py,
+auto_fit.py) and sharding itself (distributed.py).
 
 For ``model.device: cuda`` with a GPU visible (each choice skipped when the command line names its key or
 group: an explicit setting always wins):

@@ -2,10 +2,10 @@
 the rollout engine's weights.
 
 Owns: `master_weight_problem` (a low-precision trainable dtype with a learning rate too small to move
-its weights: the silent no-learning of issue 29), `weight_step` (the spacing of a dtype's values near
+its weights: training runs and silently learns nothing), `weight_step` (the spacing of a dtype's values near
 a weight) and `engine_dtype` (the rollout engine's weight dtype for ``rollout.engine.dtype=auto``).
 Leaves out: applying them (fspo/runtime/checks/config_check.py refuses, fspo/rollout/vllm.py builds the
-engine, fspo/runtime/launch/memory_plan.py counts the bytes).
+engine, memory_plan.py counts the bytes).
 
 The rule: trainable weights and the AdamW state are float32 (``model.dtype=float32``); computation runs
 in bfloat16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under

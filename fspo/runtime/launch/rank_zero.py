@@ -7,8 +7,8 @@ Owns the one notion of "rank zero" the run code uses, in two forms:
 - `is_rank_zero`: Lightning's global rank (``rank_zero_only.rank``, which Lightning sets from the same
   environment at import and again when its strategy starts), for code that runs once the trainer
   exists; inside a Lightning callback ``trainer.is_global_zero`` is the same fact.
-and `RankZeroStub` (the logger that ranks other than 0 get in fspo/train.py). Leaves out: the sharding and the rank arithmetic of the
-step (fspo/runtime/launch/distributed.py).
+and `RankZeroStub` (the logger that ranks other than 0 get in fspo/train.py). Leaves out: the sharding and the rank
+arithmetic of the step (distributed.py).
 """
 from __future__ import annotations
 

