@@ -109,7 +109,8 @@ class StepCheckpoint(Checkpoint):
         self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), int(every_n_steps), int(keep_last)
         self.save_last, self.slurm_requeue, self.run_id_fn = bool(save_last), bool(slurm_requeue), run_id_fn
         self.checksum, self.run_config = bool(checksum), run_config
-        self.continue_command = continue_command or "python experiments/run.py output_dir=<the run's folder> resume=auto"
+        self.continue_command = (continue_command
+                                 or "python experiments/run.py output_dir=<the run's folder> resume=auto")
         self._started, self._was_outside = False, None  # on_train_start ran: a stop now has a step to save
         self.signals = [getattr(signal, str(s)) for s in signals]
         self._signal: Optional[str] = None
