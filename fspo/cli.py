@@ -27,6 +27,8 @@ from typing import List, Optional, Sequence, Set
 
 from omegaconf import OmegaConf
 
+from fspo.runtime.checks.config_keys import compose_for_check, early_value_error, nested_key_error
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 EXPERIMENTS_DIR = ROOT / "experiments"
@@ -208,7 +210,36 @@ def unknown_key_error(argv: Sequence[str], config_name: str = "config", conf_dir
             hint = f"did you mean '{close[0]}'? ({a.lstrip('+').replace(key, close[0], 1)})" if close else \
                 "run with --help to list the keys"
             return f"unknown config key '{key}' in '{a}': {hint}"
-    return None
+    if not any("." in a.partition("=")[0] for a in _key_args(argv)):
+        return None
+    return nested_key_error(argv, _compositions(argv, name, dirs))
+
+
+def _key_args(argv: Sequence[str]) -> List[str]:
+    return [a for a in argv if "=" in a and not a.startswith(("-", "~", "++", "hydra.", "+hydra."))]
+
+
+def _compositions(argv: Sequence[str], name: str, dirs: Sequence[Path], with_values: bool = False) -> list:
+    """The configs Hydra would compose from ``argv`` (fspo/runtime/checks/config_keys.py), [] when it cannot."""
+    groups = {p.name for d in dirs if Path(d).is_dir() for p in Path(d).iterdir() if p.is_dir()}
+    try:
+        return list(compose_for_check(normalize_group_overrides(argv, name, dirs[-1]), name, dirs, sorted(groups),
+                                      with_values))
+    except Exception:  # noqa: BLE001 - a command line that does not compose: Hydra reports it as before
+        return []
+
+
+def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
+    """One line for the first value of ``argv``'s ``key=value`` overrides that the up-front rules refuse
+    (`early_value_error`: ``clip.c_upper=-1``), before torch loads; None when they pass, when ``argv`` sets
+    no key or runs a sweep (``-m``: each job is checked when it starts)."""
+    if not _key_args(argv) or {"-m", "--multirun"} & set(argv):
+        return None
+    name, dirs = _config_location(argv, config_name)
+    if conf_dir not in dirs:
+        dirs.append(conf_dir)
+    cfgs = _compositions(argv, name, dirs, with_values=True)
+    return early_value_error(cfgs[0]) if cfgs else None
 
 
 # -- help ---------------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
+
+Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
+settings dataclasses `FSPOSettings` and `RatioClipSettings` (GRPO, RLOO, GSPO) whose fields are the
+rules' constructor arguments and whose ``__post_init__`` is the rules' argument check (the rules build
+them in ``__init__``: fspo.py, _common.py), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
+settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
+fspo/runtime/checks/config_keys.py). Importing this module imports no torch (fspo/clipping/__init__.py is lazy).
+Leaves out: the rules themselves and the rules without a settings class here, which check their
+arguments when they are built.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional
+
+RATIO_GRADS = ("per_token", "length_weighted")
+FSPO_BANDS = ("fixed", "ema", "power", "per_bin", "quantile", "affine")  # fixed, ema + fspo.py's CALIBRATORS
+FSPO_DRIFTS = ("zero", "kl")
+
+
+def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> float:
+    """Return float(value); raise ValueError naming ``owner.name`` if value < 0 (or == 0)."""
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {value!r}")
+    return v
+
+
+def check_choice(owner: str, name: str, value: str, allowed: Iterable[str]) -> str:
+    """Return value if it is one of ``allowed``; else ValueError naming the setting and the options."""
+    allowed = sorted(allowed)
+    if value not in allowed:
+        raise ValueError(f"{owner}: {name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+@dataclass
+class FSPOSettings:
+    """FSPOClip's settings (conf/clip/fspo*.yaml; the paper's Table 4 values)."""
+
+    c_upper: float = 0.03  # upper band scale: mu_L + c_upper sqrt(L)
+    c_lower: float = 0.03  # lower band scale: mu_L - c_lower sqrt(L)
+    c_dual: Optional[float] = 0.03  # dual clip for A < 0 at mu_L + c_dual sqrt(L) (>= c_upper); null: off
+    band: str = "fixed"  # fixed | ema | power | per_bin | quantile | affine
+    drift: str = "zero"  # zero | kl (mu_L = -kl_bar L from the running k3 KL estimate)
+    z: float = 1.0  # band width in running sigmas (band=ema and the calibrated bands)
+    alpha: float = 0.1  # EMA rate of sigma_hat / kl_bar, in (0, 1]
+    sigma0: float = 0.03  # EMA warm start of sigma_hat
+    ratio_grad: str = "per_token"  # per_token (the paper's, verl's form) | length_weighted (comparison only)
+    calibration: Optional[Dict[str, Any]] = None  # the calibrated band's own settings (fspo/clipping/calibration.py)
+    owner: str = "FSPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own = self.owner
+        self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
+        self.c_upper = check_positive(own, "c_upper", self.c_upper)
+        self.c_lower = check_positive(own, "c_lower", self.c_lower)
+        if self.c_dual is not None:
+            check_positive(own, "c_dual", self.c_dual)
+            if float(self.c_dual) < self.c_upper:
+                raise ValueError(f"{own}: c_dual ({self.c_dual!r}) must be >= c_upper ({self.c_upper!r}) so the "
+                                 f"dual bound is never inside the band; or null to disable it")
+            self.c_dual = float(self.c_dual)
+        self.band = check_choice(own, "band", self.band, FSPO_BANDS)
+        self.drift = check_choice(own, "drift", self.drift, FSPO_DRIFTS)
+        self.z = check_positive(own, "z", self.z)
+        a = float(self.alpha)
+        if not 0.0 < a <= 1.0:
+            raise ValueError(f"{own}: alpha must be in (0, 1], got {self.alpha!r}")
+        self.alpha = a
+        self.sigma0 = check_positive(own, "sigma0", self.sigma0)
+
+
+@dataclass
+class RatioClipSettings:
+    """The ratio-space rules' settings (GRPO, RLOO, GSPO; verl's names): ``clip_ratio_low`` in [0, 1) (the
+    ratio floor 1 - low stays positive), ``clip_ratio_high`` >= 0, ``clip_ratio_c`` > 1 or null (dual clip off)."""
+
+    clip_ratio_low: float  # the ratio floor is 1 - clip_ratio_low
+    clip_ratio_high: float  # the ratio ceiling is 1 + clip_ratio_high
+    clip_ratio_c: Optional[float] = None  # dual clip for A < 0 at this ratio (> 1); null: off
+    ratio_grad: str = "per_token"  # RLOO only: per_token | length_weighted
+    owner: str = "RatioClipRule"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own = self.owner
+        self.clip_ratio_low = check_positive(own, "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
+        if self.clip_ratio_low >= 1.0:
+            raise ValueError(f"{own}: clip_ratio_low must be < 1 (the ratio floor 1 - clip_ratio_low "
+                             f"must stay > 0), got {self.clip_ratio_low!r}")
+        self.clip_ratio_high = check_positive(own, "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        if self.clip_ratio_c is not None and not float(self.clip_ratio_c) > 1.0:
+            raise ValueError(f"{own}: clip_ratio_c (dual clip) must be > 1 or null, got {self.clip_ratio_c!r}")
+        self.clip_ratio_c = None if self.clip_ratio_c is None else float(self.clip_ratio_c)
+        self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
+
+
+# clip._target_ -> (settings class, the rule's name in messages)
+SETTINGS = {
+    "fspo.clipping.fspo.FSPOClip": (FSPOSettings, "FSPOClip"),
+    "fspo.clipping.grpo.GRPOClip": (RatioClipSettings, "GRPOClip"),
+    "fspo.clipping.rloo.RLOOClip": (RatioClipSettings, "RLOOClip"),
+    "fspo.clipping.gspo.GSPOClip": (RatioClipSettings, "GSPOClip"),
+}
+
+
+def settings_error(node: Mapping[str, Any], key: str = "clip") -> Optional[str]:
+    """``key``'s settings (a resolved ``clip:`` mapping with its ``_target_``) checked by the rule's settings
+    class: one line naming the key and the problem, or None (fine, or a rule without a settings class here)."""
+    target = str(node.get("_target_", ""))
+    if target not in SETTINGS:
+        return None
+    cls, owner = SETTINGS[target]
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    try:
+        cls(**kwargs, owner=owner)
+    except TypeError:  # an argument the rule does not take: the key check names the closest one
+        return None
+    except ValueError as e:
+        bad = next((k for k in kwargs if f" {k} " in f" {str(e).split(': ', 1)[-1]}"), None)
+        shown = f"{key}.{bad}={kwargs[bad]}" if bad is not None else key
+        return f"{shown}: {e}"
+    return None

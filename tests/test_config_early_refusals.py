@@ -1,0 +1,104 @@
+"""Typos in nested keys and values out of range are refused in seconds, before torch loads.
+
+`fspo.cli.unknown_key_error` composes the config the command line selects (fspo/runtime/checks/config_keys.py)
+and names the closest key of the node the typo was meant for (the clip rule's keys differ per rule);
+`fspo.cli.value_error` checks the key table and the clip rule's settings (fspo/clipping/settings.py) on it.
+Before, ``clip.c_uper=0.05`` got Hydra's advice to append ``+clip.c_uper``, which failed ~15 s later with a
+TypeError, and ``clip.c_upper=-1`` was refused only after the memory plan.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fspo.cli import unknown_key_error, value_error
+
+REPO = Path(__file__).resolve().parents[1]
+BOUND_S = 3.0  # wall time of the whole refusal, python start-up included
+
+
+@pytest.mark.parametrize("argv,meant", [
+    (["clip.c_uper=0.05"], "clip.c_upper"),
+    (["+clip.c_uper=0.05"], "clip.c_upper"),
+    (["+method=fspo", "clip.c_uper=0.05"], "clip.c_upper"),
+    (["ppo.mini_batch_sise=8"], "ppo.mini_batch_size"),
+    (["+method=fspo", "ppo.mini_batch_sise=8"], "ppo.mini_batch_size"),
+    (["method=grpo", "clip.clip_ratio_hihg=0.3"], "clip.clip_ratio_high"),
+    (["model.lora.rnak=4"], "model.lora.rank"),
+    (["rollout.sampling.temprature=0.5"], "rollout.sampling.temperature"),
+])
+def test_nested_typo_names_the_key_meant(argv, meant):
+    key = argv[-1].lstrip("+").split("=")[0]
+    value = argv[-1].split("=")[1]
+    assert unknown_key_error(argv) == f"unknown config key '{key}' in '{argv[-1]}': did you mean '{meant}'? " \
+                                      f"({meant}={value})"
+
+
+def test_nearest_key_comes_from_the_selected_rule():
+    msg = unknown_key_error(["+method=gspo", "clip.c_uper=0.05"])
+    assert msg == ("unknown config key 'clip.c_uper' in 'clip.c_uper=0.05': set one of clip._target_, "
+                   "clip.clip_ratio_low, clip.clip_ratio_high")
+
+
+@pytest.mark.parametrize("argv", [
+    ["clip.c_upper=0.05", "clip.c_dual=0.05"], ["+logger.artifact_location=/tmp/a"], ["+rollout.engine.compact=true"],
+    ["+method=grpo", "clip.clip_ratio_high=0.3"], ["--config-dir", "sweeps", "--config-name", "methods", "sweep.name=x"],
+    ["-m", "+method=fspo,gspo", "clip.c_upper=0.05"], ["++brand.new=1"], ["hydra.run.dir=/tmp/x"],
+])
+def test_known_keys_and_appends_pass(argv):
+    assert unknown_key_error(argv) is None
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["clip.c_upper=-1"], "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"),
+    (["clip=fspo_ema", "clip.z=0"], "clip.z=0: FSPOClip: z must be > 0 and finite, got 0"),
+    (["+method=grpo", "clip.clip_ratio_low=1.5"], "clip.clip_ratio_low=1.5: GRPOClip: clip_ratio_low must be < 1"),
+    (["ppo.lr=-1"], "ppo.lr=-1: must be a number > 0"),
+])
+def test_values_refused_before_anything_loads(argv, msg):
+    assert value_error(argv).startswith(msg)
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", f"import sys; from fspo.cli import value_error; value_error({argv!r}); "
+         f"print(' '.join(m for m in sys.modules if m == 'torch'))"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+
+
+def test_valid_values_pass():
+    assert value_error(["clip.c_upper=0.05", "clip.c_dual=0.05", "ppo.lr=1e-5"]) is None
+    assert value_error([]) is None
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["clip.c_uper=0.05"], "did you mean 'clip.c_upper'?"),
+    (["ppo.mini_batch_sise=8"], "did you mean 'ppo.mini_batch_size'?"),
+    (["+method=fspo", "clip.c_uper=0.05"], "did you mean 'clip.c_upper'?"),
+    (["+method=fspo", "ppo.mini_batch_sise=8"], "did you mean 'ppo.mini_batch_size'?"),
+    (["clip.c_upper=-1"], "clip.c_upper=-1: FSPOClip: c_upper must be > 0"),
+])
+def test_run_py_refuses_in_seconds(args, expect):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "experiments/run.py", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert took <= BOUND_S, f"refused after {took:.1f} s"
+
+
+def test_settings_pin_the_rules():
+    """The torch-free settings are the rules' own: same defaults, same band names, same aggregation modes."""
+    import inspect
+
+    from fspo.clipping.fspo import FSPOClip
+    from fspo.clipping.settings import FSPO_BANDS, FSPOSettings
+    from fspo.losses import AGG_MODES
+    from fspo.runtime.checks.config_rules import AGG_MODES as TABLE_AGG_MODES
+
+    assert FSPOClip.BANDS == FSPO_BANDS and TABLE_AGG_MODES == AGG_MODES
+    sig = inspect.signature(FSPOClip.__init__).parameters
+    for name in ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "sigma0", "ratio_grad"):
+        assert sig[name].default == getattr(FSPOSettings, name), name
