@@ -229,6 +229,22 @@ def _compositions(argv: Sequence[str], name: str, dirs: Sequence[Path], with_val
         return []
 
 
+def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
+    """`unknown_key_error` and then `value_error`, composing the config once where the command line composes
+    (the entry point's first check: a typo or a value out of range never starts a run)."""
+    if {"-m", "--multirun"} & set(argv) or not _key_args(argv):
+        return unknown_key_error(argv, config_name, conf_dir)
+    if (top := unknown_key_error([a for a in argv if "." not in a.partition("=")[0]], config_name, conf_dir)):
+        return top
+    name, dirs = _config_location(argv, config_name)
+    if conf_dir not in dirs:
+        dirs.append(conf_dir)
+    cfgs = _compositions(argv, name, dirs, with_values=True)
+    if not cfgs:  # a key Hydra cannot set: the closest one named (or Hydra's own message)
+        return unknown_key_error(argv, config_name, conf_dir)
+    return nested_key_error(argv, cfgs, applied=True) or early_value_error(cfgs[0])
+
+
 def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
     """One line for the first value of ``argv``'s ``key=value`` overrides that the up-front rules refuse
     (`early_value_error`: ``clip.c_upper=-1``), before torch loads; None when they pass, when ``argv`` sets

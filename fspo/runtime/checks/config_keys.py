@@ -5,8 +5,8 @@ the groups it selects, and optionally its ``key=value`` overrides too), `nested_
 composed config does not have, e.g. ``clip.c_uper=0.05`` or ``ppo.mini_batch_sise=8``: one line naming the
 closest key of the node it was meant for, which depends on the selected options: the clip rule's keys
 differ per rule) and `early_value_error` (the up-front value rules of
-fspo/runtime/checks/config_rules.py and the selected clip rule's settings, fspo/clipping/settings.py, on the
-composed config, before torch or any model is imported). Each returns one line or None; a command line this
+fspo/runtime/checks/config_rules.py, the update's settings (fspo/update/settings.py) and the selected clip
+rule's settings (fspo/clipping/settings.py) on the composed config, before torch or any model is imported). Each returns one line or None; a command line this
 module cannot compose is left to Hydra, which reports it as before.
 Leaves out: the top-level keys (fspo/cli.py `unknown_key_error` checks those first, from the YAML files) and
 the checks of fspo/runtime/checks/config_check.py that need the settings objects or the machine.
@@ -21,6 +21,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--config-path", "-cp", "--experimental-rerun")
+TORCH_FREE_PPO = "fspo.update.settings.PPOConfig"  # the update's settings, built here by name (no torch)
 MAX_COMPOSITIONS = 16  # group sweeps (``+method=fspo,grpo``): each combination composed, up to this many
 
 
@@ -70,12 +71,18 @@ def _flat_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
             yield from _flat_keys(child, path + ".")
 
 
-def _missing(cfg: DictConfig, key: str, append: bool) -> Optional[Tuple[str, List[str]]]:
-    """(the part of ``key`` that ``cfg`` lacks, the closest keys) or None when ``key`` can be set."""
+def _missing(cfg: DictConfig, key: str, append: bool, applied: bool = False) -> Optional[Tuple[str, List[str]]]:
+    """(the part of ``key`` that ``cfg`` lacks, the closest keys) or None when ``key`` can be set; ``applied``:
+    ``cfg`` was composed with the command line's overrides (an appended key is there, beside its siblings)."""
     node, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
         if not isinstance(node, DictConfig) or node._is_none() or node._is_interpolation():
             return None  # a list, null or interpolated node: Hydra's to judge
+        if append and i == len(parts) - 1 and (applied or part not in node.keys()):
+            # +a.b=v adds a key: refused only one slip away from a key there is
+            others = [str(k) for k in node.keys() if str(k) != part]
+            close = difflib.get_close_matches(part, others, n=1, cutoff=0.85)
+            return (key, [".".join([*parts[:i], close[0]])]) if close else None
         if part not in node.keys():
             if append and i == len(parts) - 1:  # +a.b=v adds a key: refused only one slip away from one there is
                 close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=1, cutoff=0.85)
@@ -91,9 +98,10 @@ def _missing(cfg: DictConfig, key: str, append: bool) -> Optional[Tuple[str, Lis
     return None
 
 
-def nested_key_error(argv: Sequence[str], cfgs: Sequence[DictConfig]) -> Optional[str]:
+def nested_key_error(argv: Sequence[str], cfgs: Sequence[DictConfig], applied: bool = False) -> Optional[str]:
     """One line for the first dotted ``key=value`` / ``+key=value`` of ``argv`` that none of ``cfgs`` (the
-    compositions of `compose_for_check`) has, naming the closest key there; None when every key is known."""
+    compositions of `compose_for_check`, ``applied``: with the overrides) has, naming the closest key there;
+    None when every key is known."""
     if not cfgs:
         return None
     for a in _args(argv):
@@ -101,7 +109,7 @@ def nested_key_error(argv: Sequence[str], cfgs: Sequence[DictConfig]) -> Optiona
         append, bare = key.startswith("+"), key.lstrip("+")
         if "." not in bare or bare.startswith("hydra.") or "@" in bare:
             continue
-        found = [_missing(c, bare, append) for c in cfgs]
+        found = [_missing(c, bare, append, applied) for c in cfgs]
         if any(f is None for f in found):
             continue
         _, close = found[0]
@@ -125,6 +133,16 @@ def early_value_error(cfg: DictConfig) -> Optional[str]:
                 check_rule(rule, value)
     except ConfigError as e:
         return str(e)
+    ppo = OmegaConf.select(cfg, "ppo")
+    if isinstance(ppo, DictConfig) and str(ppo.get("_target_")) == TORCH_FREE_PPO:
+        from hydra.utils import get_class
+
+        try:
+            get_class(TORCH_FREE_PPO)(**{k: v for k, v in OmegaConf.to_container(ppo, resolve=True).items() if k != "_target_"})
+        except ValueError as e:  # the batch arithmetic, autocast with engine log-probs, ...: messages name the keys
+            return str(e)
+        except TypeError:  # a key PPOConfig does not take: the key check names the closest one
+            pass
     clip = OmegaConf.select(cfg, "clip")
     if isinstance(clip, DictConfig):
         return settings_error(OmegaConf.to_container(clip, resolve=True), "clip")
