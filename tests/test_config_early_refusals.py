@@ -58,6 +58,10 @@ def test_known_keys_and_appends_pass(argv):
     (["clip=fspo_ema", "clip.z=0"], "clip.z=0: FSPOClip: z must be > 0 and finite, got 0"),
     (["+method=grpo", "clip.clip_ratio_low=1.5"], "clip.clip_ratio_low=1.5: GRPOClip: clip_ratio_low must be < 1"),
     (["ppo.lr=-1"], "ppo.lr=-1: must be a number > 0"),
+    (["+method=cispo", "clip.clip_ratio_low=2"], "clip.clip_ratio_low=2: CISPOClip: clip_ratio_low must be in [0, 1]"),
+    (["+method=sapo", "clip.tau_neg=0"], "clip.tau_neg=0: SAPOClip: tau_neg must be > 0 and finite, got 0"),
+    (["+method=gmpo", "clip.clip_ratio_high=-1"], "clip.clip_ratio_high=-1: GMPOClip: clip_ratio_high must be > 0"),
+    (["clip.c_upper=1"], "clip.c_upper=1: FSPOClip: c_dual (0.03) must be >= c_upper (1)"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
     assert value_error(argv).startswith(msg)
@@ -94,7 +98,10 @@ def test_run_py_refuses_in_seconds(args, expect):
 
 def test_settings_pin_the_rules():
     """The torch-free settings are the rules' own: same defaults, same band names, same aggregation modes."""
+    import dataclasses
     import inspect
+
+    from hydra.utils import get_class as hydra_get_class
 
     from fspo.clipping.fspo import FSPOClip
     from fspo.clipping.settings import FSPO_BANDS, FSPOSettings
@@ -102,9 +109,17 @@ def test_settings_pin_the_rules():
     from fspo.runtime.checks.config_rules import AGG_MODES as TABLE_AGG_MODES
 
     assert FSPOClip.BANDS == FSPO_BANDS and TABLE_AGG_MODES == AGG_MODES
+    from fspo.clipping.settings import SETTINGS
+
     sig = inspect.signature(FSPOClip.__init__).parameters
     for name in ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "sigma0", "ratio_grad"):
         assert sig[name].default == getattr(FSPOSettings, name), name
+    for target, (cls, owner) in SETTINGS.items():  # every settings class takes exactly its rule's arguments
+        rule = hydra_get_class(target)
+        assert rule.__name__ == owner
+        args = set(inspect.signature(rule.__init__).parameters) - {"self"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"owner"}
+        assert args <= fields, (target, args - fields)
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.settings import RATIO_GRADS, RatioClipSettings, check_choice, check_positive  # noqa: F401
+from fspo.clipping.settings import (  # noqa: F401  (the rules import these from here)
+    RATIO_GRADS,
+    VALUE_FORMS,
+    RatioClipSettings,
+    check_choice,
+    check_positive,
+)
 
 #: verl clamps token log-ratios to [-20, 20] before exp; we use the same bound as the float-safety
 #: cap everywhere (exp(20) = 4.85e8, far from float32 overflow even after summing 4M tokens).
@@ -152,9 +158,6 @@ def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[floa
     return out & ~binding & (adv != 0)
 
 
-#: the loss value forms of rules whose verl value is not -A at the old policy (CISPO, SAPO): ``surrogate``
-#: (-A on-policy, like every rule here) or ``verl`` (verl 0.9.1's literal value); the gradient is the same
-VALUE_FORMS = ("surrogate", "verl")
 
 
 def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,

@@ -1,9 +1,10 @@
 """The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
 
 Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
-settings dataclasses `FSPOSettings` and `RatioClipSettings` (GRPO, RLOO, GSPO) whose fields are the
+settings dataclasses `FSPOSettings`, `RatioClipSettings` (GRPO, RLOO, GSPO), `CISPOSettings`, `SAPOSettings`
+and `GMPOSettings`, whose fields are the
 rules' constructor arguments and whose ``__post_init__`` is the rules' argument check (the rules build
-them in ``__init__``: fspo.py, _common.py), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
+them in ``__init__``), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
 settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
 fspo/runtime/checks/config_keys.py). Importing this module imports no torch (fspo/clipping/__init__.py is lazy).
 Leaves out: the rules themselves and the rules without a settings class here, which check their
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 RATIO_GRADS = ("per_token", "length_weighted")
+#: the loss value forms of rules whose verl value is not -A at the old policy (CISPO, SAPO): ``surrogate``
+#: (-A on-policy, like every rule here) or ``verl`` (verl 0.9.1's literal value); the gradient is the same
+VALUE_FORMS = ("surrogate", "verl")
 FSPO_BANDS = ("fixed", "ema", "power", "per_bin", "quantile", "affine")  # fixed, ema + fspo.py's CALIBRATORS
 FSPO_DRIFTS = ("zero", "kl")
 
@@ -54,14 +58,14 @@ class FSPOSettings:
     owner: str = "FSPOClip"  # the rule named in the messages
 
     def __post_init__(self) -> None:
-        own = self.owner
+        own, upper = self.owner, self.c_upper
         self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
         self.c_upper = check_positive(own, "c_upper", self.c_upper)
         self.c_lower = check_positive(own, "c_lower", self.c_lower)
         if self.c_dual is not None:
             check_positive(own, "c_dual", self.c_dual)
             if float(self.c_dual) < self.c_upper:
-                raise ValueError(f"{own}: c_dual ({self.c_dual!r}) must be >= c_upper ({self.c_upper!r}) so the "
+                raise ValueError(f"{own}: c_dual ({self.c_dual!r}) must be >= c_upper ({upper!r}) so the "
                                  f"dual bound is never inside the band; or null to disable it")
             self.c_dual = float(self.c_dual)
         self.band = check_choice(own, "band", self.band, FSPO_BANDS)
@@ -86,16 +90,64 @@ class RatioClipSettings:
     owner: str = "RatioClipRule"  # the rule named in the messages
 
     def __post_init__(self) -> None:
-        own = self.owner
-        self.clip_ratio_low = check_positive(own, "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
+        own, low = self.owner, self.clip_ratio_low
+        self.clip_ratio_low = check_positive(own, "clip_ratio_low", low, allow_zero=True)
         if self.clip_ratio_low >= 1.0:
             raise ValueError(f"{own}: clip_ratio_low must be < 1 (the ratio floor 1 - clip_ratio_low "
-                             f"must stay > 0), got {self.clip_ratio_low!r}")
+                             f"must stay > 0), got {low!r}")
         self.clip_ratio_high = check_positive(own, "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
         if self.clip_ratio_c is not None and not float(self.clip_ratio_c) > 1.0:
             raise ValueError(f"{own}: clip_ratio_c (dual clip) must be > 1 or null, got {self.clip_ratio_c!r}")
         self.clip_ratio_c = None if self.clip_ratio_c is None else float(self.clip_ratio_c)
         self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
+
+
+@dataclass
+class CISPOSettings:
+    """CISPOClip's settings (conf/clip/cispo.yaml): the detached token weight is clipped to
+    [1 - clip_ratio_low, 1 + clip_ratio_high]."""
+
+    clip_ratio_low: float = 1.0  # in [0, 1]; 1: no floor (the paper's)
+    clip_ratio_high: float = 0.28  # >= 0
+    value: str = "surrogate"  # surrogate | verl (the loss value reported; the gradient is the same)
+    owner: str = "CISPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own, low = self.owner, self.clip_ratio_low
+        self.clip_ratio_low = check_positive(own, "clip_ratio_low", low, allow_zero=True)
+        if self.clip_ratio_low > 1.0:
+            raise ValueError(f"{own}: clip_ratio_low must be in [0, 1] (the weight floor 1 - clip_ratio_low "
+                             f"must stay >= 0; 1 means no floor), got {low!r}")
+        self.clip_ratio_high = check_positive(own, "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        self.value = check_choice(own, "value", self.value, VALUE_FORMS)
+
+
+@dataclass
+class SAPOSettings:
+    """SAPOClip's settings (conf/clip/sapo.yaml): the soft gate's temperatures for A > 0 and A < 0."""
+
+    tau_pos: float = 1.0  # > 0
+    tau_neg: float = 1.05  # > 0
+    value: str = "surrogate"  # surrogate | verl
+    owner: str = "SAPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        self.tau_pos = check_positive(self.owner, "tau_pos", self.tau_pos)
+        self.tau_neg = check_positive(self.owner, "tau_neg", self.tau_neg)
+        self.value = check_choice(self.owner, "value", self.value, VALUE_FORMS)
+
+
+@dataclass
+class GMPOSettings:
+    """GMPOClip's settings (conf/clip/gmpo.yaml): the token log-ratio clip [-clip_ratio_low, clip_ratio_high]."""
+
+    clip_ratio_low: float = 0.4  # > 0
+    clip_ratio_high: float = 0.4  # > 0
+    owner: str = "GMPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        self.clip_ratio_low = check_positive(self.owner, "clip_ratio_low", self.clip_ratio_low)
+        self.clip_ratio_high = check_positive(self.owner, "clip_ratio_high", self.clip_ratio_high)
 
 
 # clip._target_ -> (settings class, the rule's name in messages)
@@ -104,6 +156,9 @@ SETTINGS = {
     "fspo.clipping.grpo.GRPOClip": (RatioClipSettings, "GRPOClip"),
     "fspo.clipping.rloo.RLOOClip": (RatioClipSettings, "RLOOClip"),
     "fspo.clipping.gspo.GSPOClip": (RatioClipSettings, "GSPOClip"),
+    "fspo.clipping.cispo.CISPOClip": (CISPOSettings, "CISPOClip"),
+    "fspo.clipping.sapo.SAPOClip": (SAPOSettings, "SAPOClip"),
+    "fspo.clipping.gmpo.GMPOClip": (GMPOSettings, "GMPOClip"),
 }
 
 
