@@ -76,6 +76,11 @@ def test_valid_values_pass():
     assert value_error([]) is None
 
 
+def test_a_value_that_does_not_resolve_yet_is_left_to_the_run(monkeypatch):
+    monkeypatch.delenv("FSPO_UNSET_FOR_TEST", raising=False)
+    assert value_error(["ppo.lr=${oc.env:FSPO_UNSET_FOR_TEST}"]) is None
+
+
 @pytest.mark.parametrize("args,expect", [
     (["clip.c_uper=0.05"], "did you mean 'clip.c_upper'?"),
     (["ppo.mini_batch_sise=8"], "did you mean 'ppo.mini_batch_size'?"),

@@ -233,7 +233,7 @@ def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path
     cfgs = _compositions(argv, name, dirs, with_values=True)
     if not cfgs:  # a key Hydra cannot set: the closest one named (or Hydra's own message)
         return unknown_key_error(argv, config_name, conf_dir)
-    return nested_key_error(argv, cfgs, applied=True) or early_value_error(cfgs[0])
+    return nested_key_error(argv, cfgs, applied=True) or _values(cfgs[0])
 
 
 def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
@@ -246,4 +246,13 @@ def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path
     if conf_dir not in dirs:
         dirs.append(conf_dir)
     cfgs = _compositions(argv, name, dirs, with_values=True)
-    return early_value_error(cfgs[0]) if cfgs else None
+    return _values(cfgs[0]) if cfgs else None
+
+
+def _values(cfg) -> Optional[str]:
+    """`early_value_error`, or None where it cannot judge (an interpolation that does not resolve yet, ...):
+    the run's own check reports that, as before."""
+    try:
+        return early_value_error(cfg)
+    except Exception:  # noqa: BLE001 - left to check_config at the start of the run
+        return None
