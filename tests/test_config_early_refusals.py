@@ -62,6 +62,9 @@ def test_known_keys_and_appends_pass(argv):
     (["+method=sapo", "clip.tau_neg=0"], "clip.tau_neg=0: SAPOClip: tau_neg must be > 0 and finite, got 0"),
     (["+method=gmpo", "clip.clip_ratio_high=-1"], "clip.clip_ratio_high=-1: GMPOClip: clip_ratio_high must be > 0"),
     (["clip.c_upper=1"], "clip.c_upper=1: FSPOClip: c_dual (0.03) must be >= c_upper (1)"),
+    (["+method=dppo", "clip.divergence=js"], "clip.divergence=js: DPPOClip: divergence must be one of ['kl', 'tv']"),
+    (["+method=cppo", "clip.w_min=1.5"], "clip.w_min=1.5: CPPOClip: w_min must be in (0, 1]"),
+    (["+method=vespo", "clip.ref_length=0"], "clip.ref_length=0: VESPOClip: ref_length must be > 0"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
     assert value_error(argv).startswith(msg)

@@ -1,8 +1,8 @@
 """The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
 
 Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
-settings dataclasses `FSPOSettings`, `RatioClipSettings` (GRPO, RLOO, GSPO), `CISPOSettings`, `SAPOSettings`
-and `GMPOSettings`, whose fields are the
+settings dataclasses `FSPOSettings`, `RatioClipSettings` (GRPO, RLOO, GSPO), `CISPOSettings`, `SAPOSettings`,
+`GMPOSettings`, `DPPOSettings`, `CPPOSettings` and `VESPOSettings`, whose fields are the
 rules' constructor arguments and whose ``__post_init__`` is the rules' argument check (the rules build
 them in ``__init__``), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
 settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
@@ -22,6 +22,9 @@ RATIO_GRADS = ("per_token", "length_weighted")
 VALUE_FORMS = ("surrogate", "verl")
 FSPO_BANDS = ("fixed", "ema", "power", "per_bin", "quantile", "affine")  # fixed, ema + fspo.py's CALIBRATORS
 FSPO_DRIFTS = ("zero", "kl")
+DIVERGENCES = ("tv", "kl")  # DPPO's and CPPO's token divergence
+BUDGETS = ("prefix_mean", "none")  # CPPO's prefix budget
+LENGTH_SCALES = ("none", "sqrt")  # VESPO's kernel input
 
 
 def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -150,6 +153,66 @@ class GMPOSettings:
         self.clip_ratio_high = check_positive(self.owner, "clip_ratio_high", self.clip_ratio_high)
 
 
+@dataclass
+class DPPOSettings:
+    """DPPOClip's settings (conf/clip/dppo.yaml): the per-token divergence band and its dual clip."""
+
+    divergence: str = "tv"  # tv | kl: the token divergence bounded by the band
+    clip_ratio_low: float = 0.2  # >= 0: the band below
+    clip_ratio_high: float = 0.2  # >= 0: the band above
+    clip_ratio_c: float = 20.0  # > 0: the dual clip for A < 0
+    value: str = "surrogate"  # surrogate | verl
+    owner: str = "DPPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own = self.owner
+        self.divergence = check_choice(own, "divergence", self.divergence, DIVERGENCES)
+        self.clip_ratio_low = check_positive(own, "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
+        self.clip_ratio_high = check_positive(own, "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        self.clip_ratio_c = check_positive(own, "clip_ratio_c", self.clip_ratio_c)
+        self.value = check_choice(own, "value", self.value, VALUE_FORMS)
+
+
+@dataclass
+class CPPOSettings(DPPOSettings):
+    """CPPOClip's settings (conf/clip/cppo.yaml): DPPO's, with the positional weight and the prefix budget."""
+
+    w_min: float = 0.8  # in (0, 1]: the last token's weight; 1 turns the position weight off
+    budget: str = "prefix_mean"  # prefix_mean | none
+    owner: str = "CPPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        own, w_min = self.owner, self.w_min
+        self.w_min = check_positive(own, "w_min", w_min)
+        if self.w_min > 1.0:
+            raise ValueError(f"{own}: w_min must be in (0, 1] (the last token's weight; 1 turns the position "
+                             f"weight off), got {w_min!r}")
+        self.budget = check_choice(own, "budget", self.budget, BUDGETS)
+
+
+@dataclass
+class VESPOSettings:
+    """VESPOClip's settings (conf/clip/vespo.yaml): the kernel's shapes for A > 0 and A < 0."""
+
+    k_pos: float = 2.0  # >= 0
+    lambda_pos: float = 3.0  # >= 0
+    k_neg: float = 3.0  # >= 0
+    lambda_neg: float = 2.0  # >= 0
+    value: str = "surrogate"  # surrogate | verl
+    length_scale: str = "none"  # none | sqrt: the kernel's input S or S sqrt(ref_length / L)
+    ref_length: float = 72.0  # > 0: the length at which length_scale=sqrt leaves S as it is
+    owner: str = "VESPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own = self.owner
+        for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
+            setattr(self, name, check_positive(own, name, getattr(self, name), allow_zero=True))
+        self.value = check_choice(own, "value", self.value, VALUE_FORMS)
+        self.length_scale = check_choice(own, "length_scale", self.length_scale, LENGTH_SCALES)
+        self.ref_length = check_positive(own, "ref_length", self.ref_length)
+
+
 # clip._target_ -> (settings class, the rule's name in messages)
 SETTINGS = {
     "fspo.clipping.fspo.FSPOClip": (FSPOSettings, "FSPOClip"),
@@ -159,6 +222,9 @@ SETTINGS = {
     "fspo.clipping.cispo.CISPOClip": (CISPOSettings, "CISPOClip"),
     "fspo.clipping.sapo.SAPOClip": (SAPOSettings, "SAPOClip"),
     "fspo.clipping.gmpo.GMPOClip": (GMPOSettings, "GMPOClip"),
+    "fspo.clipping.dppo.DPPOClip": (DPPOSettings, "DPPOClip"),
+    "fspo.clipping.cppo.CPPOClip": (CPPOSettings, "CPPOClip"),
+    "fspo.clipping.vespo.VESPOClip": (VESPOSettings, "VESPOClip"),
 }
 
 
