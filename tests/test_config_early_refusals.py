@@ -65,6 +65,8 @@ def test_known_keys_and_appends_pass(argv):
     (["+method=dppo", "clip.divergence=js"], "clip.divergence=js: DPPOClip: divergence must be one of ['kl', 'tv']"),
     (["+method=cppo", "clip.w_min=1.5"], "clip.w_min=1.5: CPPOClip: w_min must be in (0, 1]"),
     (["+method=vespo", "clip.ref_length=0"], "clip.ref_length=0: VESPOClip: ref_length must be > 0"),
+    (["+method=ctpo", "clip.ratio_mode=x"], "clip.ratio_mode=x: CTPOClip: ratio_mode must be one of"),
+    (["+method=luspo", "clip.clip_ratio_low=1"], "clip.clip_ratio_low=1: LUSPOClip: clip_ratio_low must be < 1"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
     assert value_error(argv).startswith(msg)
@@ -102,6 +104,19 @@ def test_run_py_refuses_in_seconds(args, expect):
     assert p.returncode == 2, p.stderr[-2000:]
     assert expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert took <= BOUND_S, f"refused after {took:.1f} CPU s"
+
+
+def test_every_clip_rule_has_settings():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from fspo.clipping.settings import SETTINGS
+
+    for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):
+        node = OmegaConf.load(path)
+        assert node._target_ in SETTINGS, path.name
+        instantiate(node)  # each option's values pass its rule, and its settings class (the early check) agrees
+        assert value_error([f"clip={path.stem}"]) is None, path.name
 
 
 def test_settings_pin_the_rules():

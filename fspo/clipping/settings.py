@@ -2,13 +2,13 @@
 
 Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
 settings dataclasses `FSPOSettings`, `RatioClipSettings` (GRPO, RLOO, GSPO), `CISPOSettings`, `SAPOSettings`,
-`GMPOSettings`, `DPPOSettings`, `CPPOSettings` and `VESPOSettings`, whose fields are the
+`GMPOSettings`, `DPPOSettings`, `CPPOSettings`, `VESPOSettings` and `CTPOSettings` (every rule of
+conf/clip/; LUSPO takes GSPO's), whose fields are the
 rules' constructor arguments and whose ``__post_init__`` is the rules' argument check (the rules build
 them in ``__init__``), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
 settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
 fspo/runtime/checks/config_keys.py). Importing this module imports no torch (fspo/clipping/__init__.py is lazy).
-Leaves out: the rules themselves and the rules without a settings class here, which check their
-arguments when they are built.
+Leaves out: the rules themselves.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ FSPO_DRIFTS = ("zero", "kl")
 DIVERGENCES = ("tv", "kl")  # DPPO's and CPPO's token divergence
 BUDGETS = ("prefix_mean", "none")  # CPPO's prefix budget
 LENGTH_SCALES = ("none", "sqrt")  # VESPO's kernel input
+RATIO_MODES = ("cumprod", "geomean")  # CTPO's sequence ratio
+ACCEPTANCES = ("prefix", "last")  # CTPO's acceptance
 
 
 def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -213,6 +215,32 @@ class VESPOSettings:
         self.ref_length = check_positive(own, "ref_length", self.ref_length)
 
 
+@dataclass
+class CTPOSettings:
+    """CTPOClip's settings (conf/clip/ctpo.yaml): the length-adjusted band on the token ratio's running product."""
+
+    la_clip_low: float = 0.025  # > 0: the band below
+    la_clip_high: float = 0.05  # > 0: the band above
+    la_clip_c: Optional[float] = 0.05  # > 0: the dual clip for A < 0; null: off
+    la_power: float = 0.5  # finite: 0.5 with cumprod, -0.5 with geomean
+    ratio_mode: str = "cumprod"  # cumprod | geomean
+    acceptance: str = "prefix"  # prefix | last
+    owner: str = "CTPOClip"  # the rule named in the messages
+
+    def __post_init__(self) -> None:
+        own = self.owner
+        self.la_clip_low = check_positive(own, "la_clip_low", self.la_clip_low)
+        self.la_clip_high = check_positive(own, "la_clip_high", self.la_clip_high)
+        self.la_clip_c = None if self.la_clip_c is None else check_positive(own, "la_clip_c", self.la_clip_c)
+        p = float(self.la_power)
+        if not math.isfinite(p):
+            raise ValueError(f"{own}: la_power must be finite (0.5 with cumprod, -0.5 with geomean), "
+                             f"got {self.la_power!r}")
+        self.la_power = p
+        self.ratio_mode = check_choice(own, "ratio_mode", self.ratio_mode, RATIO_MODES)
+        self.acceptance = check_choice(own, "acceptance", self.acceptance, ACCEPTANCES)
+
+
 # clip._target_ -> (settings class, the rule's name in messages)
 SETTINGS = {
     "fspo.clipping.fspo.FSPOClip": (FSPOSettings, "FSPOClip"),
@@ -225,6 +253,8 @@ SETTINGS = {
     "fspo.clipping.dppo.DPPOClip": (DPPOSettings, "DPPOClip"),
     "fspo.clipping.cppo.CPPOClip": (CPPOSettings, "CPPOClip"),
     "fspo.clipping.vespo.VESPOClip": (VESPOSettings, "VESPOClip"),
+    "fspo.clipping.ctpo.CTPOClip": (CTPOSettings, "CTPOClip"),
+    "fspo.clipping.luspo.LUSPOClip": (RatioClipSettings, "LUSPOClip"),
 }
 
 
