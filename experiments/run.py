@@ -15,7 +15,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
-from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
+from fspo.cli import early_error, normalize_group_overrides  # noqa: E402  (also the help template's resolver)
 from fspo.runtime.checks.errors import user_error  # noqa: E402
 from fspo.runtime.launch.run_folder import protect_run_folder  # noqa: E402
 
@@ -47,7 +47,8 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    if (bad := unknown_key_error(sys.argv[1:], "config")) is not None:  # a typo never runs the default
+    # a typo never runs the default; a value out of range is refused before torch loads
+    if (bad := early_error(sys.argv[1:], "config")) is not None:
         print(f"error: {bad}", file=sys.stderr)
         sys.exit(2)
     sys.argv[1:] = normalize_group_overrides(sys.argv[1:], "config")  # group=x and +group=x both work

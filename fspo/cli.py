@@ -1,14 +1,9 @@
 """Command-line conventions shared by the entry points, and the console scripts.
 
 Owns:
-- `normalize_group_overrides`: ``group=option`` and ``+group=option`` both work for every config
-  group. Hydra accepts ``group=x`` only for groups in the primary config's defaults list and
-  ``+group=x`` only for the others (method/, model/, experiment/, arm/ are appended, see
-  conf/config.yaml), and a defaults entry cannot make both forms compose; so the entry points
-  rewrite the command line to the form Hydra expects before Hydra parses it.
-- `unknown_key_error`: a top-level key the config does not have (``stpes=5``, ``+stpes=5``) is refused
-  before Hydra starts, with the closest known key (Hydra itself rejects ``stpes=5`` but suggests
-  ``+stpes=5``, which it then accepts silently and the default run starts).
+- the command-line checks of the entry points (fspo/runtime/checks/command_line.py, re-exported here):
+  ``group=x`` == ``+group=x`` (`normalize_group_overrides`), unknown keys named with the closest known key
+  (`unknown_key_error`) and values checked before torch loads (`early_error`).
 - the ``fspo_launch_id`` resolver (`launch_id`): the default run folder's suffix, unique per launch.
 - the ``fspo_help_groups`` resolver used by each app's ``hydra.help.template``: the config groups that
   app reads, with their options (run.py does not list eval_data/, evaluate.py lists only its groups).
@@ -20,195 +15,28 @@ Leaves out: what the entry points do (experiments/*.py, fspo/train.py).
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Set
+from typing import List
 
 from omegaconf import OmegaConf
 
+from fspo.runtime.checks.command_line import (  # noqa: F401  (the entry points' names)
+    CONF_DIR,
+    defaults_groups,
+    early_error,
+    known_top_keys,
+    normalize_group_overrides,
+    unknown_key_error,
+    value_error,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
 EXPERIMENTS_DIR = ROOT / "experiments"
 
 # the groups each app reads (help listing); evaluate.py appends model/ like run.py
 EVAL_GROUPS = ("eval_data", "model", "reward", "rollout")
 EVAL_ONLY_GROUPS = ("eval_data",)
-
-
-# -- group=option / +group=option -------------------------------------------------------------
-def _yaml(name: str, dirs: Sequence[Path]) -> Optional[Path]:
-    for d in dirs:
-        p = Path(d) / f"{name}.yaml"
-        if p.is_file():
-            return p
-    return None
-
-
-def _defaults(path: Path) -> list:
-    try:
-        node = OmegaConf.load(path)
-    except Exception:  # noqa: BLE001 - an unreadable file: Hydra reports it itself
-        return []
-    d = node.get("defaults") if OmegaConf.is_dict(node) else None
-    return list(OmegaConf.to_container(d)) if d is not None else []
-
-
-def defaults_groups(config_name: str, dirs: Sequence[Path], _seen: Optional[Set[Path]] = None) -> Set[str]:
-    """Config groups that have an entry (not an ``override``) in the defaults list of ``config_name``,
-    following plain config entries (``- config``, ``- _base``) through ``dirs``."""
-    seen = _seen if _seen is not None else set()
-    path = _yaml(config_name, dirs)
-    if path is None or path in seen:
-        return set()
-    seen.add(path)
-    groups: Set[str] = set()
-    for entry in _defaults(path):
-        if isinstance(entry, str):
-            if entry != "_self_":
-                groups |= defaults_groups(entry.lstrip("/"), dirs, seen)
-        elif isinstance(entry, dict):
-            for key in entry:
-                k = str(key).strip()
-                if k.startswith("override "):
-                    continue
-                k = k.replace("optional ", "").strip().lstrip("/").split("@")[0]
-                groups.add(k)
-    return groups
-
-
-def _option_groups(group: str, option: str, dirs: Sequence[Path]) -> Set[str]:
-    """Groups that option ``group/option`` adds to the defaults list (e.g. an experiment's ``/model``)."""
-    groups: Set[str] = set()
-    for d in dirs:
-        p = Path(d) / group / f"{option}.yaml"
-        if p.is_file():
-            for entry in _defaults(p):
-                if isinstance(entry, dict):
-                    for key in entry:
-                        k = str(key).strip()
-                        if k.startswith("/") and not k.startswith("override"):
-                            groups.add(k.lstrip("/").split("@")[0])
-    return groups
-
-
-def _config_location(argv: Sequence[str], config_name: str) -> tuple[str, List[Path]]:
-    """(primary config name, search folders) from Hydra's ``--config-name/-cn`` and ``--config-dir/-cd``."""
-    name, extra = config_name, []
-    it = list(argv)
-    for i, a in enumerate(it):
-        for flags, setter in ((("--config-name", "-cn"), "name"), (("--config-dir", "-cd"), "dir")):
-            val = None
-            for f in flags:
-                if a == f and i + 1 < len(it):
-                    val = it[i + 1]
-                elif a.startswith(f + "="):
-                    val = a[len(f) + 1:]
-            if val is not None:
-                if setter == "name":
-                    name = val
-                else:
-                    extra.append(Path(val).expanduser().resolve())
-    return name, [*extra, CONF_DIR]
-
-
-def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
-                              conf_dir: Path = CONF_DIR) -> List[str]:
-    """``argv`` with every config-group selection in the form Hydra accepts: ``group=x`` becomes
-    ``+group=x`` when the primary config's defaults list has no ``group`` entry, and ``+group=x``
-    becomes ``group=x`` when it has one. Other arguments (keys, flags, ``++``/``~`` forms) pass as they are."""
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
-    present = defaults_groups(name, dirs)
-    flag_values = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                              "--config-path", "-cp", "--experimental-rerun")}
-    groups = {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
-
-    def parse(a: str):
-        if a.startswith(("-", "~", "++")) or "=" not in a:
-            return None
-        key, _, val = a.partition("=")
-        plus = key.startswith("+")
-        key = key.lstrip("+")
-        return (key, val, plus) if key in groups else None
-
-    for i, a in enumerate(argv):  # groups that selected options add (an experiment's /model entry)
-        p = None if i in flag_values else parse(a)
-        if p is not None and "," not in p[1]:
-            present |= _option_groups(p[0], p[1], dirs)
-    out = []
-    for i, a in enumerate(argv):
-        p = None if i in flag_values else parse(a)
-        if p is None:
-            out.append(a)
-            continue
-        key, val, plus = p
-        out.append(f"{key}={val}" if key in present else f"+{key}={val}")
-    return out
-
-
-# -- unknown top-level keys --------------------------------------------------------------------
-def _top_keys(path: Path) -> Set[str]:
-    try:
-        node = OmegaConf.load(path)
-    except Exception:  # noqa: BLE001 - an unreadable file: Hydra reports it itself
-        return set()
-    return {str(k) for k in node.keys() if k != "defaults"} if OmegaConf.is_dict(node) else set()
-
-
-def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
-    """Top-level keys a command line may set: those of the primary config and the configs its defaults list
-    includes by name (``- _base``), of every ``@package _global_`` option (method/, experiment/, arm/ ...),
-    the config group names, and ``hydra``."""
-    keys: Set[str] = {"hydra"}
-    seen: Set[Path] = set()
-    todo = [config_name]
-    while todo:
-        path = _yaml(todo.pop().lstrip("/"), dirs)
-        if path is None or path in seen:
-            continue
-        seen.add(path)
-        keys |= _top_keys(path)
-        todo += [e for e in _defaults(path) if isinstance(e, str) and e != "_self_"]
-    for d in dirs:
-        if not Path(d).is_dir():
-            continue
-        for g in Path(d).iterdir():
-            if g.is_dir() and not g.name.startswith((".", "_")):
-                keys.add(g.name)
-                for f in g.glob("*.yaml"):
-                    if f.read_text(errors="replace").lstrip().startswith("# @package _global_"):
-                        keys |= _top_keys(f)
-    return keys
-
-
-def unknown_key_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """One line for the first ``key=value`` / ``+key=value`` whose top-level key the config does not have
-    (``stpes=5``, ``+stpes=5``), naming the closest known key; None when every key is known. Hydra would
-    reject ``stpes=5`` with advice to append ``+stpes=5``, which it then accepts silently, so the typo
-    runs the default. ``++key=`` (force-add), ``~key`` and flags pass unchecked."""
-    import difflib
-
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
-    known = None
-    skip = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                       "--config-path", "-cp", "--experimental-rerun")}
-    for i, a in enumerate(argv):
-        if i in skip or a.startswith(("-", "~", "++")) or "=" not in a:
-            continue
-        key = a.partition("=")[0].lstrip("+").split(".")[0].split("@")[0]
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            continue
-        known = known if known is not None else known_top_keys(name, dirs)
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'? ({a.lstrip('+').replace(key, close[0], 1)})" if close else \
-                "run with --help to list the keys"
-            return f"unknown config key '{key}' in '{a}': {hint}"
-    return None
 
 
 # -- help ---------------------------------------------------------------------------------------

@@ -10,34 +10,23 @@ the float-safety cap mask and `seq_result`; for the weight-clipping token rules 
 """
 from __future__ import annotations
 
-import math
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.settings import (  # noqa: F401  (the rules import these from here)
+    RATIO_GRADS,
+    VALUE_FORMS,
+    RatioClipSettings,
+    check_choice,
+    check_positive,
+)
 
 #: verl clamps token log-ratios to [-20, 20] before exp; we use the same bound as the float-safety
 #: cap everywhere (exp(20) = 4.85e8, far from float32 overflow even after summing 4M tokens).
 MAX_LOG_RATIO = 20.0
-
-
-def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> float:
-    """Return float(value); raise ValueError naming ``owner.name`` if value < 0 (or == 0)."""
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {value!r}")
-    return v
-
-
-def check_choice(owner: str, name: str, value: str, allowed: Iterable[str]) -> str:
-    """Return value if it is one of ``allowed``; else ValueError naming the setting and the options."""
-    allowed = sorted(allowed)
-    if value not in allowed:
-        raise ValueError(f"{owner}: {name} must be one of {allowed}, got {value!r}")
-    return value
 
 
 class Prepared(NamedTuple):
@@ -128,15 +117,8 @@ class RatioClipRule(ClipRule):
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
                  clip_ratio_c: Optional[float]) -> None:
         super().__init__()
-        owner = type(self).__name__
-        self.clip_ratio_low = check_positive(owner, "clip_ratio_low", clip_ratio_low, allow_zero=True)
-        if self.clip_ratio_low >= 1.0:
-            raise ValueError(f"{owner}: clip_ratio_low must be < 1 (the ratio floor 1 - clip_ratio_low "
-                             f"must stay > 0), got {clip_ratio_low!r}")
-        self.clip_ratio_high = check_positive(owner, "clip_ratio_high", clip_ratio_high, allow_zero=True)
-        if clip_ratio_c is not None and not float(clip_ratio_c) > 1.0:
-            raise ValueError(f"{owner}: clip_ratio_c (dual clip) must be > 1 or null, got {clip_ratio_c!r}")
-        self.clip_ratio_c = None if clip_ratio_c is None else float(clip_ratio_c)
+        st = RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__)
+        self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c = st.clip_ratio_low, st.clip_ratio_high, st.clip_ratio_c
 
     def extra_repr(self) -> str:
         return (f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}, "
@@ -146,7 +128,6 @@ class RatioClipRule(ClipRule):
         return {}
 
 
-RATIO_GRADS = ("per_token", "length_weighted")
 
 
 def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:
@@ -177,9 +158,6 @@ def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[floa
     return out & ~binding & (adv != 0)
 
 
-#: the loss value forms of rules whose verl value is not -A at the old policy (CISPO, SAPO): ``surrogate``
-#: (-A on-policy, like every rule here) or ``verl`` (verl 0.9.1's literal value); the gradient is the same
-VALUE_FORMS = ("surrogate", "verl")
 
 
 def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,

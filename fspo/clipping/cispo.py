@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fspo.clipping._common import VALUE_FORMS, check_choice, check_positive, token_ratio_inputs, weight_clip_result
+from fspo.clipping._common import token_ratio_inputs, weight_clip_result
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _masked_mean, _ratio_kwargs, _run, register_policy_loss
+from fspo.clipping.settings import CISPOSettings
 
 
 class CISPOClip(ClipRule):
@@ -38,15 +39,11 @@ class CISPOClip(ClipRule):
 
     level = "token"
 
-    def __init__(self, clip_ratio_low: float = 1.0, clip_ratio_high: float = 0.28, value: str = "surrogate") -> None:
+    def __init__(self, clip_ratio_low: float = CISPOSettings.clip_ratio_low,
+                 clip_ratio_high: float = CISPOSettings.clip_ratio_high, value: str = CISPOSettings.value) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.clip_ratio_low = check_positive(own, "clip_ratio_low", clip_ratio_low, allow_zero=True)
-        if self.clip_ratio_low > 1.0:
-            raise ValueError(f"{own}: clip_ratio_low must be in [0, 1] (the weight floor 1 - clip_ratio_low "
-                             f"must stay >= 0; 1 means no floor), got {clip_ratio_low!r}")
-        self.clip_ratio_high = check_positive(own, "clip_ratio_high", clip_ratio_high, allow_zero=True)
-        self.value = check_choice(own, "value", value, VALUE_FORMS)
+        s = CISPOSettings(clip_ratio_low, clip_ratio_high, value, owner=type(self).__name__)
+        self.clip_ratio_low, self.clip_ratio_high, self.value = s.clip_ratio_low, s.clip_ratio_high, s.value
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

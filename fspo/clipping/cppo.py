@@ -14,11 +14,11 @@ from typing import Any, Tuple
 import torch
 from torch import Tensor
 
-from fspo.clipping._common import Prepared, check_choice, check_positive
+from fspo.clipping._common import Prepared
+from fspo.clipping.base import ClipRule
 from fspo.clipping.dppo import DPPOClip, verl_mask_metrics
 from fspo.clipping.registry import _get, _ratio_kwargs, _run, register_policy_loss
-
-BUDGETS = ("prefix_mean", "none")
+from fspo.clipping.settings import BUDGETS, CPPOSettings  # noqa: F401  (BUDGETS: this rule's names)
 
 
 def positions(p: Prepared) -> Tuple[Tensor, Tensor]:
@@ -47,16 +47,15 @@ class CPPOClip(DPPOClip):
     positional band and the budget (with the threshold of the direction the token moved).
     """
 
-    def __init__(self, divergence: str = "tv", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                 w_min: float = 0.8, budget: str = "prefix_mean", clip_ratio_c: float = 20.0,
-                 value: str = "surrogate") -> None:
-        super().__init__(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value)
-        own = type(self).__name__
-        self.w_min = check_positive(own, "w_min", w_min)
-        if self.w_min > 1.0:
-            raise ValueError(f"{own}: w_min must be in (0, 1] (the last token's weight; 1 turns the position "
-                             f"weight off), got {w_min!r}")
-        self.budget = check_choice(own, "budget", budget, BUDGETS)
+    def __init__(self, divergence: str = CPPOSettings.divergence, clip_ratio_low: float = CPPOSettings.clip_ratio_low,
+                 clip_ratio_high: float = CPPOSettings.clip_ratio_high, w_min: float = CPPOSettings.w_min,
+                 budget: str = CPPOSettings.budget, clip_ratio_c: float = CPPOSettings.clip_ratio_c,
+                 value: str = CPPOSettings.value) -> None:
+        ClipRule.__init__(self)
+        s = CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                         clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget, owner=type(self).__name__)
+        self._set(s)
+        self.w_min, self.budget = s.w_min, s.budget
 
     def weights(self, p: Prepared) -> Tensor:
         """w_t [B, T] (1 on padding)."""

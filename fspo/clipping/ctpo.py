@@ -21,19 +21,16 @@ from torch import Tensor
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
     cap_mask,
-    check_choice,
-    check_positive,
     prepare,
     token_advantage,
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.settings import ACCEPTANCES, RATIO_MODES, CTPOSettings  # noqa: F401  (this rule's names)
 
 #: CTPO caps the prefix log-ratio at 10 from above before exp (its float safety; zero gradient beyond)
 CTPO_MAX_LOG_RATIO = 10.0
-RATIO_MODES = ("cumprod", "geomean")
-ACCEPTANCES = ("prefix", "last")
 
 
 class CTPOClip(ClipRule):
@@ -71,19 +68,14 @@ class CTPOClip(ClipRule):
 
     level = "token"
 
-    def __init__(self, la_clip_low: float = 0.025, la_clip_high: float = 0.05, la_clip_c: Optional[float] = 0.05,
-                 la_power: float = 0.5, ratio_mode: str = "cumprod", acceptance: str = "prefix") -> None:
+    def __init__(self, la_clip_low: float = CTPOSettings.la_clip_low, la_clip_high: float = CTPOSettings.la_clip_high,
+                 la_clip_c: Optional[float] = CTPOSettings.la_clip_c, la_power: float = CTPOSettings.la_power,
+                 ratio_mode: str = CTPOSettings.ratio_mode, acceptance: str = CTPOSettings.acceptance) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.la_clip_low = check_positive(own, "la_clip_low", la_clip_low)
-        self.la_clip_high = check_positive(own, "la_clip_high", la_clip_high)
-        self.la_clip_c = None if la_clip_c is None else check_positive(own, "la_clip_c", la_clip_c)
-        p = float(la_power)
-        if not np.isfinite(p):
-            raise ValueError(f"{own}: la_power must be finite (0.5 with cumprod, -0.5 with geomean), got {la_power!r}")
-        self.la_power = p
-        self.ratio_mode = check_choice(own, "ratio_mode", ratio_mode, RATIO_MODES)
-        self.acceptance = check_choice(own, "acceptance", acceptance, ACCEPTANCES)
+        s = CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
+                         owner=type(self).__name__)
+        self.la_clip_low, self.la_clip_high, self.la_clip_c = s.la_clip_low, s.la_clip_high, s.la_clip_c
+        self.la_power, self.ratio_mode, self.acceptance = s.la_power, s.ratio_mode, s.acceptance
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

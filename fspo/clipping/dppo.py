@@ -14,15 +14,12 @@ from torch import Tensor
 
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
-    VALUE_FORMS,
     Prepared,
-    check_choice,
-    check_positive,
     token_ratio_inputs,
 )
 from fspo.clipping.base import ClipResult, ClipRule
+from fspo.clipping.settings import DIVERGENCES, DPPOSettings  # noqa: F401  (DIVERGENCES: this rule's names)
 
-DIVERGENCES = ("tv", "kl")
 #: verl's epsilon inside the binary KL's second log
 KL_EPS = 1e-8
 
@@ -76,15 +73,16 @@ class DPPOClip(ClipRule):
 
     level = "token"
 
-    def __init__(self, divergence: str = "tv", clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                 clip_ratio_c: float = 20.0, value: str = "surrogate") -> None:
+    def __init__(self, divergence: str = DPPOSettings.divergence, clip_ratio_low: float = DPPOSettings.clip_ratio_low,
+                 clip_ratio_high: float = DPPOSettings.clip_ratio_high, clip_ratio_c: float = DPPOSettings.clip_ratio_c,
+                 value: str = DPPOSettings.value) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.divergence = check_choice(own, "divergence", divergence, DIVERGENCES)
-        self.clip_ratio_low = check_positive(own, "clip_ratio_low", clip_ratio_low, allow_zero=True)
-        self.clip_ratio_high = check_positive(own, "clip_ratio_high", clip_ratio_high, allow_zero=True)
-        self.clip_ratio_c = check_positive(own, "clip_ratio_c", clip_ratio_c)
-        self.value = check_choice(own, "value", value, VALUE_FORMS)
+        self._set(DPPOSettings(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value,
+                               owner=type(self).__name__))
+
+    def _set(self, s: DPPOSettings) -> None:
+        self.divergence, self.clip_ratio_low, self.clip_ratio_high = s.divergence, s.clip_ratio_low, s.clip_ratio_high
+        self.clip_ratio_c, self.value = s.clip_ratio_c, s.value
 
     def thresholds(self, p: Prepared) -> Tuple[Tensor, Tensor]:
         """(upper, lower) divergence thresholds per token: here constant; CPPO makes them positional."""

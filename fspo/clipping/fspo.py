@@ -45,9 +45,6 @@ from torch import Tensor
 
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
-    RATIO_GRADS,
-    check_choice,
-    check_positive,
     prepare,
     seq_advantage,
     seq_log_ratio_per_token,
@@ -58,6 +55,7 @@ from fspo.clipping.affine_band import AffineVarianceBand
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.calibration import CALIBRATORS as _MOMENT_CALIBRATORS
 from fspo.clipping.quantile_band import QuantileBand
+from fspo.clipping.settings import FSPOSettings
 
 #: ``band`` name -> calibrator class: the moment bands (calibration.py) and the quantile band
 CALIBRATORS = {**_MOMENT_CALIBRATORS, "quantile": QuantileBand, "affine": AffineVarianceBand}
@@ -97,29 +95,16 @@ class FSPOClip(ClipRule):
     BANDS = ("fixed", "ema") + tuple(CALIBRATORS)
     DRIFTS = ("zero", "kl")
 
-    def __init__(self, c_upper: float = 0.03, c_lower: float = 0.03, c_dual: Optional[float] = 0.03,
-                 band: str = "fixed", drift: str = "zero", z: float = 1.0, alpha: float = 0.1,
-                 sigma0: float = 0.03, ratio_grad: str = "per_token",
+    def __init__(self, c_upper: float = FSPOSettings.c_upper, c_lower: float = FSPOSettings.c_lower,
+                 c_dual: Optional[float] = FSPOSettings.c_dual, band: str = FSPOSettings.band,
+                 drift: str = FSPOSettings.drift, z: float = FSPOSettings.z, alpha: float = FSPOSettings.alpha,
+                 sigma0: float = FSPOSettings.sigma0, ratio_grad: str = FSPOSettings.ratio_grad,
                  calibration: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.ratio_grad = check_choice(own, "ratio_grad", ratio_grad, RATIO_GRADS)
-        self.c_upper = check_positive(own, "c_upper", c_upper)
-        self.c_lower = check_positive(own, "c_lower", c_lower)
-        if c_dual is not None:
-            check_positive(own, "c_dual", c_dual)
-            if float(c_dual) < self.c_upper:
-                raise ValueError(f"{own}: c_dual ({c_dual!r}) must be >= c_upper ({c_upper!r}) so the "
-                                 f"dual bound is never inside the band; or null to disable it")
-        self.c_dual = None if c_dual is None else float(c_dual)
-        self.band = check_choice(own, "band", band, self.BANDS)
-        self.drift = check_choice(own, "drift", drift, self.DRIFTS)
-        self.z = check_positive(own, "z", z)
-        a = float(alpha)
-        if not 0.0 < a <= 1.0:
-            raise ValueError(f"{own}: alpha must be in (0, 1], got {alpha!r}")
-        self.alpha = a
-        self.register_buffer("sigma_hat", torch.tensor(check_positive(own, "sigma0", sigma0)))
+        s = FSPOSettings(c_upper, c_lower, c_dual, band, drift, z, alpha, sigma0, ratio_grad, owner=type(self).__name__)
+        self.ratio_grad, self.c_upper, self.c_lower, self.c_dual = s.ratio_grad, s.c_upper, s.c_lower, s.c_dual
+        self.band, self.drift, self.z, self.alpha = s.band, s.drift, s.z, s.alpha
+        self.register_buffer("sigma_hat", torch.tensor(s.sigma0))
         self.register_buffer("kl_bar", torch.tensor(0.0))
         # band=power|per_bin: the calibrator (its moments are buffers, so they are checkpointed)
         self.calibrator = None

@@ -13,7 +13,6 @@ from torch import Tensor
 
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
-    check_positive,
     prepare,
     seq_advantage,
     token_advantage,
@@ -21,6 +20,7 @@ from fspo.clipping._common import (
 )
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _masked_mean, _ratio_kwargs, register_policy_loss
+from fspo.clipping.settings import GMPOSettings
 from fspo.losses import aggregate
 
 
@@ -47,11 +47,11 @@ class GMPOClip(ClipRule):
 
     level = "token"
 
-    def __init__(self, clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.4) -> None:
+    def __init__(self, clip_ratio_low: float = GMPOSettings.clip_ratio_low,
+                 clip_ratio_high: float = GMPOSettings.clip_ratio_high) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.clip_ratio_low = check_positive(own, "clip_ratio_low", clip_ratio_low)
-        self.clip_ratio_high = check_positive(own, "clip_ratio_high", clip_ratio_high)
+        s = GMPOSettings(clip_ratio_low, clip_ratio_high, owner=type(self).__name__)
+        self.clip_ratio_low, self.clip_ratio_high = s.clip_ratio_low, s.clip_ratio_high
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fspo.clipping._common import VALUE_FORMS, check_choice, check_positive, token_ratio_inputs, weight_clip_result
+from fspo.clipping._common import token_ratio_inputs, weight_clip_result
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.settings import SAPOSettings
 
 #: |tau (r - 1)| at which the gate's gradient weight 4 sigma (1 - sigma) falls to 1/2: 2 asinh(1) = 1.7627
 HALF_WEIGHT = 2.0 * math.asinh(1.0)
@@ -43,12 +44,11 @@ class SAPOClip(ClipRule):
 
     level = "token"
 
-    def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05, value: str = "surrogate") -> None:
+    def __init__(self, tau_pos: float = SAPOSettings.tau_pos, tau_neg: float = SAPOSettings.tau_neg,
+                 value: str = SAPOSettings.value) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.tau_pos = check_positive(own, "tau_pos", tau_pos)
-        self.tau_neg = check_positive(own, "tau_neg", tau_neg)
-        self.value = check_choice(own, "value", value, VALUE_FORMS)
+        s = SAPOSettings(tau_pos, tau_neg, value, owner=type(self).__name__)
+        self.tau_pos, self.tau_neg, self.value = s.tau_pos, s.tau_neg, s.value
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

@@ -18,9 +18,6 @@ from torch import Tensor
 
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
-    VALUE_FORMS,
-    check_choice,
-    check_positive,
     prepare,
     seq_advantage,
     seq_result,
@@ -29,12 +26,12 @@ from fspo.clipping._common import (
 )
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.settings import LENGTH_SCALES, VESPOSettings  # noqa: F401  (LENGTH_SCALES: this rule's names)
 
 #: log of the kernel weight below which a sequence counts as clipped (the weight has lost half)
 LOG_HALF = math.log(0.5)
 #: the recipe's and TRL's floors: log w >= log(1e-8) (their w.clamp(min=1e-8)), lambda >= 1e-4
 LOG_W_FLOOR, LAMBDA_FLOOR = math.log(1e-8), 1e-4
-LENGTH_SCALES = ("none", "sqrt")
 
 
 def log_kernel(x, k: float, lam: float):
@@ -90,17 +87,15 @@ class VESPOClip(ClipRule):
 
     level = "sequence"
 
-    def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
-                 value: str = "surrogate", length_scale: str = "none", ref_length: float = 72.0) -> None:
+    def __init__(self, k_pos: float = VESPOSettings.k_pos, lambda_pos: float = VESPOSettings.lambda_pos,
+                 k_neg: float = VESPOSettings.k_neg, lambda_neg: float = VESPOSettings.lambda_neg,
+                 value: str = VESPOSettings.value, length_scale: str = VESPOSettings.length_scale,
+                 ref_length: float = VESPOSettings.ref_length) -> None:
         super().__init__()
-        own = type(self).__name__
-        self.k_pos = check_positive(own, "k_pos", k_pos, allow_zero=True)
-        self.lambda_pos = check_positive(own, "lambda_pos", lambda_pos, allow_zero=True)
-        self.k_neg = check_positive(own, "k_neg", k_neg, allow_zero=True)
-        self.lambda_neg = check_positive(own, "lambda_neg", lambda_neg, allow_zero=True)
-        self.value = check_choice(own, "value", value, VALUE_FORMS)
-        self.length_scale = check_choice(own, "length_scale", length_scale, LENGTH_SCALES)
-        self.ref_length = check_positive(own, "ref_length", ref_length)
+        s = VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
+                          owner=type(self).__name__)
+        self.k_pos, self.lambda_pos, self.k_neg, self.lambda_neg = s.k_pos, s.lambda_pos, s.k_neg, s.lambda_neg
+        self.value, self.length_scale, self.ref_length = s.value, s.length_scale, s.ref_length
 
     def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
         """x_i: S_i (VESPO) or S_i sqrt(ref_length / L_i) (``length_scale="sqrt"``), clamped to [log 1e-8, 20]."""

@@ -25,38 +25,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-MINI_BATCH_UNITS = ("sequences", "prompts")
-
-
-def check_mini_batch(prompts_per_step: int, n: int, mini_batch_size: int, unit: str = "sequences") -> int:
-    """Optimizer updates per epoch of one step's batch; a ValueError naming the keys and the fix when
-    ``ppo.mini_batch_size`` (counted in ``unit``) does not fit the step's batch of ``prompts_per_step``
-    prompts x ``n`` samples. With ``unit="prompts"`` the batch must split into equal mini-batches of
-    whole groups (verl: ``train_batch_size % ppo_mini_batch_size == 0``); with ``"sequences"`` the last
-    mini-batch may be smaller (the behaviour before the unit existed)."""
-    if unit not in MINI_BATCH_UNITS:
-        raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, got {unit!r}")
-    if mini_batch_size < 1:
-        raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
-    if prompts_per_step < 1 or n < 1:
-        raise ValueError(f"prompts_per_step and rollout.sampling.n must be >= 1, got {prompts_per_step} and {n}")
-    seqs = prompts_per_step * n
-    step = prompts_per_step if unit == "prompts" else seqs
-    batch = (f"the step's batch of prompts_per_step={prompts_per_step} prompts x rollout.sampling.n={n} "
-             f"= {seqs} sequences")
-    if mini_batch_size > step:
-        hint = ""
-        if unit == "prompts" and mini_batch_size <= seqs:
-            hint = f"; if {mini_batch_size} counts sequences, set ppo.mini_batch_unit=sequences"
-        raise ValueError(
-            f"ppo.mini_batch_size={mini_batch_size} {unit} (ppo.mini_batch_unit={unit}) is larger than {batch}: "
-            f"set ppo.mini_batch_size <= {step} or raise prompts_per_step{hint}")
-    if unit == "prompts" and prompts_per_step % mini_batch_size:
-        raise ValueError(
-            f"prompts_per_step={prompts_per_step} does not split into whole mini-batches of "
-            f"ppo.mini_batch_size={mini_batch_size} prompts (ppo.mini_batch_unit=prompts): make prompts_per_step "
-            f"a multiple of ppo.mini_batch_size (every update then sees the same number of whole groups)")
-    return -(-step // mini_batch_size)
+from fspo.update.settings import MINI_BATCH_UNITS, check_mini_batch  # noqa: F401  (the batch check, torch-free)
 
 
 def minibatch_plan(batch_size: int, mini_batch_size: int, epochs: int = 1, generator: Optional[torch.Generator] = None,

@@ -1,17 +1,46 @@
 """The update's settings (``ppo:`` in conf/config.yaml): batch units, passes, optimizer, old log-probs.
 
-Owns: `PPOConfig`, a pure value checked on construction (fspo/runtime/checks/config_check.py builds it before
-anything loads). Leaves out: the update itself (fspo/update/module.py) and the mini-batch arithmetic
-(fspo/update/microbatches.py).
+Owns: `PPOConfig`, a pure value checked on construction without torch (fspo/runtime/checks/config_keys.py and
+config_check.py build it before anything loads), and the batch arithmetic `check_mini_batch` (``MINI_BATCH_UNITS``).
+Leaves out: the update itself (fspo/update/module.py) and the mini-batch plans (fspo/update/microbatches.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
+MINI_BATCH_UNITS = ("sequences", "prompts")
 
-from fspo.update.microbatches import MINI_BATCH_UNITS, check_mini_batch, minibatch_plan
+
+def check_mini_batch(prompts_per_step: int, n: int, mini_batch_size: int, unit: str = "sequences") -> int:
+    """Optimizer updates per epoch of one step's batch; a ValueError naming the keys and the fix when
+    ``ppo.mini_batch_size`` (counted in ``unit``) does not fit the step's batch of ``prompts_per_step``
+    prompts x ``n`` samples. With ``unit="prompts"`` the batch must split into equal mini-batches of
+    whole groups (verl: ``train_batch_size % ppo_mini_batch_size == 0``); with ``"sequences"`` the last
+    mini-batch may be smaller (the behaviour before the unit existed)."""
+    if unit not in MINI_BATCH_UNITS:
+        raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, got {unit!r}")
+    if mini_batch_size < 1:
+        raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
+    if prompts_per_step < 1 or n < 1:
+        raise ValueError(f"prompts_per_step and rollout.sampling.n must be >= 1, got {prompts_per_step} and {n}")
+    seqs = prompts_per_step * n
+    step = prompts_per_step if unit == "prompts" else seqs
+    batch = (f"the step's batch of prompts_per_step={prompts_per_step} prompts x rollout.sampling.n={n} "
+             f"= {seqs} sequences")
+    if mini_batch_size > step:
+        hint = ""
+        if unit == "prompts" and mini_batch_size <= seqs:
+            hint = f"; if {mini_batch_size} counts sequences, set ppo.mini_batch_unit=sequences"
+        raise ValueError(
+            f"ppo.mini_batch_size={mini_batch_size} {unit} (ppo.mini_batch_unit={unit}) is larger than {batch}: "
+            f"set ppo.mini_batch_size <= {step} or raise prompts_per_step{hint}")
+    if unit == "prompts" and prompts_per_step % mini_batch_size:
+        raise ValueError(
+            f"prompts_per_step={prompts_per_step} does not split into whole mini-batches of "
+            f"ppo.mini_batch_size={mini_batch_size} prompts (ppo.mini_batch_unit=prompts): make prompts_per_step "
+            f"a multiple of ppo.mini_batch_size (every update then sees the same number of whole groups)")
+    return -(-step // mini_batch_size)
 
 
 @dataclass
@@ -38,7 +67,7 @@ class PPOConfig:
     packing: bool = True         # no padding: one row per micro-batch, or rows (fspo/update/forward.py)
     pack_row_factor: float = 2.0  # rows layout: widest = this x the longest (fspo.update.packing.row_width picks)
     max_grad_norm: float = 1.0
-    lr: float = 1e-6
+    lr: float = 2e-5  # AdamW's learning rate (the tiny model's; the Qwen3 presets: the paper's 1e-6)
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     warmup_steps: int = 0
@@ -87,8 +116,10 @@ class PPOConfig:
         return self.epochs * check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt),
                                               self.mini_batch_size, self.mini_batch_unit)
 
-    def minibatch_plan(self, batch_size: int, generator: torch.Generator, group_ids=None) -> list:
+    def minibatch_plan(self, batch_size: int, generator: "torch.Generator", group_ids=None) -> list:  # noqa: F821
         """The step's mini-batches (row indices of the global batch of ``batch_size`` rows, group ids
         ``group_ids`` [B]) in training order: `fspo.update.microbatches.minibatch_plan`."""
+        from fspo.update.microbatches import minibatch_plan
+
         return minibatch_plan(batch_size, self.mini_batch_size, self.epochs, generator, self.mini_batch_unit,
                               group_ids)

@@ -13,12 +13,12 @@ from typing import Any, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from fspo.losses import AGG_MODES
-
 ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
 LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always diverges
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
+# fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")  # pure values: built here
 
 
