@@ -76,7 +76,7 @@ class PPOConfig:
     autocast: Optional[str] = None  # "bf16": forward passes under torch.autocast(bfloat16), fp32 master weights
     old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
     log_entropy: bool = True
-    update_ratio: bool = True  # log train/update_ratio every step (one copy of the trainable weights; fspo/update/update_ratio.py)
+    update_ratio: bool = True  # log train/update_ratio every step (one copy of the trainable weights; update_ratio.py)
     nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
 
     def __post_init__(self):

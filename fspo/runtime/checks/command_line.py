@@ -115,7 +115,8 @@ def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
     present = defaults_groups(name, dirs)
     flag_values = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
                                                               "--config-path", "-cp", "--experimental-rerun")}
-    groups = {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    groups = {p.name for d in dirs if d.is_dir() for p in d.iterdir()
+              if p.is_dir() and not p.name.startswith((".", "_"))}
 
     def parse(a: str):
         if a.startswith(("-", "~", "++")) or "=" not in a:

@@ -59,14 +59,16 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if n == 1 and adv in GROUP_ADVANTAGES:
         raise setting_error("rollout.sampling.n", n, f"with one completion per prompt every group-relative advantage "
                     f"({adv.rsplit('.', 1)[-1]}) is 0, so nothing learns", "set rollout.sampling.n >= 2")
-    lo_new, hi_new = get_setting(cfg, "rollout.sampling.min_new_tokens"), get_setting(cfg, "rollout.sampling.max_new_tokens")
+    lo_new = get_setting(cfg, "rollout.sampling.min_new_tokens")
+    hi_new = get_setting(cfg, "rollout.sampling.max_new_tokens")
     if lo_new is not ABSENT and hi_new is not ABSENT and lo_new > hi_new:
-        raise setting_error("rollout.sampling.min_new_tokens", lo_new, f"is above rollout.sampling.max_new_tokens={hi_new}",
-                    "lower it or raise rollout.sampling.max_new_tokens")
+        raise setting_error("rollout.sampling.min_new_tokens", lo_new,
+                            f"is above rollout.sampling.max_new_tokens={hi_new}",
+                            "lower it or raise rollout.sampling.max_new_tokens")
     threads, cores = get_setting(cfg, "cpu_threads"), usable_cores()
     if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
-        raise setting_error("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch threads "
-                    f"than cores run many times slower; thousands hang)", f"set cpu_threads={cores} or less "
+        raise setting_error("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch "
+                    f"threads than cores run many times slower; thousands hang)", f"set cpu_threads={cores} or less "
                     f"(1 is as fast for small models)")
     if get_setting(cfg, "model.dtype") == "float16" and str(get_setting(cfg, "trainer.accelerator")) == "cpu":
         raise setting_error("model.dtype", "float16", "float16 training on the CPU (trainer.accelerator=cpu) is not "
@@ -75,7 +77,8 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     reward = get_setting(cfg, "reward")
     for k, v in (reward.items() if isinstance(reward, DictConfig) else ()):  # a NaN reward weight trains on nothing
         if isinstance(v, float) and not math.isfinite(v):
-            raise setting_error(f"reward.{k}", v, "must be a finite number (a non-finite reward gives no learning signal)",
+            raise setting_error(f"reward.{k}", v,
+                        "must be a finite number (a non-finite reward gives no learning signal)",
                         f"set reward.{k} to a finite number, e.g. reward.{k}=1.0")
     engine_target = str(get_setting(cfg, "rollout.engine._target_"))
     installed = installed_vllm_version() if engine_target.endswith("VLLMEngine") else None
@@ -88,19 +91,23 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         for bad, problem, fix in (
                 (old not in (ABSENT, "engine"), f"ppo.old_log_probs={old} would take the ratio against the trainer's "
                  f"current weights, which did not sample the pipelined batch", "set ppo.old_log_probs=engine"),
-                (not engine.endswith("HFEngine"), f"the engine process runs fspo.rollout.hf.HFEngine only, not {engine}",
+                (not engine.endswith("HFEngine"),
+                 f"the engine process runs fspo.rollout.hf.HFEngine only, not {engine}",
                  "use rollout=hf"),
                 (ds is True, "dynamic sampling draws extra prompts mid-step, which the pipeline cannot request ahead",
                  "set rollout.dynamic_sampling.enable=false"),
-                (str(get_setting(cfg, "trainer.accelerator")) in ("gpu", "cuda"), "the pipelined engine process generates "
-                 "with the HF engine on CPU, which a GPU trainer would wait for", "on GPUs use the colocated vLLM "
-                 "engine (rollout=vllm rollout.overlap.enable=false), which time-shares each GPU through sleep/wake")):
+                (str(get_setting(cfg, "trainer.accelerator")) in ("gpu", "cuda"),
+                 "the pipelined engine process generates with the HF engine on CPU, which a GPU trainer would wait for",
+                 "on GPUs use the colocated vLLM "
+                 "engine (rollout=vllm rollout.overlap.enable=false), which time-shares each GPU through "
+                 "sleep/wake")):
             if bad:
                 raise setting_error("rollout.overlap.enable", True, problem, fix)
     budget, longest = get_setting(cfg, "ppo.micro_batch_max_tokens"), (get_setting(cfg, "data.max_prompt_len"), hi_new)
     if isinstance(budget, int) and all(isinstance(v, int) for v in longest) and budget < sum(longest):
-        warnings.append(f"ppo.micro_batch_max_tokens={budget} is below the longest possible sequence (data.max_prompt_len"
-                        f" + rollout.sampling.max_new_tokens = {sum(longest)}): a longer sequence runs as a micro-batch"
+        warnings.append(f"ppo.micro_batch_max_tokens={budget} is below the longest possible sequence "
+                        f"(data.max_prompt_len + rollout.sampling.max_new_tokens = {sum(longest)}): a longer sequence "
+                        f"runs as a micro-batch"
                         f" of its own, above the budget (same loss, more memory); set it >= {sum(longest)} to bound"
                         f" every micro-batch (docs/memory.md)")
     lr, betas = get_setting(cfg, "ppo.lr"), get_setting(cfg, "ppo.betas")
@@ -112,7 +119,8 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
         dtype = get_setting(cfg, "model.dtype")  # bf16 trainable weights at a fine-tuning lr learn nothing, silently
         lora = isinstance(get_setting(cfg, "model.lora.rank"), int) and get_setting(cfg, "model.lora.rank") > 0
         # with LoRA the trainable weights are the float32 adapters: a bf16 base is frozen, never stepped
-        if dtype is not ABSENT and (problem := master_weight_problem(str(dtype), float(lr), trainable=not lora)) is not None:
+        problem = None if dtype is ABSENT else master_weight_problem(str(dtype), float(lr), trainable=not lora)
+        if problem is not None:
             raise ConfigError(problem)
         if lr > LR_WARN:
             warnings.append(f"ppo.lr={lr:g} is far above fine-tuning rates (1e-7..1e-4): expect divergence "
@@ -124,16 +132,18 @@ def _lora_checks(cfg: DictConfig) -> None:
     rank, targets = get_setting(cfg, "model.lora.rank"), get_setting(cfg, "model.lora.target_modules")
     if rank in (ABSENT, None) or int(rank) == 0:
         if targets not in (ABSENT, None):
-            raise setting_error("model.lora.rank", 0 if rank is ABSENT else rank, f"model.lora.target_modules={list(targets)} "
-                        "asks for LoRA adapters but rank 0 turns LoRA off", "set model.lora.rank=8 (or drop target_modules)")
+            raise setting_error("model.lora.rank", 0 if rank is ABSENT else rank,
+                        f"model.lora.target_modules={list(targets)} asks for LoRA adapters but rank 0 turns LoRA off",
+                        "set model.lora.rank=8 (or drop target_modules)")
         return
     if get_setting(cfg, "rollout.overlap.enable") is True:
-        raise setting_error("model.lora.rank", rank, "the pipelined engine process (rollout.overlap) shares plain model weights, "
-                    "not LoRA adapters", "set rollout.overlap.enable=false with LoRA")
+        raise setting_error("model.lora.rank", rank, "the pipelined engine process (rollout.overlap) shares plain "
+                    "model "
+                    "weights, not LoRA adapters", "set rollout.overlap.enable=false with LoRA")
     if isinstance(targets, (list, tuple)) or (targets not in (ABSENT, None) and OmegaConf.is_list(targets)):
         if len(targets) == 0:
-            raise setting_error("model.lora.target_modules", "[]", "no layer to adapt", "set it to null (every linear layer of "
-                        "attention and MLP) or list some, e.g. [q_proj,v_proj]")
+            raise setting_error("model.lora.target_modules", "[]", "no layer to adapt",
+                        "set it to null (every linear layer of attention and MLP) or list some, e.g. [q_proj,v_proj]")
     elif targets not in (ABSENT, None):
         raise setting_error("model.lora.target_modules", targets, "must be a list of linear-layer names or null",
                     "write it as a list, e.g. model.lora.target_modules=[q_proj,v_proj]")

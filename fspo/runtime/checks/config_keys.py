@@ -6,8 +6,8 @@ composed config does not have, e.g. ``clip.c_uper=0.05`` or ``ppo.mini_batch_sis
 closest key of the node it was meant for, which depends on the selected options: the clip rule's keys
 differ per rule) and `early_value_error` (the up-front value rules of
 fspo/runtime/checks/config_rules.py, the update's settings (fspo/update/settings.py) and the selected clip
-rule's settings (fspo/clipping/settings.py) on the composed config, before torch or any model is imported). Each returns one line or None; a command line this
-module cannot compose is left to Hydra, which reports it as before.
+rule's settings (fspo/clipping/settings.py) on the composed config, before torch or any model is imported).
+Each returns one line or None; a command line this module cannot compose is left to Hydra, which reports it as before.
 Leaves out: the top-level keys (fspo/cli.py `unknown_key_error` checks those first, from the YAML files) and
 the checks of fspo/runtime/checks/config_check.py that need the settings objects or the machine.
 """
@@ -138,7 +138,8 @@ def early_value_error(cfg: DictConfig) -> Optional[str]:
         from hydra.utils import get_class
 
         try:
-            get_class(TORCH_FREE_PPO)(**{k: v for k, v in OmegaConf.to_container(ppo, resolve=True).items() if k != "_target_"})
+            values = OmegaConf.to_container(ppo, resolve=True)
+            get_class(TORCH_FREE_PPO)(**{k: v for k, v in values.items() if k != "_target_"})
         except ValueError as e:  # the batch arithmetic, autocast with engine log-probs, ...: messages name the keys
             return str(e)
         except TypeError:  # a key PPOConfig does not take: the key check names the closest one

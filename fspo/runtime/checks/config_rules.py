@@ -19,7 +19,8 @@ LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always 
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
 # fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")  # pure values: built here
+# pure values: built here
+SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")
 
 
 class ConfigError(ValueError):
