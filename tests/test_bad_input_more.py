@@ -1,4 +1,4 @@
-"""Bad input from issue 33 that ended in a traceback, a hang or circular advice: one line each, early.
+"""Bad input is refused early with one line each: no traceback, no hang, no circular advice.
 
 Owns: ``cpu_threads`` above the usable cores (refused by the config check), ``<output_dir>/checkpoints``
 being a file (refused before anything is written), a malformed model config (config.json, model.arch), fp16 on the CPU, W&B chosen without an API key and not offline (one

@@ -1,4 +1,4 @@
-"""Where the scripts live (issue 35): experiments/ holds only the entry points, benchmarks/ the benchmark and
+"""Where the scripts live: experiments/ holds only the entry points, benchmarks/ the benchmark and
 check scripts, each listed in benchmarks/README.md, and nothing puts the repository on ``sys.path`` by hand.
 
 Owns: those layout rules, and that every benchmark script starts as a file from another folder (its shared

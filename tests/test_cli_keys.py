@@ -48,7 +48,7 @@ def test_known_keys_follow_the_primary_and_global_packages():
 
 
 def _readme_commands():
-    """The run.py / evaluate.py commands of README.md and docs/*.md (the reference moved there: issue 35)."""
+    """The run.py / evaluate.py commands of README.md and docs/*.md (the command reference lives there)."""
     text = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     for line in text.splitlines():
         m = re.match(r"\s*(?:srun )?python experiments/(run|evaluate)\.py(.*)", line)

@@ -1,5 +1,5 @@
 """TokenLogRatioACF: hand-computed lag autocorrelations, the trapezoid tau and the position profile,
-and FairnessMetrics passing per-token log-ratios through (issue 30 item 5's measurement)."""
+and FairnessMetrics passing per-token log-ratios through (the measurement behind the per-token autocorrelation)."""
 import math
 
 import pytest

@@ -304,7 +304,7 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
 
 
 def test_distributed_checkpoint_reads_the_weights_only(tmp_path, monkeypatch):
-    """Issue 29 item 8: evaluation reads the policy's tensors of a sharded checkpoint, never AdamW's state
+    """Evaluation reads the policy's tensors of a sharded checkpoint, never AdamW's state
     (the storage reader is watched: every tensor it is asked for is recorded)."""
     import torch.distributed.checkpoint as dcp
 

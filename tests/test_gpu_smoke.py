@@ -1,7 +1,7 @@
-"""experiments/gpu_smoke.py (issue 29): per-phase tokens/s, MFU and peak memory of real RL steps. The CPU run
+"""experiments/gpu_smoke.py: per-phase tokens/s, MFU and peak memory of real RL steps. The CPU run
 (tiny model, MFU against an explicit --peak-tflops) checks the script and its arithmetic here; the ``gpu``
 variant runs the ~100M config on CUDA, and the vLLM engine's ``dtype: auto`` is checked to generate in bf16
-there (item 7)."""
+there."""
 from __future__ import annotations
 
 import importlib.util

@@ -136,7 +136,7 @@ def test_train_refuses_before_the_model_loads_or_mlflow_opens(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # refused before the tracking store was opened
 
 
-# ------------------------------------------------------------------ issue 29: per-rank device, dry run, what fits
+# ------------------------------------------------------------------ per-rank device, dry run, what fits
 QWEN3_8B = ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       tied=False)
 
@@ -306,7 +306,7 @@ def test_dry_run_prints_every_component_in_process(capsys):
 
 def test_a_real_models_arch_builds_with_random_weights():
     """``+model=qwen3_1_7b model.source=random`` (a GPU smoke run without the hub): its ``arch:`` block names
-    ``tie_word_embeddings``, which the random builder used to pass twice (a TypeError before any work)."""
+    ``tie_word_embeddings``, which the random builder must pass once (twice is a TypeError before any work)."""
     from fspo.models.tiny import tiny_qwen3_config
 
     cfg = compose_config(["+model=qwen3_1_7b", "model.source=random"])

@@ -1,4 +1,4 @@
-"""The URL printed at the end of a default run opens the runs list in a real browser (issue 34).
+"""The URL printed at the end of a default run opens the runs list in a real browser.
 
 A tiny run (experiments/run.py, the SMALL settings) ends on its summary block; `mlflow ui` serves the
 run's SQLite store on a free loopback port; headless Chromium (Debian package ``chromium``) loads

@@ -5,7 +5,7 @@ logger, no checkpoints) with a callback that puts a hand-built `RolloutBatch` in
 in ``on_train_batch_start`` — the same hand-off `fspo.rollout.callback.RolloutCallback` uses — and a
 callback that copies every parameter's gradient in ``on_before_optimizer_step`` (called for
 manual optimization too). This uses only Lightning's public hooks and the module's documented
-batch contract, so it survives refactors of the module's private helpers (calling `_update` with a
+batch contract, so it survives refactors of the module's private functions (calling `_update` with a
 dummy optimizer would need `manual_backward` to work outside a Trainer, which it does not).
 
 The micro-batching test swaps AdamW for plain SGD (a subclass overriding only
@@ -306,7 +306,7 @@ def test_old_log_prob_pass_size(mini_batch_size, epochs, rows):
 
 
 def test_engine_old_log_probs_first_minibatch_is_measured():
-    """Issue 30 item 6 (the stale first batch). Under ``rollout.overlap`` the batch was sampled by the
+    """The stale first batch. Under ``rollout.overlap`` the batch was sampled by the
     engine's weights ``policy_lag`` steps behind and its old log-probs are the engine's: the first
     mini-batch's ratio is against that behaviour policy, so it is NOT on-policy: with one update per
     step its band, LRE and log-ratio statistics are measured and fspo_ema's sigma-hat moves.

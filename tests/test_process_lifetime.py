@@ -1,4 +1,4 @@
-"""No process outlives its run, no wait lasts forever (issue 33, items 7 and 8).
+"""No process outlives its run, no wait lasts forever.
 
 Owns: the end-to-end kill -9 of a real ``rollout.overlap.enable=true`` run (experiments/run.py in its own
 session, SIGKILLed once its engine answered; every process of the session must be gone within seconds),

@@ -1,4 +1,4 @@
-"""The README's commands run as written (issue 35), shortened where a full run would take minutes: the main
+"""The README's commands run as written, shortened where a full run would take minutes: the main
 job and the one-override examples get ``steps=2 val.size=8`` (and a folder and store of the test's own), and
 the end-of-run block the README shows is the one printed. The set-up commands are what .ci/run runs; the
 MLflow UI command is opened in a browser by tests/test_mlflow_ui_browser.py; hub/local-weight lines

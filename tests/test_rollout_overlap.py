@@ -1,4 +1,4 @@
-"""Pipelined rollouts (``rollout.overlap``, issue 21): the engine process, its weight slots, the
+"""Pipelined rollouts (``rollout.overlap``): the engine process, its weight slots, the
 pipeline's schedule and staleness, a real run with overlap on, its resume, and the refused settings.
 
 The engine-process tests spawn the real child (fspo/rollout/async_engine.py) on the tiny Qwen3. The
@@ -162,7 +162,7 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
     gap = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_gap")}
     assert sorted(gap) == [0, 1, 2, 3, 4]
     assert gap[0] < 1e-5 < min(gap[1], gap[2])  # float32 noise at step 0; a policy lag after
-    # issue 30 (the stale first batch): a stale step measures all 4 mini-batches of 8 (32 sequences), a step
+    # the stale first batch: a stale step measures all 4 mini-batches of 8 (32 sequences), a step
     # whose request used the current weights (0, and 3: the resumed pipeline starts over) only the last 3
     from fspo.diagnostics.metric_keys import display_key  # counts are shown in the last chart section
 

@@ -1,9 +1,9 @@
-"""Storage failures are one line, fast, and lose nothing (fspo/runtime/checks/store_check.py; issue 19, defect 5).
+"""Storage failures are one line, fast, and lose nothing (fspo/runtime/checks/store_check.py).
 
 Owns: a read-only existing store, a new SQLite store in a read-only folder (was 100 s of MLflow
 retries), a full disk at start, a full disk in the middle of a run, a tracking URI that is a plain web
 server, and several runs creating one fresh SQLite store at once (was a schema race). Each failure is
-one line naming the store or file and the fix, within seconds (bounded at 30 s, the issue's limit),
+one line naming the store or file and the fix, within seconds (bounded at `FAST_S` = 30 s),
 before a model loads where it can be known at start.
 
 How the conditions are made: read-only is a read-only bind mount when running as root (root ignores
@@ -32,7 +32,7 @@ from conftest import REPO, SMALL, compose_config
 from fspo.runtime.checks.errors import user_error
 from fspo.runtime.checks.store_check import NotAnMLflowServer, StoreError, check_writable, prepare_store, storage_error
 
-FAST_S = 30  # the issue's bound; these take well under 5 s after the imports
+FAST_S = 30  # the promised bound; these take well under 5 s after the imports
 
 
 def _mount(*args) -> bool:

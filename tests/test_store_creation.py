@@ -1,4 +1,4 @@
-"""Nothing bricked at start-up (issue 33, items 1-3): store creation, two sweeps at once, default folders.
+"""Nothing bricked at start-up: store creation, two sweeps at once, default folders.
 
 Owns: a SIGINT at spread-out moments of a fresh SQLite store's creation (each time the next open succeeds
 and the store is complete, at MLflow's head revision), a half-created store (no runs: moved aside and

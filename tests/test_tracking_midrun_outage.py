@@ -1,4 +1,4 @@
-"""The tracking server dies mid-run (issue 33, item 6): training goes on, metrics are kept and imported later.
+"""The tracking server dies mid-run: training goes on, metrics are kept and imported later.
 
 Owns: an end-to-end run against a real ``mlflow server`` killed after the first logged step (the run
 exits 0 in bounded time, writes its last checkpoint, prints one line naming the buffer and the import

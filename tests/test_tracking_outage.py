@@ -1,4 +1,4 @@
-"""A tracking server that is down (issue 33, item 6): evaluate.py fails within 30 s with one line.
+"""A tracking server that is down: evaluate.py fails within 30 s with one line.
 
 Owns: experiments/evaluate.py against an http tracking URI on a closed loopback port (exit 2, one
 ``error:`` line naming the URI and the setting, no traceback, <= 30 s after the imports). Leaves out:

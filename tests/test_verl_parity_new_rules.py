@@ -3,7 +3,7 @@
 ``sapo`` and ``geo_mean`` / ``gmpo``, and the clip rules as the trainer uses them (value="surrogate":
 the same gradient, a value shifted to -A on-policy).
 
-Data and tolerances as tests/test_verl_parity.py (whose helpers this file uses): token log-ratios
+Data and tolerances as tests/test_verl_parity.py (whose functions this file uses): token log-ratios
 N(0, 0.6^2) with four tokens beyond verl's +-20 clamp, per-token advantages with noise (mixed signs
 inside low-|A| rows, one A = 0 row), a fully masked row; every aggregation mode and batch-info set
 (local, global, dp 2). Loss and gradient w.r.t. log_prob within 1e-6 relative, and the three metrics.
