@@ -13,6 +13,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
+import pytest
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "fspo"
 

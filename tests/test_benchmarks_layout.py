@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
+
 ENTRY_POINTS = {"run.py", "evaluate.py", "report.py", "warmstart.py", "gpu_smoke.py", "export_lora.py"}
 BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and not p.name.startswith("_"))

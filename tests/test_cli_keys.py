@@ -57,6 +57,7 @@ def _readme_commands():
             yield m.group(1), [a for a in args if "<" not in a]
 
 
+@pytest.mark.docs
 def test_every_readme_command_uses_known_keys():
     cmds = list(_readme_commands())
     assert len(cmds) >= 15
@@ -75,6 +76,7 @@ def test_run_py_refuses_a_typo_in_seconds(arg):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.docs
 def test_gitignore_covers_what_the_readme_commands_create():
     """Folders and files the README's commands write (default run, sweeps, reports, evaluate, resume) are ignored."""
     text = (REPO / "README.md").read_text() + "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))

@@ -20,6 +20,8 @@ from typing import Iterator, List, Tuple
 
 import pytest
 
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
+
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 150
 PAGES = sorted((ROOT / "docs").glob("*.md"))

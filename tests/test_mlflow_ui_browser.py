@@ -22,7 +22,7 @@ from conftest import REPO, SMALL, free_port
 from fspo.tracking.run_summary import RULE, UI_URL
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.docs, pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed")]
 
 
 def _dom(url: str) -> str:

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
+
 SHORT = ["steps=2", "val.size=8", "val.every_n_steps=2", "prompts_per_step=4", "rollout.sampling.n=2",
          "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=48"]
 
