@@ -7,7 +7,7 @@ untouched); a checkpoint write that fails on a full disk leaves no ``.partial``;
 for its next checkpoint is refused up front; ``checkpoints/`` replaced by a file mid-run; ``export_lora`` on
 non-torch and crafted files, a pickle ``pytorch_model.bin`` in ``model.path``, a malformed ``run_config.yaml``
 given to evaluate (one line each, nothing run); every ``from_pretrained`` passes ``trust_remote_code=False``.
-Leaves out: stop signals themselves (test_stop_outside_fit.py, test_continue_command.py).
+Leaves out: stop signals themselves (test_signals.py, test_continue_command.py).
 """
 from __future__ import annotations
 
