@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_clip_new_rules import grad, tokens
-from test_clip_new_rules import test_bf16_inputs_math_in_float32 as check_bf16
-from test_clip_new_rules import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extreme
-from test_clip_new_rules import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
+from test_clip_cispo_sapo_gmpo_luspo import grad, tokens
+from test_clip_cispo_sapo_gmpo_luspo import test_bf16_inputs_math_in_float32 as check_bf16
+from test_clip_cispo_sapo_gmpo_luspo import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extreme
+from test_clip_cispo_sapo_gmpo_luspo import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
 
 from fspo.clipping import theory
 from fspo.clipping.ctpo import CTPOClip
