@@ -152,7 +152,8 @@ def test_theory_curve():
     assert flat[1] == pytest.approx(_phi(-0.05 / 0.03) + _phi(-0.025 / 0.03))
     # p = 0 (uniform band), cumprod: o(t) = Phi(-0.05 / (sigma sqrt t)) + Phi(-0.025 / (sigma sqrt t))
     o = [_phi(-0.05 / (sigma * math.sqrt(t))) + _phi(-0.025 / (sigma * math.sqrt(t))) for t in (1, 2)]
-    np.testing.assert_allclose(CTPOClip(la_power=0.0).theory_clip_fraction(L[:3], sigma), [0.0, o[0], (o[0] + o[1]) / 2])
+    np.testing.assert_allclose(CTPOClip(la_power=0.0).theory_clip_fraction(L[:3], sigma),
+                               [0.0, o[0], (o[0] + o[1]) / 2])
     np.testing.assert_allclose(CTPOClip(la_power=0.0, acceptance="last").theory_clip_fraction(L[:3], sigma),
                                [0.0, o[0], o[1]])
 

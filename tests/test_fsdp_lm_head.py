@@ -12,8 +12,9 @@ segment and packed-rows layouts:
   (parameters and metrics).
 
 Run outside the root module's forward, the body and head would see ungathered sharded parameters and
-fail with "aten.embedding.default got mixed torch.Tensor and DTensor"; `in_root_forward` prevents that. Plus a ``gpu`` test: the same comparison on CUDA with NCCL and bf16
-compute (skipped without a GPU), and single-process checks of `in_root_forward` and the config.
+fail with "aten.embedding.default got mixed torch.Tensor and DTensor"; `in_root_forward` prevents that.
+Plus a ``gpu`` test: the same comparison on CUDA with NCCL and bf16 compute (skipped without a GPU), and
+single-process checks of `in_root_forward` and the config.
 """
 from __future__ import annotations
 

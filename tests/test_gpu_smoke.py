@@ -33,7 +33,8 @@ def test_flop_count_by_hand():
 
 
 def _run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1")
     out = tmp_path / "smoke.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -17,7 +17,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install 'fspo[vllm]')")]
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="needs vllm (pip install 'fspo[vllm]')")]
 
 GIB = 2**30
 SLACK = 256 * 2**20

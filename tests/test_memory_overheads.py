@@ -1,4 +1,5 @@
-"""The memory plan's overheads beyond weights, states and activations (fspo/runtime/launch/memory_overheads.py), on hand-computed numbers.
+"""The memory plan's overheads beyond weights, states and activations (fspo/runtime/launch/memory_overheads.py),
+on hand-computed numbers.
 
 - The longest sequence: a sequence longer than ``ppo.micro_batch_max_tokens`` runs alone in its micro-batch
   (fspo/update/packing.py), so activations and logits are sized for max(budget, prompt + response); the

@@ -96,7 +96,8 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
                policy_lag: int = 0, **ppo):
     """One RL step (``B / mini_batch_size`` optimizer updates) on ``rollout``; returns
     (module, recorded gradients, logged metrics)."""
-    settings = dict(mini_batch_size=4, mini_batch_unit="sequences", micro_batch_max_tokens=8192, lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
+    settings = dict(mini_batch_size=4, mini_batch_unit="sequences", micro_batch_max_tokens=8192,
+                    lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
     settings.update(ppo)
     bins = LengthBins(width=4, max_len=12)
     clip = instantiate(OmegaConf.load(CONF / "clip" / f"{clip_name}.yaml"))

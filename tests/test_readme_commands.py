@@ -39,7 +39,8 @@ def _run(cmd: str, tmp_path, name: str) -> str:
     argv = shlex.split(cmd)  # run from a scratch folder (the relative paths of the repo root), so stores stay there
     out = tmp_path / name
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:], *SHORT, f"output_dir={out}"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:], *SHORT, f"output_dir={out}"], cwd=tmp_path,
+                          env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -30,7 +30,8 @@ from fspo.runtime.checkpoints.resume import ResumePlan, check_room
 from fspo.runtime.checks.errors import user_error
 from fspo.runtime.checks.run_config import RUN_CONFIG_FILE, resume_config, save_run_config
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+       "OMP_NUM_THREADS": "1"}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -74,7 +74,9 @@ def test_each_request_uses_the_weights_of_its_slot(engine):
 def test_child_errors_come_back_with_their_traceback(engine):
     eng, _ = engine
     eng.submit(0, [[5] * 600], SamplingConfig(n=1, max_new_tokens=4, seed=0))  # beyond max_position_embeddings
-    with pytest.raises(RuntimeError, match="the rollout engine process failed: ValueError: prompt length 600 .*max_position_embeddings"):
+    with pytest.raises(RuntimeError,
+                       match="the rollout engine process failed: ValueError: prompt length 600 "
+                             ".*max_position_embeddings"):
         eng.result()
 
 
@@ -149,7 +151,8 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
 
     out, db = tmp_path / "out", tmp_path / "mlflow.db"
     args = [sys.executable, str(ROOT / "experiments" / "run.py"), "prompts_per_step=8", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=40", "ppo.lr=5e-4", "val.size=4",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=40",
+            "ppo.lr=5e-4", "val.size=4",
             "val.every_n_steps=100",
             "rollout.overlap.enable=true", f"hydra.run.dir={out}", f"logger.tracking_uri=sqlite:///{db}",
             "checkpoint.every_n_steps=1"]

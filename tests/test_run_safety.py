@@ -311,7 +311,7 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
 
 @pytest.mark.slow
 def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
-    """No silent fresh start: every checkpoint truncated -> an error, not a silent fresh start; resume=fresh starts over."""
+    """No silent fresh start: every checkpoint truncated -> an error, not a fresh start; resume=fresh starts over."""
     out = tmp_path / "out"
     args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "seed=3"]
     run_ok(tmp_path, out, "first.log", args)
@@ -378,8 +378,9 @@ def test_resume_restores_saved_config_and_refuses_experiment_changes(tmp_path, c
 
 @pytest.mark.slow
 def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
-    """A resume keeps the run's config: started with steps=8 prompts_per_step=4 val.size=4 (and the test's model/reward), stopped
-    with SIGUSR1, resumed with only resume=auto (plus the folder and store): the same experiment goes on."""
+    """A resume keeps the run's config: started with steps=8 prompts_per_step=4 val.size=4 (and the test's
+    model/reward), stopped with SIGUSR1, resumed with only resume=auto (plus the folder and store): the same
+    experiment goes on."""
     out, db = tmp_path / "out", tmp_path / "mlflow.db"
     first = launch(tmp_path, out, "first.log", BASE + ["steps=8", "checkpoint.every_n_steps=0", "seed=3"])
     deadline = time.monotonic() + 300
@@ -457,7 +458,8 @@ def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
                             "trainer": {"strategy": {"_target_": "fspo.runtime.launch.distributed.FSDP2Strategy"}},
                             "callbacks": [{"_target_": "fspo.runtime.checks.run_lock.LockOutputDir"}]})
     cfg = resume_config(new, ResumePlan(ckpt_path=None, step=3, run_id="r"), tmp_path, overrides=["resume=auto"])
-    assert cfg.ppo._target_ == "fspo.update.settings.PPOConfig" and cfg.guard._target_ == "fspo.update.guard.DivergenceGuard"
+    assert cfg.ppo._target_ == "fspo.update.settings.PPOConfig"
+    assert cfg.guard._target_ == "fspo.update.guard.DivergenceGuard"
     assert cfg.trainer.strategy._target_ == "fspo.runtime.launch.distributed.FSDP2Strategy"
     assert cfg.callbacks[0]._target_ == "fspo.runtime.checks.run_lock.LockOutputDir"
     # every new path the map names exists

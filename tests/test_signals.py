@@ -198,7 +198,8 @@ def test_kill9_during_write_keeps_previous_checkpoint(tmp_path):
 
 STEPS = 3
 REWARD_STOP_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",
-        "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4", "rollout.sampling.max_new_tokens=16", "val.size=0",
+        "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4", "rollout.sampling.max_new_tokens=16",
+        "val.size=0",
         "checkpoint.every_n_steps=0", "seed=7", f"reward._target_={__name__}.SignallingReward"]
 
 
@@ -368,7 +369,8 @@ class SlowReward:
 
 
 FSDP_ARGS = ["trainer=fsdp", "model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",
-        "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=16", "val.size=0", "checkpoint.every_n_steps=0",
+        "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=16", "val.size=0",
+        "checkpoint.every_n_steps=0",
         "seed=7", f"reward._target_={__name__}.SlowReward"]
 
 
@@ -501,7 +503,8 @@ print("TRAINED TO THE END")
 def test_a_stop_signal_before_training_stops_at_once(tmp_path, stage, sig):
     args = [a for a in SMALL if not a.startswith("steps=")] + ["steps=6"]
     script = SCRIPT.format(args=args)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", script, stage, sig, str(tmp_path)], capture_output=True, text=True,
                        env=env, timeout=300)

@@ -224,7 +224,8 @@ def test_mid_run_exception_chain_names_the_first_failure():
         try:
             raise first
         except OSError:
-            raise MlflowException("(sqlite3.OperationalError) database or disk is full")  # noqa: B904 (its __context__ is the point)
+            # its __context__ is the point
+            raise MlflowException("(sqlite3.OperationalError) database or disk is full")  # noqa: B904
     except MlflowException as last:
         line = storage_error(last)
     assert line.startswith("storage error (disk full) writing /run/checkpoints/step_000002.ckpt.partial"), line

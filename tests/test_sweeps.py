@@ -127,7 +127,8 @@ def test_parent_callback_registered(name):
 
 
 def test_effective_grid():
-    grid = effective_grid({"+method": "fspo,grpo", "seed": "1,2,3"}, ["+method=rloo", "seed=4,5", "steps=2", "lr=range(1,3)"])
+    grid = effective_grid({"+method": "fspo,grpo", "seed": "1,2,3"},
+                          ["+method=rloo", "seed=4,5", "steps=2", "lr=range(1,3)"])
     assert grid == {"+method": "rloo", "seed": "4,5", "lr": "range(1,3)"}
 
 
@@ -146,7 +147,8 @@ def mlflow_server(tmp_path):
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/m.db",
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{tmp_path}/m.db",
                              "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"],
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -159,7 +161,8 @@ def mlflow_server(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}") from None
+                    tail = (tmp_path / 'server.log').read_text()[-2000:]
+                    raise RuntimeError(f"mlflow server did not start: {tail}") from None
                 time.sleep(1)
         yield base
     finally:
@@ -210,14 +213,16 @@ def test_multirun_logs_child_runs_to_server(mlflow_server, tmp_path):
         for k in ("reward/mean", "val/accuracy", "rollout/response_len_mean", "clip/seq_frac",
                   "run/fairness.lre", "run/logratio.sigma_hat"):
             assert k in c["metrics"], (m, k)
-        hist = _api(mlflow_server, f"/api/2.0/mlflow/metrics/get-history?run_id={c['info']['run_id']}&metric_key=reward/mean")
+        hist = _api(mlflow_server,
+                    f"/api/2.0/mlflow/metrics/get-history?run_id={c['info']['run_id']}&metric_key=reward/mean")
         assert sorted(int(x["step"]) for x in hist["metrics"]) == [0, 1]
         arts = _api(mlflow_server, f"/api/2.0/mlflow/artifacts/list?run_id={c['info']['run_id']}&path=plots")
         assert "plots/logratio_qq.png" in {f["path"] for f in arts.get("files", [])}
 
 
 FAIRNESS_L_MED, FAIRNESS_SIGMA = 72, 0.030
-FAIRNESS_BAND = FAIRNESS_SIGMA * math.sqrt(FAIRNESS_L_MED)  # 0.2546: the interval of S every matched band clips at L_med
+# 0.2546: the interval of S every matched band clips at L_med
+FAIRNESS_BAND = FAIRNESS_SIGMA * math.sqrt(FAIRNESS_L_MED)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +231,8 @@ def fairness_arms():
 
 
 def test_length_fairness_arms_compose_with_tags(fairness_arms):
-    assert {"fspo_matched", "fspo_per_bin", "fspo_power", "fspo_quantile", "rloo_matched", "gspo_matched", "grpo_matched",
+    assert {"fspo_matched", "fspo_per_bin", "fspo_power", "fspo_quantile", "rloo_matched", "gspo_matched",
+            "grpo_matched",
             "fspo_paper", "rloo_paper", "gspo_paper", "grpo_paper"} <= set(fairness_arms)
     for name, cfg in fairness_arms.items():
         method, bands = name.rsplit("_", 1) if name.endswith(("_matched", "_paper")) else (name, "matched")
@@ -248,7 +254,9 @@ def test_length_fairness_matched_bands_equal_at_median_length(fairness_arms):
     for up, lo in (_log_bounds(fairness_arms["rloo_matched"].clip),):  # on S
         assert up == pytest.approx(FAIRNESS_BAND, rel=2e-3) and lo == pytest.approx(FAIRNESS_BAND, rel=2e-3)
     up, lo = _log_bounds(fairness_arms["gspo_matched"].clip)  # on S / L
-    assert up * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND, rel=2e-3) and lo * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND, rel=2e-3)
+    assert up * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND,
+                                                rel=2e-3) and lo * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND,
+                                                                                                   rel=2e-3)
     up, lo = _log_bounds(fairness_arms["grpo_matched"].clip)  # per token
     assert up == pytest.approx(FAIRNESS_SIGMA, rel=2e-3) and lo == pytest.approx(FAIRNESS_SIGMA, rel=2e-3)
 
@@ -271,14 +279,19 @@ def test_length_fairness_optional_newer_baseline_arms_follow_the_same_rule():
         instantiate(cfg.clip)
     up, lo = _log_bounds(jobs["cispo_matched"].clip)  # per-token IS weight, as GRPO
     assert up == pytest.approx(FAIRNESS_SIGMA, rel=2e-3) and lo == pytest.approx(FAIRNESS_SIGMA, rel=2e-3)
-    assert jobs["gmpo_matched"].clip.clip_ratio_high == jobs["gmpo_matched"].clip.clip_ratio_low == FAIRNESS_SIGMA  # log space
-    assert jobs["sapo_matched"].clip.tau_pos == pytest.approx(1.7627 / FAIRNESS_SIGMA, rel=2e-3)  # gate weight 1/2 at |r-1| = xi
+    # log space
+    assert jobs["gmpo_matched"].clip.clip_ratio_high == jobs["gmpo_matched"].clip.clip_ratio_low == FAIRNESS_SIGMA
+    # gate weight 1/2 at |r-1| = xi
+    assert jobs["sapo_matched"].clip.tau_pos == pytest.approx(1.7627 / FAIRNESS_SIGMA, rel=2e-3)
     lo_v, hi_v = vespo_band(jobs["vespo_matched"].clip.k_pos, jobs["vespo_matched"].clip.lambda_pos)  # on S
     assert hi_v == pytest.approx(FAIRNESS_BAND, rel=2e-3) and -lo_v == pytest.approx(FAIRNESS_BAND, rel=2e-3)
-    assert instantiate(jobs["vespo_matched"].clip).theory_clip_fraction([FAIRNESS_L_MED], FAIRNESS_SIGMA)[0] == pytest.approx(
+    assert instantiate(jobs["vespo_matched"].clip).theory_clip_fraction([FAIRNESS_L_MED],
+                                                                        FAIRNESS_SIGMA)[0] == pytest.approx(
         2 * 0.15865525, rel=5e-3)  # 2 Phi(-1): FSPO's z = 1 at L_med
     up, lo = _log_bounds(jobs["luspo_matched"].clip)  # GSPO's band on S / L
-    assert up * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND, rel=2e-3) and lo * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND, rel=2e-3)
+    assert up * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND,
+                                                rel=2e-3) and lo * FAIRNESS_L_MED == pytest.approx(FAIRNESS_BAND,
+                                                                                                   rel=2e-3)
 
 
 LAW_L_MED, LAW_SIGMA = 114, 0.0015

@@ -84,7 +84,8 @@ ARGS = [o for o in SMALL if not o.startswith("steps")] + [f"steps={STEPS}", "val
 def start_server(tmp_path: Path, port: int) -> subprocess.Popen:
     """`mlflow server` on ``port`` over ``tmp_path/m.db``; returns once /health answers."""
     log = open(tmp_path / f"server-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/m.db",
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{tmp_path}/m.db",
                              "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], cwd=tmp_path,
                             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, stdout=log,
@@ -97,7 +98,8 @@ def start_server(tmp_path: Path, port: int) -> subprocess.Popen:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop(proc)
-                raise RuntimeError(f"mlflow server did not start: {(tmp_path / f'server-{port}.log').read_text()[-2000:]}") from None
+                tail = (tmp_path / f'server-{port}.log').read_text()[-2000:]
+                raise RuntimeError(f"mlflow server did not start: {tail}") from None
             time.sleep(0.5)
 
 
@@ -133,7 +135,8 @@ def csv_pairs(out: Path) -> set:
     pairs = set()
     for f in out.glob("csv/**/metrics.csv"):
         for row in csv.DictReader(f.open()):
-            pairs |= {(k, int(row["step"])) for k, v in row.items() if k not in ("step", "epoch") and v not in ("", None)}
+            pairs |= {(k, int(row["step"])) for k,
+                      v in row.items() if k not in ("step", "epoch") and v not in ("", None)}
     return pairs
 
 
@@ -210,7 +213,8 @@ def test_the_buffer_is_bounded_refuses_newer_metric_rows_and_keeps_order(tmp_pat
     assert kept == [True, True, True, False, False, False] and buf.refused == 3
     assert buf.append({"op": "set_terminated", "run_id": "r", "status": "FINISHED", "end_time": 5})  # always kept
     uri, rows = read_rows(buf.path)
-    assert uri == "http://x" and [r["metrics"][0][3] for r in rows[:3]] == [0, 1, 2] and rows[3]["op"] == "set_terminated"
+    assert uri == "http://x" and [r["metrics"][0][3] for r in rows[:3]] == [0, 1,
+                                                                            2] and rows[3]["op"] == "set_terminated"
     assert buf.drop_first(2) == 2 and [r.get("metrics", [[0, 0, 0, None]])[0][3] for r in buf.rows()] == [2, None]
     with buf.path.open("a") as f:
         f.write('{"op": "log_batch", "run_id"')  # a process killed while writing
@@ -251,7 +255,8 @@ def test_writes_during_an_outage_are_buffered_and_flushed_when_the_server_is_bac
     rest = time.monotonic() - t0
     print(f"first write after the kill: {first:.2f} s; 6 more writes + status: {rest:.3f} s")
     assert client.in_outage and first < 30 and rest < 1.0
-    assert [r["metrics"][0][3] for r in read_rows(tmp_path / "b.jsonl")[1] if r["op"] == "log_batch"] == list(range(3, 10))
+    assert [r["metrics"][0][3] for r in read_rows(tmp_path / "b.jsonl")[1] if r["op"] == "log_batch"] == list(range(3,
+                                                                                                                    10))
     with pytest.raises(TrackingServerDown):  # a read during the outage: at once, one line
         client.get_metric_history(run_id, "loss")
     assert client.get_run(run_id).info.run_id == run_id  # as last seen (Lightning's finalize asks)
@@ -331,7 +336,8 @@ def test_a_torn_line_never_swallows_the_next_row(tmp_path):
 
 
 BAD_SHAPES = ['[]', '"text"', '{"op": "log_batch"}', '{"op": "drop_table", "run_id": "R"}',
-              '{"op": "log_batch", "run_id": "R", "metrics": 5}', '{"op": "log_batch", "run_id": "R", "metrics": [["a", 1]]}',
+              '{"op": "log_batch", "run_id": "R", "metrics": 5}',
+              '{"op": "log_batch", "run_id": "R", "metrics": [["a", 1]]}',
               '{"op": "log_batch", "run_id": "R", "metrics": [["a", "x", 1, 0]]}',
               '{"op": "log_batch", "run_id": "R", "metrics": [["a", 1.0, 1, "0"]]}',
               '{"op": "log_batch", "run_id": "R", "params": [["a"]]}',
