@@ -462,61 +462,59 @@ def test_sigterm_to_torchrun_launcher_saves_and_resumes(tmp_path, target):
     assert last_train_step(tmp_path / "run.db") == STEPS - 1
 
 
-SCRIPT = r"""
-import os, signal, sys
-from pathlib import Path
-from conftest import compose_config
-import fspo.train as T
-from fspo.update.module import RLModule
-stage, sig, out = sys.argv[1], getattr(signal, sys.argv[2]), Path(sys.argv[3])
-cfg = compose_config({args!r}, output_dir=out / "run", tracking_uri=f"sqlite:///{{out / 'm.db'}}",
-                     artifact_location=out / "art")
-def kill():
-    os.kill(os.getpid(), sig)
-if stage == "load":
-    real = T.load_policy
-    def load(*a, **k):
-        kill()
-        return real(*a, **k)
-    T.load_policy = load
-elif stage == "setup":
-    real_setup = RLModule.setup
-    def setup(self, stage=None):
-        kill()
-        return real_setup(self, stage)
-    RLModule.setup = setup
-else:
-    real_val = RLModule.validation_step
-    def validation_step(self, *a, **k):
-        if self.trainer.state.fn == "validate":
-            kill()
-        return real_val(self, *a, **k)
-    RLModule.validation_step = validation_step
-T.train(cfg)
-print("TRAINED TO THE END")
-"""
-
-
 @pytest.mark.slow  # > 2.5 s: out of the quick loop, still in CI
 @pytest.mark.parametrize("stage, sig", [("load", "SIGTERM"), ("setup", "SIGTERM"), ("validation", "SIGTERM"),
                                         ("validation", "SIGINT")])
-def test_a_stop_signal_before_training_stops_at_once(tmp_path, stage, sig):
-    args = [a for a in SMALL if not a.startswith("steps=")] + ["steps=6"]
-    script = SCRIPT.format(args=args)
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", script, stage, sig, str(tmp_path)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-3000:]
-    assert "TRAINED TO THE END" not in log and "Traceback" not in log, log[-3000:]
-    lines = [x for x in log.splitlines() if "continue with:" in x]
-    assert len(lines) == 1 and f"stopped on {sig} before the first training step" in lines[0], log[-3000:]
-    assert f"{tmp_path / 'run'} resume=auto" in lines[0], lines
-    with sqlite3.connect(tmp_path / "m.db") as con:
-        runs = con.execute("SELECT status FROM runs").fetchall()
-        steps = con.execute("SELECT count(*) FROM metrics WHERE key='train/loss'").fetchone()[0]
-    assert steps == 0
-    assert runs == [("KILLED",)] or (stage == "load" and runs in ([], [("KILLED",)])), runs
-    assert not list((tmp_path / "run").glob("checkpoints/*.ckpt"))
+def test_a_stop_signal_before_training_stops_at_once(compose_cfg, mlflow_uri, monkeypatch, caplog, capfd, stage,
+                                                    sig):
+    """The signal is sent to this process from inside model loading, Lightning's setup or the step-0
+    validation; ``train()`` must end in SystemExit(0) (the process's exit code) before any training step.
+    Each case has its own experiment in the session's MLflow store."""
+    import fspo.train as T
+    from fspo.update.module import RLModule
+
+    experiment = f"stop_before_training_{stage}_{sig}"
+    cfg = compose_cfg([a for a in SMALL if not a.startswith("steps=")]
+                      + ["steps=6", f"logger.experiment_name={experiment}"])
+    out_dir = Path(cfg.output_dir)
+
+    def kill():
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    if stage == "load":
+        real_load = T.load_policy
+
+        def load(*a, **k):
+            kill()
+            return real_load(*a, **k)
+        monkeypatch.setattr(T, "load_policy", load)
+    elif stage == "setup":
+        real_setup = RLModule.setup
+
+        def setup(self, stage=None):
+            kill()
+            return real_setup(self, stage)
+        monkeypatch.setattr(RLModule, "setup", setup)
+    else:
+        real_val = RLModule.validation_step
+
+        def validation_step(self, *a, **k):
+            if self.trainer.state.fn == "validate":
+                kill()
+            return real_val(self, *a, **k)
+        monkeypatch.setattr(RLModule, "validation_step", validation_step)
+    caplog.set_level("WARNING")
+    with pytest.raises(SystemExit) as e:
+        T.train(cfg)
+    assert e.value.code in (None, 0)
+    out, err = capfd.readouterr()
+    log = caplog.text + out + err
+    lines = {x.strip() for x in log.splitlines() if "continue with:" in x}
+    assert lines and all(f"stopped on {sig} before the first training step" in x for x in lines), log[-3000:]
+    assert all(f"{out_dir} resume=auto" in x for x in lines), lines
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id]) if exp is not None else []
+    assert [r.info.status for r in runs] == ["KILLED"] or (stage == "load" and not runs), runs
+    assert all(client.get_metric_history(r.info.run_id, "train/loss") == [] for r in runs)
+    assert not list(out_dir.glob("checkpoints/*.ckpt"))
