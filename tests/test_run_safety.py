@@ -311,21 +311,32 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
 
 @pytest.mark.slow
 def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
-    """No silent fresh start: every checkpoint truncated -> an error, not a fresh start; resume=fresh starts over."""
+    """No silent fresh start: every checkpoint truncated -> an error, not a fresh start; resume=fresh starts over.
+    In process (`fspo.train.train`, as experiments/run.py calls it); the error's console line is `user_error`'s."""
+    from conftest import compose_config
+    from fspo.runtime.checks.errors import user_error
+    from fspo.train import train
+
     out = tmp_path / "out"
     args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "seed=3"]
-    run_ok(tmp_path, out, "first.log", args)
+
+    def cfg(extra=()):
+        return compose_config([*args, *extra], output_dir=out, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                              artifact_location=tmp_path / "artifacts")
+
+    train(cfg())
     old_run = (out / "mlflow_run_id").read_text().strip()
     for p in list_checkpoints(out / "checkpoints"):
         with open(p, "r+b") as f:
             f.truncate(1000)
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    rc, log = run(tmp_path, out, "auto.log", args + ["resume=auto"])
-    assert rc == 2, log[-3000:]
-    last = log.strip().splitlines()[-1]
-    assert last.startswith("error: CheckpointCorrupt: resume=auto: no checkpoint in") and "resume=fresh" in last, last
+    with pytest.raises(CheckpointCorrupt) as e:
+        train(cfg(["resume=auto"]))
+    last = user_error(e.value)
+    assert last.startswith("CheckpointCorrupt: resume=auto: no checkpoint in") and "resume=fresh" in last, last
+    assert "\n" not in last
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
-    run_ok(tmp_path, out, "fresh.log", args + ["resume=fresh"])
+    train(cfg(["resume=fresh"]))
     assert sorted(p.name for p in (out / "checkpoints" / "damaged").iterdir()) == sorted(before)
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000001.ckpt", "step_000002.ckpt"]
     assert (out / "mlflow_run_id").read_text().strip() != old_run
