@@ -290,18 +290,33 @@ def test_nonfinite_parameters_after_loading_stop_and_move_the_checkpoint_aside(c
     assert all(torch.isfinite(v).all() for v in policy_state(ck / "step_000003.ckpt").values())
 
 
+def _in_process_cfg(tmp_path, out, args):
+    """The config experiments/run.py composes from ``args``, with folder ``out`` and store ``tmp/mlflow.db``."""
+    from conftest import compose_config
+
+    return compose_config(args, output_dir=out, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                          artifact_location=tmp_path / "artifacts")
+
+
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
-    """A damaged checkpoint: bytes overwritten inside the newest checkpoint (loads as NaN weights)."""
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog, capfd):
+    """A damaged checkpoint: bytes overwritten inside the newest checkpoint (loads as NaN weights). In process
+    (`fspo.train.train`, as experiments/run.py calls it)."""
+    from fspo.train import train
+
     out = tmp_path / "out"
     args = BASE + ["steps=4", "checkpoint.every_n_steps=2", "seed=3"]
-    run_ok(tmp_path, out, "first.log", args)
+    train(_in_process_cfg(tmp_path, out, args))
     newest = out / "checkpoints" / "step_000004.ckpt"
     corrupt_weights(newest)
     damaged = newest.read_bytes()
-    log = run_ok(tmp_path, out, "resume.log", args[:-3] + args[-2:] + ["steps=6", "resume=auto"])  # allowed change
-    assert "skipping damaged checkpoint" in log and "step_000004.ckpt does not match its SHA-256" in log
-    assert f"continuing from {out / 'checkpoints' / 'step_000002.ckpt'} (step 2)" in log
+    capfd.readouterr()
+    caplog.clear()
+    caplog.set_level("INFO")
+    train(_in_process_cfg(tmp_path, out, args[:-3] + args[-2:] + ["steps=6", "resume=auto"]))  # allowed change
+    log = caplog.text + "".join(capfd.readouterr())
+    assert "skipping damaged checkpoint" in log and "step_000004.ckpt does not match its SHA-256" in log, log[-3000:]
+    assert f"continuing from {out / 'checkpoints' / 'step_000002.ckpt'} (step 2)" in log, log[-3000:]
     assert (out / "checkpoints" / "damaged" / "step_000004.ckpt").read_bytes() == damaged  # moved aside, intact
     ckpts = list_checkpoints(out / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000002.ckpt", "step_000004.ckpt", "step_000006.ckpt"]
@@ -313,7 +328,6 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
 def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
     """No silent fresh start: every checkpoint truncated -> an error, not a fresh start; resume=fresh starts over.
     In process (`fspo.train.train`, as experiments/run.py calls it); the error's console line is `user_error`'s."""
-    from conftest import compose_config
     from fspo.runtime.checks.errors import user_error
     from fspo.train import train
 
@@ -321,8 +335,7 @@ def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
     args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "seed=3"]
 
     def cfg(extra=()):
-        return compose_config([*args, *extra], output_dir=out, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                              artifact_location=tmp_path / "artifacts")
+        return _in_process_cfg(tmp_path, out, [*args, *extra])
 
     train(cfg())
     old_run = (out / "mlflow_run_id").read_text().strip()
