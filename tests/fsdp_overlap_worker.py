@@ -76,7 +76,8 @@ def run_e2e(out: Path) -> None:
     from fspo.train import train
 
     cfg = compose_config(["model.source=warmstart", "trainer=fsdp", "steps=3", "prompts_per_step=8",
-                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=40",
+                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences",
+                          "rollout.sampling.max_new_tokens=40",
                           "ppo.lr=5e-4", "val.size=0", "rollout.overlap.enable=true"],
                          output_dir=out / "e2e", tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
                          artifact_location=out / "artifacts")

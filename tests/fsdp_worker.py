@@ -36,7 +36,8 @@ from fspo.types import RolloutBatch  # noqa: E402
 # mini-batch's token-balanced shares, 45 tokens each, take 3 and 2 padded micro-batches, since padding
 # counts rows x longest row), 2 updates per step,
 # FSPO with the EMA band (its observe() all-reduces), a clip-fraction bin width that fits 12 tokens
-OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=32",
+OVERRIDES = ["ppo.packing=false", "model.source=random", "data.train.size=64", "clip=fspo_ema", "ppo.mini_batch_size=8",
+             "ppo.mini_batch_unit=sequences", "ppo.micro_batch_max_tokens=32",
              "ppo.lr=1e-3", "data.length_bin_width=4", "rollout.sampling.max_new_tokens=12"]
 G, PROMPTS = 4, 4
 # activation checkpointing (the sharding option that changes the computation on CPU)
@@ -49,8 +50,10 @@ def fixed_rollout() -> RolloutBatch:
     b = G * PROMPTS
     p_len, r_len = torch.randint(3, 10, (b,), generator=g), torch.randint(1, 13, (b,), generator=g)
     P, T = int(p_len.max()), int(r_len.max())
-    batch = RolloutBatch(prompt_ids=torch.zeros(b, P, dtype=torch.long), prompt_mask=torch.zeros(b, P, dtype=torch.long),
-                         response_ids=torch.zeros(b, T, dtype=torch.long), response_mask=torch.zeros(b, T, dtype=torch.long),
+    batch = RolloutBatch(prompt_ids=torch.zeros(b, P, dtype=torch.long),
+                         prompt_mask=torch.zeros(b, P, dtype=torch.long),
+                         response_ids=torch.zeros(b, T, dtype=torch.long),
+                         response_mask=torch.zeros(b, T, dtype=torch.long),
                          group_ids=torch.arange(b) // G, advantages=torch.randn(b, generator=g),
                          rewards=torch.zeros(b), overlong=r_len == 12)
     for i in range(b):
@@ -246,7 +249,8 @@ def run_e2e(out: Path) -> None:
 
     # the warm start (a local folder): under trainer=fsdp built on meta, each rank reading its shard
     cfg = compose_config(["model.source=warmstart", "trainer=fsdp", "steps=2", "prompts_per_step=4",
-                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=16",
+                          "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences",
+                          "rollout.sampling.max_new_tokens=16",
                           "val.size=6", "val.batch_size=6", "val.every_n_steps=2"],
                          output_dir=out / "e2e", tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
                          artifact_location=out / "artifacts")

@@ -13,6 +13,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
+import pytest
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "fspo"
 
@@ -88,7 +92,8 @@ def test_every_package_has_a_layer():
 def test_dependencies_point_one_way():
     back = sorted({(a, b) for a, b in import_edges()
                    if _package(a) != _package(b) and _layer(_package(b)) >= _layer(_package(a))})
-    assert not back, "imports against the layering (importer -> imported):\n" + "\n".join(f"  {a} -> {b}" for a, b in back)
+    listed = "\n".join(f"  {a} -> {b}" for a, b in back)
+    assert not back, "imports against the layering (importer -> imported):\n" + listed
 
 
 def test_no_flat_modules_beyond_the_contract_and_entry_points():

@@ -1,4 +1,4 @@
-"""Where the scripts live (issue 35): experiments/ holds only the entry points, benchmarks/ the benchmark and
+"""Where the scripts live: experiments/ holds only the entry points, benchmarks/ the benchmark and
 check scripts, each listed in benchmarks/README.md, and nothing puts the repository on ``sys.path`` by hand.
 
 Owns: those layout rules, and that every benchmark script starts as a file from another folder (its shared
@@ -15,6 +15,8 @@ import sys
 import pytest
 
 from conftest import REPO
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
 
 ENTRY_POINTS = {"run.py", "evaluate.py", "report.py", "warmstart.py", "gpu_smoke.py", "export_lora.py"}
 BENCH = REPO / "benchmarks"

@@ -1,4 +1,4 @@
-"""``ppo.autocast=bf16`` (issue 21): the forward passes under torch.autocast(bfloat16) with float32 master weights.
+"""``ppo.autocast=bf16``: the forward passes under torch.autocast(bfloat16) with float32 master weights.
 
 Checks that the log-probs stay float32 and close to the float32 pass (the rounding gap is bounded, and
 not zero: bf16 really ran), that gradients reach the float32 parameters as float32, and the settings

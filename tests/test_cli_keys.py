@@ -48,7 +48,7 @@ def test_known_keys_follow_the_primary_and_global_packages():
 
 
 def _readme_commands():
-    """The run.py / evaluate.py commands of README.md and docs/*.md (the reference moved there: issue 35)."""
+    """The run.py / evaluate.py commands of README.md and docs/*.md (the command reference lives there)."""
     text = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     for line in text.splitlines():
         m = re.match(r"\s*(?:srun )?python experiments/(run|evaluate)\.py(.*)", line)
@@ -57,6 +57,7 @@ def _readme_commands():
             yield m.group(1), [a for a in args if "<" not in a]
 
 
+@pytest.mark.docs
 def test_every_readme_command_uses_known_keys():
     cmds = list(_readme_commands())
     assert len(cmds) >= 15
@@ -75,6 +76,7 @@ def test_run_py_refuses_a_typo_in_seconds(arg):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.docs
 def test_gitignore_covers_what_the_readme_commands_create():
     """Folders and files the README's commands write (default run, sweeps, reports, evaluate, resume) are ignored."""
     text = (REPO / "README.md").read_text() + "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))

@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_clip_new_rules import grad, tokens
-from test_clip_new_rules import test_bf16_inputs_math_in_float32 as check_bf16
-from test_clip_new_rules import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extreme
-from test_clip_new_rules import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
+from test_clip_cispo_sapo_gmpo_luspo import grad, tokens
+from test_clip_cispo_sapo_gmpo_luspo import test_bf16_inputs_math_in_float32 as check_bf16
+from test_clip_cispo_sapo_gmpo_luspo import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extreme
+from test_clip_cispo_sapo_gmpo_luspo import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
 
 from fspo.clipping import theory
 from fspo.clipping.ctpo import CTPOClip
@@ -152,7 +152,8 @@ def test_theory_curve():
     assert flat[1] == pytest.approx(_phi(-0.05 / 0.03) + _phi(-0.025 / 0.03))
     # p = 0 (uniform band), cumprod: o(t) = Phi(-0.05 / (sigma sqrt t)) + Phi(-0.025 / (sigma sqrt t))
     o = [_phi(-0.05 / (sigma * math.sqrt(t))) + _phi(-0.025 / (sigma * math.sqrt(t))) for t in (1, 2)]
-    np.testing.assert_allclose(CTPOClip(la_power=0.0).theory_clip_fraction(L[:3], sigma), [0.0, o[0], (o[0] + o[1]) / 2])
+    np.testing.assert_allclose(CTPOClip(la_power=0.0).theory_clip_fraction(L[:3], sigma),
+                               [0.0, o[0], (o[0] + o[1]) / 2])
     np.testing.assert_allclose(CTPOClip(la_power=0.0, acceptance="last").theory_clip_fraction(L[:3], sigma),
                                [0.0, o[0], o[1]])
 

@@ -2,7 +2,7 @@
 registry names and the length diagnostics they feed.
 
 Gradients are of the ``token-sum`` aggregation (k_i = 1), so each entry is d token_loss / d logp itself.
-tests/test_verl_parity_dppo.py checks DPPO against verl 0.9.1 itself (verl has no VESPO or CPPO).
+tests/test_verl_parity.py checks DPPO against verl 0.9.1 itself (verl has no VESPO or CPPO).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from test_clip_baselines import test_bf16_inputs_math_in_float32 as check_bf16
-from test_clip_new_rules import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extremes
-from test_clip_new_rules import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
+from test_clip_cispo_sapo_gmpo_luspo import test_extreme_log_ratios_and_long_sequences_stay_finite as check_extremes
+from test_clip_cispo_sapo_gmpo_luspo import test_on_policy_is_minus_advantage_and_never_clipped as check_on_policy
 
 from fspo.clipping import theory
 from fspo.clipping.cppo import CPPOClip

@@ -1,6 +1,6 @@
-"""Config validation before anything runs (fspo/runtime/checks/config_check.py; issue 19, defect 6).
+"""Config validation before anything runs (fspo/runtime/checks/config_check.py).
 
-Owns: each bad setting of the issue fails in `check_config` with one line naming the key and the fix;
+Owns: each bad setting in `BAD` fails in `check_config` with one line naming the key and the fix;
 `train` rejects them before a model loads, the output folder is written or an MLflow run opens; every
 shipped option, method x model preset and experiment passes; warnings for settings that run but
 probably diverge. Leaves out: the components' own argument checks (test_config_compose.py) and the
@@ -18,7 +18,7 @@ from conftest import SMALL, compose_config
 from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.runtime.checks.errors import user_error
 
-# the issue's cases (and a few neighbours): override -> the key the one-line error must name
+# bad settings (and a few neighbours): override -> the key the one-line error must name
 BAD = {
     "steps=abc": "steps=abc",
     "steps=1.5": "steps=1.5",

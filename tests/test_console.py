@@ -35,7 +35,8 @@ def test_progress_line_hand_set_metrics():
                "fairness/lre": 0.0361, "rollout/response_len_mean": 43.414, "train/loss": 1.0, "v_num": 3}
     # 40 steps left x 1.75 s/step = 70 s = 1:10
     assert progress_line(20, 60, 1.75, metrics) == (
-        "step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | binding clip 0.070 | LRE 0.036 | len 43.4")
+        "step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | binding clip 0.070 | LRE 0.036"
+        " | len 43.4")
     # 2 steps left x 0.5 s = 1 s; metrics not logged yet are left out (no LRE with one mini-batch)
     assert progress_line(1, 3, 0.5, {"reward/mean": 0.25}) == "step 1/3 | 0.50 s/step | ETA 0:01 | reward 0.250"
     assert progress_line(0, 60, None, {}) == "step 0/60"

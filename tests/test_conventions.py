@@ -1,4 +1,4 @@
-"""Command-line conventions (issue 20, item 7): ``group=x`` and ``+group=x`` both select a config
+"""Command-line conventions: ``group=x`` and ``+group=x`` both select a config
 group, the console scripts exist, ``python -m fspo.sweeps --help`` prints usage, and each Hydra app's
 ``--help`` lists only its own config groups.
 

@@ -1,4 +1,4 @@
-"""A byte that is not UTF-8 in a math data file (fspo/data/math_io.py; issue 19, defect 9).
+"""A byte that is not UTF-8 in a math data file (fspo/data/math_io.py).
 
 Owns: such a byte costs its row, not the file: with ``on_bad_row=raise`` the error names the file,
 the row, the line and column and the ``data.on_bad_row=skip`` option; with ``skip`` the row is

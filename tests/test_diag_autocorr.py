@@ -1,5 +1,5 @@
 """TokenLogRatioACF: hand-computed lag autocorrelations, the trapezoid tau and the position profile,
-and FairnessMetrics passing per-token log-ratios through (issue 30 item 5's measurement)."""
+and FairnessMetrics passing per-token log-ratios through (the measurement behind the per-token autocorrelation)."""
 import math
 
 import pytest
@@ -40,7 +40,8 @@ def test_split_updates_are_exact_and_independent_tokens_give_tau_near_one():
     g = torch.Generator().manual_seed(0)
     d = torch.randn(64, 400, generator=g, dtype=torch.float64)
     mask = torch.ones(64, 400, dtype=torch.long)
-    one, two = TokenLogRatioACF(LengthBins(width=100, max_len=400)), TokenLogRatioACF(LengthBins(width=100, max_len=400))
+    one = TokenLogRatioACF(LengthBins(width=100, max_len=400))
+    two = TokenLogRatioACF(LengthBins(width=100, max_len=400))
     one.update(d, mask)
     two.update(d[:20], mask[:20])
     two.update(d[20:], mask[20:])

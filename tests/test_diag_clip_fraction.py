@@ -295,7 +295,8 @@ BINDING = {
 }
 # acceptance without the on-policy rows (default): q = (1/3, 1/3, 1/3): perfectly fair, LRE = 0
 EXCLUDED = {
-    "band/out_frac/len_00000_00004": 2 / 3, "band/out_frac/len_00004_00008": 2 / 3, "band/out_frac/len_00008_inf": 2 / 3,
+    "band/out_frac/len_00000_00004": 2 / 3, "band/out_frac/len_00004_00008": 2 / 3,
+    "band/out_frac/len_00008_inf": 2 / 3,
     "band/n_seq/len_00000_00004": 3.0, "band/n_seq/len_00004_00008": 3.0, "band/n_seq/len_00008_inf": 3.0,
     "band/out_frac": 2 / 3, "band/tok_out_frac": 34 / 51, "band/n_seq": 9.0,
     "fairness/lre": 0.0, "fairness/lre_w": 0.0, "fairness/q_bar": 1 / 3, "fairness/n_bins": 3.0,
@@ -303,7 +304,8 @@ EXCLUDED = {
 # with them: q = (3/5, 1/2, 1/3), n = (5, 4, 3), q_bar = 1/2, LRE = 0.5 (5/5 + 0 + 3/3) / 12 = 1/12;
 # sum|A| = (13, 8, 3): LRE_w = 0.5 (13/5 + 3/3) / 24 = 0.075
 INCLUDED = {
-    "band/out_frac/len_00000_00004": 2 / 5, "band/out_frac/len_00004_00008": 1 / 2, "band/out_frac/len_00008_inf": 2 / 3,
+    "band/out_frac/len_00000_00004": 2 / 5, "band/out_frac/len_00004_00008": 1 / 2,
+    "band/out_frac/len_00008_inf": 2 / 3,
     "band/n_seq/len_00000_00004": 5.0, "band/n_seq/len_00004_00008": 4.0, "band/n_seq/len_00008_inf": 3.0,
     "band/out_frac": 1 / 2, "band/tok_out_frac": 34 / 61, "band/n_seq": 12.0,
     "fairness/lre": 1 / 12, "fairness/lre_w": 0.075, "fairness/q_bar": 1 / 2, "fairness/n_bins": 3.0,

@@ -34,7 +34,8 @@ def test_lre_two_equal_bins_is_one_sixth():
 def test_lre_unequal_counts_by_hand():
     # n = (1, 3), q = (0.2, 0.6): q_bar = (0.2 + 1.8)/4 = 0.5; |0.4-1| = 0.6, |1.2-1| = 0.2
     # LRE = 0.5 * (1*0.6 + 3*0.2) / 4 = 0.15
-    assert float(lre(torch.tensor([0.2, 0.6], dtype=torch.float64), torch.tensor([1.0, 3.0]))) == pytest.approx(0.15, abs=1e-15)
+    got = float(lre(torch.tensor([0.2, 0.6], dtype=torch.float64), torch.tensor([1.0, 3.0])))
+    assert got == pytest.approx(0.15, abs=1e-15)
 
 
 def test_lre_w_appendix_formula_by_hand():

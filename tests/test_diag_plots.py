@@ -81,7 +81,8 @@ def test_fairness_metrics_figures(tmp_path):
     drawn = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["out of band, c(L) = 1 - q(L)"].get_ydata()
     assert len(drawn) == (per_bin["band_count"] >= per_bin["band_count"].max()).sum() < ok.sum()
     hidden = int((per_bin["band_count"] > 0).sum()) - len(drawn)
-    assert f"{hidden} bin(s) with fewer than {int(per_bin['band_count'].max())} sequences not drawn" in fig.texts[0].get_text()
+    most = int(per_bin['band_count'].max())
+    assert f"{hidden} bin(s) with fewer than {most} sequences not drawn" in fig.texts[0].get_text()
     fm.reset()
     for name, fig in fm.figures().items():  # empty state: placeholder figures, no crash
         _saves(fig, tmp_path / f"empty_{name}.png")

@@ -1,7 +1,7 @@
 """The front door and the docs: README.md stays short, every relative link resolves, every docs page starts
 with the command a user would type.
 
-Owns: the checks of issue 35's documentation rules, on README.md and docs/*.md as committed:
+Owns: the checks of the documentation rules, on README.md and docs/*.md as committed:
 - README.md has at most `README_MAX_LINES` lines;
 - every relative Markdown link (``[text](path)`` or ``![alt](path)``) in README.md and docs/*.md names a
   file or folder that exists, resolved against the page's own folder (``#anchors`` are ignored; http(s),
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 150
@@ -50,7 +52,8 @@ def relative_links(page: Path) -> List[Tuple[int, str]]:
 
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text().splitlines())
-    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
+    assert n <= README_MAX_LINES, \
+        f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text into docs/"
 
 
 def test_the_set_up_speaks_to_outside_users():
@@ -82,7 +85,8 @@ def test_every_docs_page_starts_with_a_command_block(page):
         f"{page.name}: the title is followed by {lines[1]!r}; start the page with a ``` block of the commands a "
         "user types")
     block = lines[2:lines.index("```", 2)] if "```" in lines[2:] else []
-    assert any(ln.strip() and not ln.lstrip().startswith("#") for ln in block), f"{page.name}: its first code block is empty"
+    commands = [ln for ln in block if ln.strip() and not ln.lstrip().startswith("#")]
+    assert commands, f"{page.name}: its first code block is empty"
 
 
 def test_readme_links_every_docs_page():
@@ -120,3 +124,55 @@ def test_the_documented_two_file_method_composes_and_builds(tmp_path):
     cfg = compose_config(["+method=foo"], config_dir=conf)
     assert cfg.method == "foo" and dict(cfg.clip) == {"_target_": "fspo.clipping.grpo.GRPOClip", "clip_ratio_low": 0.1}
     assert type(instantiate(cfg.clip)).__name__ == "GRPOClip"
+
+
+# where a reader of the product looks: a tracker's issue number there tells them nothing
+PRODUCT_PATHS = ("fspo", "docs", "conf", "tests", "sweeps", "benchmarks", "README.md", "experiments")
+ISSUE_NUMBER = re.compile(r"issue [0-9]+", re.IGNORECASE)
+
+
+def issue_numbers(paths=PRODUCT_PATHS, root: Path = ROOT) -> List[str]:
+    """``path:line: text`` for every "issue <number>" in the tracked text files under ``paths`` (binary files,
+    those with a NUL byte or not UTF-8, are skipped)."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--", *paths], cwd=root, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.decode(errors='replace').strip()}")
+    hits = []
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        path = root / name
+        if not path.is_file():  # deleted in the work tree, not yet committed
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        hits += [f"{name}:{i}: {line.strip()[:100]}" for i, line in enumerate(text.splitlines(), 1)
+                 if ISSUE_NUMBER.search(line)]
+    return hits
+
+
+def test_no_issue_numbers_in_the_product():
+    """Code, configs, docs, tests, sweeps, benchmarks and results say what a thing does and why, not which
+    tracker item asked for it: no "issue <number>" in any tracked text file there."""
+    hits = issue_numbers()
+    assert not hits, f"{len(hits)} mention(s) of an issue number; say what and why instead:\n" + "\n".join(hits[:40])
+
+
+def test_issue_number_finder_reads_tracked_text_and_skips_binary(tmp_path):
+    import subprocess
+
+    word = "Issue"  # written apart so that this file itself holds no match
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text(f"# a\nfixed in {word} 12 last week\nissue tracker, no number\n")
+    (tmp_path / "docs" / "b.bin").write_bytes(f"\0{word} 7\0".encode())
+    (tmp_path / "docs" / "c.txt").write_bytes(b"\xff\xfe" + f"{word} 8".encode())
+    (tmp_path / "docs" / "untracked.md").write_text(f"{word} 9\n")
+    (tmp_path / "other.md").write_text(f"{word} 10\n")
+    subprocess.run(["git", "add", "docs/a.md", "docs/b.bin", "docs/c.txt", "other.md"], cwd=tmp_path, check=True)
+    assert issue_numbers(("docs",), tmp_path) == [f"docs/a.md:2: fixed in {word} 12 last week"]

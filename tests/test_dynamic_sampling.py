@@ -37,7 +37,8 @@ def make_round(group_rewards, width: int = 3, tag: float = 0.0):
     rows = torch.arange(b)
     rollout = RolloutBatch(
         prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.long),
-        response_ids=(rows[:, None] + 100 * int(tag) + 1).repeat(1, width), response_mask=torch.ones(b, width, dtype=torch.long),
+        response_ids=(rows[:, None] + 100 * int(tag) + 1).repeat(1, width),
+        response_mask=torch.ones(b, width, dtype=torch.long),
         rewards=torch.tensor(vals) + tag, group_ids=torch.arange(len(group_rewards)).repeat_interleave(G),
         overlong=torch.zeros(b, dtype=torch.bool), engine_log_probs=torch.zeros(b, width))
     return rollout, vals
@@ -143,7 +144,8 @@ def test_config_composes_disabled_by_default(compose_cfg):
     cfg = compose_cfg()
     f = instantiate(cfg.rollout.dynamic_sampling)
     assert isinstance(f, GroupFilter) and not f.enable and f.metric == "acc" and f.max_rounds == 3
-    assert instantiate(compose_cfg(["rollout=vllm", "rollout.dynamic_sampling.enable=true"]).rollout.dynamic_sampling).enable
+    assert instantiate(compose_cfg(["rollout=vllm",
+                                    "rollout.dynamic_sampling.enable=true"]).rollout.dynamic_sampling).enable
 
 
 # ------------------------------------------------------------------ 2 ranks (gloo)
@@ -190,7 +192,8 @@ STEPS, EVERY = 6, 2
 DS = ["rollout.dynamic_sampling.enable=true", "rollout.dynamic_sampling.metric=hit",
       "rollout.dynamic_sampling.max_rounds=3", f"reward._target_={__name__}.HitReward"]
 RUN_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4", "rollout.sampling.max_new_tokens=24", "val.size=8",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4",
+            "rollout.sampling.max_new_tokens=24", "val.size=8",
             "val.every_n_steps=3", f"checkpoint.every_n_steps={EVERY}", "checkpoint.keep_last=10", "seed=7", *DS]
 
 
@@ -198,7 +201,8 @@ RUN_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "roll
 def test_tiny_run_logs_the_metrics_to_mlflow(tmp_path):
     from test_resume import metric_rows, start_run, wait
 
-    args = ["model.source=random", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences",
+    args = ["model.source=random", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
+            "ppo.mini_batch_unit=sequences",
             "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=8", *DS]
     wait(start_run(tmp_path, "ds", args=args), tmp_path)
     rows = metric_rows(tmp_path / "ds.db")
@@ -288,7 +292,8 @@ def test_fsdp_two_ranks_train_on_the_same_number_of_groups(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]))
     args = ["model.source=random", "trainer=fsdp", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=4", "val.batch_size=4",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24",
+            "val.size=4", "val.batch_size=4",
             "val.every_n_steps=3", "seed=7", *DS]
     torchrun(script, [tmp_path, *args], tmp_path / "logs", cwd=tmp_path, env=env)  # worker logs kept whole
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

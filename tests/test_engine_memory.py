@@ -1,4 +1,4 @@
-"""The trainer/engine memory order around a generation (fspo/rollout/engine_memory.py, issue 29 item 2).
+"""The trainer/engine memory order around a generation (fspo/rollout/engine_memory.py).
 
 A recording fake engine and a recording ``empty_cache`` show verl's order: gradients dropped and
 optimizer state offloaded, cache emptied, engine weights woken, weights synced, cache emptied, KV

@@ -1,4 +1,4 @@
-"""Where an evaluation writes (issue 34 item 7): beside the run it scores, ``<run>/eval/<date_time>``, and its
+"""Where an evaluation writes: beside the run it scores, ``<run>/eval/<date_time>``, and its
 MLflow run is named after that run (experiments/evaluate.py `beside_run`, `_eval_run_name`)."""
 from __future__ import annotations
 

@@ -194,7 +194,8 @@ def test_summary_best_last_and_average():
     assert s["average"]["best"] == pytest.approx((0.6 + 0.3) / 2)  # the paper's: mean of per-benchmark bests
     assert s["average"]["last"] == pytest.approx((0.4 + 0.2) / 2)
     md = summary_markdown(s)
-    assert "| a | 0.1000 | 0.6000 | 10 | 0.4000 | 30 |" in md and "| Average | 0.0500 | 0.4500 |" in md  # 0-1, as MLflow
+    # 0-1, as MLflow
+    assert "| a | 0.1000 | 0.6000 | 10 | 0.4000 | 30 |" in md and "| Average | 0.0500 | 0.4500 |" in md
 
 
 def test_eval_data_options_carry_the_paper_k(tmp_path, mlflow_uri, mlflow_dir):
@@ -304,7 +305,7 @@ def test_checkpoints_of_a_run_summary_attached_to_training_run(tmp_path, mlflow_
 
 
 def test_distributed_checkpoint_reads_the_weights_only(tmp_path, monkeypatch):
-    """Issue 29 item 8: evaluation reads the policy's tensors of a sharded checkpoint, never AdamW's state
+    """Evaluation reads the policy's tensors of a sharded checkpoint, never AdamW's state
     (the storage reader is watched: every tensor it is asked for is recorded)."""
     import torch.distributed.checkpoint as dcp
 
@@ -325,6 +326,7 @@ def test_distributed_checkpoint_reads_the_weights_only(tmp_path, monkeypatch):
     monkeypatch.setattr(dcp.FileSystemReader, "read_data", watched)
     state, step = load_checkpoint(tmp_path / "dcp.ckpt")
     assert step == 5
-    assert set(state) == set(saved.state_dict()) and all(torch.equal(state[k], v) for k, v in saved.state_dict().items())
+    want = saved.state_dict()
+    assert set(state) == set(want) and all(torch.equal(state[k], v) for k, v in want.items())
     assert asked and all(k.startswith("state_dict.policy.") or k == "state_dict.rl_step" for k in asked)
     assert not any("exp_avg" in k or k.startswith("optimizer") for k in asked)

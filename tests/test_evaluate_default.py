@@ -115,7 +115,8 @@ def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval_default")
     run_dir, uri = tmp / "run", f"sqlite:///{tmp / 'mlflow.db'}"
     cmd = [sys.executable, str(REPO / "experiments" / "run.py"), "steps=2", "prompts_per_step=4",
-           "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "val.size=8", f"output_dir={run_dir}",
+           "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "val.size=8",
+           f"output_dir={run_dir}",
            f"logger.tracking_uri={uri}", f"+logger.artifact_location={tmp / 'artifacts'}"]
     p = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -46,4 +46,5 @@ def test_local_copies_do_not_repeat_eval(tmp_path):
     rec = MlflowRecorder.__new__(MlflowRecorder)
     rec.out_dir = tmp_path / "run" / "eval" / "2026-01-05_10-00-00"
     assert rec._local("eval/summary.md") == rec.out_dir / "summary.md"
-    assert rec._local("eval/math500/step_40/per_problem.json") == rec.out_dir / "math500" / "step_40" / "per_problem.json"
+    want = rec.out_dir / "math500" / "step_40" / "per_problem.json"
+    assert rec._local("eval/math500/step_40/per_problem.json") == want

@@ -11,10 +11,10 @@ segment and packed-rows layouts:
 - one RL step of the real `RLModule` with trainer=fsdp and the chunked head equals one process
   (parameters and metrics).
 
-Before the fix the chunked path failed under FSDP with "aten.embedding.default got mixed torch.Tensor
-and DTensor" (the body and head were run outside the root module's forward, so its sharded
-parameters were never gathered). Plus a ``gpu`` test: the same comparison on CUDA with NCCL and bf16
-compute (skipped without a GPU), and single-process checks of `in_root_forward` and the config.
+Run outside the root module's forward, the body and head would see ungathered sharded parameters and
+fail with "aten.embedding.default got mixed torch.Tensor and DTensor"; `in_root_forward` prevents that.
+Plus a ``gpu`` test: the same comparison on CUDA with NCCL and bf16 compute (skipped without a GPU), and
+single-process checks of `in_root_forward` and the config.
 """
 from __future__ import annotations
 

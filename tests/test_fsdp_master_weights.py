@@ -1,5 +1,5 @@
-"""FSDP2 with bf16 compute and float32 master weights moves the weights at the paper's lr 1e-6 (issue 29
-item 1, gpu test (a)).
+"""FSDP2 with bf16 compute and float32 master weights moves the weights at the paper's lr 1e-6
+(also the gpu lane's master-weights check).
 
 One process, a real process group (gloo on CPU, NCCL on CUDA) and torch's ``fully_shard`` through
 `fspo.runtime.launch.distributed.shard_model` with ``mixed_precision=bf16`` (MixedPrecisionPolicy(param_dtype=bf16,

@@ -1,4 +1,4 @@
-"""Pipelined rollouts (``rollout.overlap``) under FSDP2 on 2 gloo CPU processes (issue 29 item 10).
+"""Pipelined rollouts (``rollout.overlap``) under FSDP2 on 2 gloo CPU processes.
 
 ``torchrun --standalone --nproc_per_node=2 tests/fsdp_overlap_worker.py`` runs once (module fixture):
 

@@ -28,7 +28,8 @@ import torch
 from conftest import REPO, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install 'fspo[vllm]')")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vllm (pip install 'fspo[vllm]')")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 RUN = REPO / "experiments" / "run.py"
 TINY_RUN = ["model.source=random", "steps=2", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",

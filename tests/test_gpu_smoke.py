@@ -1,7 +1,7 @@
-"""experiments/gpu_smoke.py (issue 29): per-phase tokens/s, MFU and peak memory of real RL steps. The CPU run
+"""experiments/gpu_smoke.py: per-phase tokens/s, MFU and peak memory of real RL steps. The CPU run
 (tiny model, MFU against an explicit --peak-tflops) checks the script and its arithmetic here; the ``gpu``
 variant runs the ~100M config on CUDA, and the vLLM engine's ``dtype: auto`` is checked to generate in bf16
-there (item 7)."""
+there."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,7 +33,8 @@ def test_flop_count_by_hand():
 
 
 def _run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1")
     out = tmp_path / "smoke.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""GPU lane (issue 29 test b): three vLLM sleep/wake/sync cycles keep the peak GPU memory flat.
+"""GPU lane: three vLLM sleep/wake/sync cycles keep the peak GPU memory flat.
 
 A 0.18B-parameter Qwen3 (random weights, float32 master copy on the GPU with AdamW state) trains
 beside a colocated `VLLMEngine` with sleep mode; each cycle is one `rollout_memory` hand-over
@@ -17,7 +17,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install 'fspo[vllm]')")]
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="needs vllm (pip install 'fspo[vllm]')")]
 
 GIB = 2**30
 SLACK = 256 * 2**20

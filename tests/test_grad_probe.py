@@ -56,8 +56,8 @@ def test_probe_by_hand():
     assert (out[f"probe/q/{k0}"], out[f"probe/q/{k1}"]) == (0.5, pytest.approx(2 / 3))
     g, c = (2 * g0 + 3 * g1) / 5, (2 * c0 + 3 * c1) / 5
     assert out["probe/cos"] == pytest.approx(cos(c, g), rel=1e-5)
-    assert out["probe/kappa"] == pytest.approx((2 * np.linalg.norm(g0) + 3 * np.linalg.norm(g1)) / 5 / np.linalg.norm(g),
-                                               rel=1e-5)
+    kappa = (2 * np.linalg.norm(g0) + 3 * np.linalg.norm(g1)) / 5 / np.linalg.norm(g)
+    assert out["probe/kappa"] == pytest.approx(kappa, rel=1e-5)
     q_bar = (2 * 0.5 + 3 * 2 / 3) / 5  # 0.6
     dev = [abs(0.5 / q_bar - 1), abs(2 / 3 / q_bar - 1)]  # 1/6, 1/9
     assert out["probe/lre"] == pytest.approx(0.5 * (2 * dev[0] + 3 * dev[1]) / 5)

@@ -1,4 +1,4 @@
-"""The divergence guard (fspo/update/guard.py; issue 19, defect 7).
+"""The divergence guard (fspo/update/guard.py).
 
 Owns: the limit arithmetic and the four actions; ``stop`` ends a diverging run with one line naming
 the measure, its limit and ppo.lr, with the checkpoints and metrics written before kept and the MLflow

@@ -49,7 +49,7 @@ def test_step_stats_and_meter_sum_on_the_device():
             meter.add(torch.tensor([[1.0, 3.0, 100.0]]), logp, old, mask)
 
     _, reads, _ = _reads(micro_batches)
-    assert reads == 0  # was 4 x (3 + 2 + 2 + 3) = 40
+    assert reads == 0  # a read per statistic would be 4 x (3 + 2 + 2 + 3) = 40
     m = stats.compute()
     d = torch.tensor(-1.0)
     assert stats.loss_sum == 2.0 and stats.tokens == 8 and stats.ent_tokens == 8

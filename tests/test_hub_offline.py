@@ -1,4 +1,4 @@
-"""A hub model id without network fails in seconds (fspo/models/loading.py; issue 19, defect 8).
+"""A hub model id without network fails in seconds (fspo/models/loading.py).
 
 Owns: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are honoured without contacting the hub; without
 them the hub is probed once and, when it does not answer, only the local cache is read (no rounds of

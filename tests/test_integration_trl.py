@@ -112,7 +112,8 @@ def test_loss_and_grad_equal_registry(run, weights):
     cfg = {"global_batch_info": {"batch_num_tokens": n_items / 1 * 1 / 2}}
     logps = logps_of(trainer, inputs)
     ref, metrics = get_policy_loss_fn("fspo")(inputs["old_per_token_logps"], logps, inputs["advantages"], mask,
-                                             "token-mean", cfg, rollout_is_weights=inputs.get("importance_sampling_ratio"))
+                                             "token-mean", cfg,
+                                             rollout_is_weights=inputs.get("importance_sampling_ratio"))
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-8)
     assert_same_grads(model_grads(trainer, loss), model_grads(trainer, ref))
     assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0  # some sequences clipped, some not
@@ -153,7 +154,8 @@ def test_clip_rule_vespo_equals_trls_own_vespo(run):
     mask = inputs["completion_mask"]
     with torch.no_grad():
         base = logps_of(trainer, inputs)
-    inputs["old_per_token_logps"] = base + torch.randn(mask.size(0), 1, generator=torch.Generator().manual_seed(1)) * 0.1
+    inputs["old_per_token_logps"] = base + torch.randn(mask.size(0), 1,
+                                                       generator=torch.Generator().manual_seed(1)) * 0.1
     trainer.model.train()
     saved_rule, saved_type = trainer._fspo_rule, trainer.loss_type
     trainer._fspo_rule = VESPOClip(value="verl")

@@ -116,7 +116,7 @@ def test_entropy_of_uniform_logits_is_log_vocab():
 @pytest.mark.parametrize("pack_width", [None, 0, 16])
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
 def test_chunked_head_equals_dense_values_entropy_and_gradients(pack_width, chunk):
-    """Issue 21: ``head_chunk_rows`` > 0 runs the model's body, then the LM head in chunks
+    """``head_chunk_rows`` > 0 runs the model's body, then the LM head in chunks
     (fspo/update/lm_head.py); log-probs, entropies and every parameter's gradient equal the dense
     path's, in the padded (None), one-row segment (0 on an sdpa model with segment attention) and
     packed-rows (16, no segment attention) layouts."""

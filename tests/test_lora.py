@@ -145,7 +145,8 @@ def test_unknown_target_modules_list_the_ones_that_exist():
     cfg = compose_config(["model.lora.rank=8", "model.lora.target_modules=[q_proj,qkv_proj]"])
     check_config(cfg)  # names need the model: checked from its config, before anything loads
     with pytest.raises(ValueError, match=r"\['qkv_proj'\] are not linear layers of this model; it has "
-                                         r"\['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'o_proj', "
+                                         r"'q_proj', 'up_proj', 'v_proj'\]"):
         check_lora_targets(cfg.model)
     check_lora_targets(compose_config(["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"]).model)
 

@@ -2,7 +2,7 @@
 the parameter counts and a positive update ratio every step, evaluate.py takes the LoRA checkpoints and
 experiments/export_lora.py writes a merged HF model that computes what the LoRA policy computes.
 
-Owns: the LoRA version of tests/test_resume.py's kill/resume test (same helpers, same random tiny model
+Owns: the LoRA version of tests/test_resume.py's kill/resume test (same functions, same random tiny model
 and DigitReward, plus ``model.lora.rank=4``) and the evaluate / export checks on its run folder.
 Leaves out: the LoRA math and the bad-input lines (tests/test_lora.py).
 """

@@ -66,7 +66,8 @@ def test_train_set_dedup_counts():
     d = t.stats["dedup"]
     # 17,917 DAPO rows, 1,348 exact duplicates after normalisation; of 975 AIME problems 694 equal a
     # DAPO prompt after normalisation and 130 more are near duplicates -> 151 AIME problems kept.
-    assert (t.stats["rows_read"], d["primary_exact"], d["secondary_exact"], d["secondary_near"]) == (18892, 1348, 694, 130)
+    got = (t.stats["rows_read"], d["primary_exact"], d["secondary_exact"], d["secondary_near"])
+    assert got == (18892, 1348, 694, 130)
     assert len(t) == d["kept"] == 16720
     assert sum(s.meta["source"] == "aime_1983_2023" for s in t) == 151
     keys = [normalize_problem(s.prompt) for s in t]
@@ -104,7 +105,8 @@ def test_normalize_problem_keeps_operators_drops_typesetting():
 
 def test_near_duplicates_need_high_containment_or_same_answer():
     base = "Let a triangle have sides 13 14 15 and let the incircle touch side BC at D. Find BD times DC."
-    primary = [Record(base + " Express the answer as an integer.", "42", {}), Record("Unrelated counting problem about 7 coins.", "3", {})]
+    primary = [Record(base + " Express the answer as an integer.", "42", {}),
+               Record("Unrelated counting problem about 7 coins.", "3", {})]
     secondary = [Record(base, "42", {}),                                     # contained -> near duplicate
                  Record("A completely different geometry question about circles.", "42", {}),
                  Record("Unrelated counting problem about 7 coins.", "3", {})]  # exact duplicate
@@ -135,7 +137,8 @@ def test_bad_jsonl_rows_raise_or_skip(tmp_path, caplog):
 
 
 def test_bad_gsm8k_and_aime25_rows(tmp_path):
-    _jsonl(tmp_path / "gsm8k_test.jsonl", [{"question": "q", "answer": "work\n#### 1,234"}, {"question": "q2", "answer": "no marker"}])
+    _jsonl(tmp_path / "gsm8k_test.jsonl",
+           [{"question": "q", "answer": "work\n#### 1,234"}, {"question": "q2", "answer": "no marker"}])
     with pytest.raises(DataRowError, match=r"gsm8k_test\.jsonl row 1: field 'answer' has no final answer"):
         load_math_source("gsm8k", data_dir=str(tmp_path))
     assert load_math_source("gsm8k", data_dir=str(tmp_path), on_bad_row="skip")[0].answer == "1234"
@@ -146,7 +149,8 @@ def test_bad_gsm8k_and_aime25_rows(tmp_path):
 
 def _dapo_row(content, gt, idx):
     return {"data_source": "DAPO-17k", "prompt": [{"content": content, "role": "user"}], "ability": "math",
-            "reward_model": {"ground_truth": gt, "style": "rule"}, "extra_info": {"answer": "", "index": idx, "split": "train"}}
+            "reward_model": {"ground_truth": gt, "style": "rule"},
+            "extra_info": {"answer": "", "index": idx, "split": "train"}}
 
 
 def test_bad_parquet_rows_and_training_merge(tmp_path):
@@ -156,7 +160,8 @@ def test_bad_parquet_rows_and_training_merge(tmp_path):
     (tmp_path / "aime_1983_2023.json").write_text(json.dumps([
         {"problem": "Find $1+1$.", "answer": "002", "year": 1983, "aime_number": 1, "problem_number": 1},
         {"problem": "Find 7*6.", "answer": "042", "year": 1983, "aime_number": 1, "problem_number": 2}]))
-    with pytest.raises(DataRowError, match=r"dapo_math_17k\.parquet row 1: field 'reward_model\.ground_truth' is empty"):
+    with pytest.raises(DataRowError,
+                       match=r"dapo_math_17k\.parquet row 1: field 'reward_model\.ground_truth' is empty"):
         load_math_source("dapo_aime_train", data_dir=str(tmp_path))
     src = load_math_source("dapo_aime_train", data_dir=str(tmp_path), on_bad_row="skip", template="raw")
     assert [(s.prompt, s.answer) for s in src] == [("Find 1+1.", "2"), ("Find 7*6.", "42")]

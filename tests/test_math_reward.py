@@ -102,7 +102,8 @@ def test_overlong_penalty_hand_computed():
 ADVERSARIAL = {
     "power tower": "\\boxed{2^{2^{2^{100}}}}",
     "9^9^9^9": "so \\boxed{9^{9^{9^{9}}}}",
-    "nested exponent fraction": "\\boxed{\\dfrac{5^{\\left(5^{\\left(5^{\\left(5^5\\right)}\\right)} - 4\\right)} - 5}{16}}",
+    "nested exponent fraction":
+        "\\boxed{\\dfrac{5^{\\left(5^{\\left(5^{\\left(5^5\\right)}\\right)} - 4\\right)} - 5}{16}}",
     "deeply nested fractions": "\\boxed{" + "\\frac{1}{" * 60 + "2" + "}" * 60 + "}",
     "nested fractions over the length cap": "\\boxed{" + "\\frac{1}{" * 120 + "2" + "}" * 120 + "}",
     "deeply nested parentheses": "\\boxed{" + "(" * 400 + "1" + ")" * 400 + "}",

@@ -1,9 +1,10 @@
 """The memory plan's train-phase formulas (fspo/runtime/launch/memory_components.py: activations, logits) against
 the bytes the real forward + backward of fspo/update/logprobs.py holds on CPU: the tensors saved for
 backward (autograd's saved-tensor hooks, each storage once, parameters left out) for the layers, and the
-saved plus temporary bytes at the peak (torch's MemTracker) for the head. The plan must never be below what is measured (a plan that fits and then runs out of memory is the
-failure this guards: on an H100 a Qwen3-1.7B-shaped step planned at 63.5 GiB ran out at 79 GiB with the
-earlier formulas, about half of these) and not far above it.
+saved plus temporary bytes at the peak (torch's MemTracker) for the head. The plan must never be below what
+is measured (a plan that fits and then runs out of memory is the failure this guards: on an H100 a
+Qwen3-1.7B-shaped step planned at 63.5 GiB ran out at 79 GiB with formulas about half of these) and not far
+above it.
 
 Measured per layer as the difference between a 4-layer and a 2-layer model (the embedding, the head and
 the batch are the same), per head as the difference between two vocabularies."""

@@ -1,8 +1,9 @@
-"""What the memory plan used to leave out (fspo/runtime/launch/memory_overheads.py), on hand-computed numbers.
+"""The memory plan's overheads beyond weights, states and activations (fspo/runtime/launch/memory_overheads.py),
+on hand-computed numbers.
 
 - The longest sequence: a sequence longer than ``ppo.micro_batch_max_tokens`` runs alone in its micro-batch
-  (fspo/update/packing.py), so activations and logits are sized for max(budget, prompt + response). Before,
-  the 1.7B paper preset (budget 8,192, sequences up to 20,000 tokens) was planned at 8,192 tokens.
+  (fspo/update/packing.py), so activations and logits are sized for max(budget, prompt + response); the
+  1.7B paper preset (budget 8,192, sequences up to 20,000 tokens) is planned at 20,000 tokens, not 8,192.
 - On a GPU: the CUDA context, NCCL's buffers (W > 1), vLLM's CUDA-graph pool, fragmentation; under FSDP the
   root's unsharded gradients plus the reduce-scatter input; everywhere: the gathered rollout batch.
 """

@@ -101,7 +101,8 @@ def test_check_refuses_a_layout_that_cannot_fit():
     # 8 GiB (7.2 usable): 2 ranks with checkpointing need 0.75 resident + 0.14 gathered + 0.19 snapshot + 0.40
     # activations (8192 x 2 B x 768 x 12 layer inputs + one layer 8192 x 2 x 16,896) + 5.37 logits
     # (8192 x 32000 x 22 B) = 6.85 GiB; without checkpointing 6.19 GiB of activations alone
-    with pytest.raises(MemoryPlanError, match=r"exceeds 0.90 x 8.00 GiB .*would fit with FSDP over 2 GPUs \(trainer=fsdp "
+    with pytest.raises(MemoryPlanError,
+                       match=r"exceeds 0.90 x 8.00 GiB .*would fit with FSDP over 2 GPUs \(trainer=fsdp "
                        r"trainer.devices=2 trainer.strategy.activation_checkpointing=true\)"):
         check_memory_plan(cfg, available=2 ** 33)
     plan = check_memory_plan(cfg, available=2 ** 40)
@@ -136,7 +137,7 @@ def test_train_refuses_before_the_model_loads_or_mlflow_opens(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # refused before the tracking store was opened
 
 
-# ------------------------------------------------------------------ issue 29: per-rank device, dry run, what fits
+# ------------------------------------------------------------------ per-rank device, dry run, what fits
 QWEN3_8B = ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       tied=False)
 
@@ -209,7 +210,8 @@ def test_what_would_fit_is_the_fewest_ranks():
     assert plan_memory(QWEN3_8B, x).peak > budget
     assert what_would_fit(QWEN3_8B, x, budget) == \
         "FSDP over 8 GPUs (trainer=fsdp trainer.devices=8 trainer.strategy.activation_checkpointing=true)"
-    at = lambda w, ac: plan_memory(QWEN3_8B, replace(x, ranks=w, compute_bytes=2, kv_bytes=2, activation_checkpointing=ac,
+    at = lambda w, ac: plan_memory(QWEN3_8B,
+                                   replace(x, ranks=w, compute_bytes=2, kv_bytes=2, activation_checkpointing=ac,
                                                      kv_rows=x.kv_rows // w)).peak  # noqa: E731
     # 2 ranks: resident (4 + 4 + 8) N / 2 and the snapshot alone exceed 72 GiB; 4 ranks with checkpointing do
     # too (77.3 GiB) with FSDP's unsharded root gradients and reduce-scatter buffer (1.25B x (2 + 4) B = 7.0 GiB)
@@ -306,9 +308,10 @@ def test_dry_run_prints_every_component_in_process(capsys):
 
 def test_a_real_models_arch_builds_with_random_weights():
     """``+model=qwen3_1_7b model.source=random`` (a GPU smoke run without the hub): its ``arch:`` block names
-    ``tie_word_embeddings``, which the random builder used to pass twice (a TypeError before any work)."""
+    ``tie_word_embeddings``, which the random builder must pass once (twice is a TypeError before any work)."""
     from fspo.models.tiny import tiny_qwen3_config
 
     cfg = compose_config(["+model=qwen3_1_7b", "model.source=random"])
     assert model_shape(cfg.model).params == 1_720_574_976
-    assert tiny_qwen3_config(hidden_size=64, num_attention_heads=2, head_dim=32, tie_word_embeddings=False).tie_word_embeddings is False
+    assert tiny_qwen3_config(hidden_size=64, num_attention_heads=2, head_dim=32,
+                             tie_word_embeddings=False).tie_word_embeddings is False

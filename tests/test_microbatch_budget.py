@@ -1,7 +1,7 @@
 """Token-budget micro-batching (``ppo.micro_batch_max_tokens``, verl's use_dynamic_bsz with
 ppo_max_token_len_per_gpu) leaves the loss and the gradient of every optimizer step unchanged.
 
-Issue 29 item 9. Each mini-batch is split into micro-batches by a token budget; each micro-batch's
+Each mini-batch is split into micro-batches by a token budget; each micro-batch's
 loss is aggregated with the MINI-BATCH's denominators (its total response tokens for token-mean, its
 sequence count for the seq-mean modes, its response width for seq-mean-token-sum-norm), so the
 micro-batch losses and gradients sum to the unsplit mini-batch's. Checked here through the real

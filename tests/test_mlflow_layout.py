@@ -1,4 +1,4 @@
-"""The MLflow layout of a training run (issue 20 item 5): few chart sections, settings as params,
+"""The MLflow layout of a training run: few chart sections, settings as params,
 distinct descriptive run names, the experiment's description, the LRE-by-step figure, and the report
 reading the new key layout back.
 
@@ -150,7 +150,7 @@ def test_two_tiny_runs_layout(tmp_path):
     assert not [k for k in metrics if "n_seq" in k and not k.startswith("zz counts/")]
     assert any(k.startswith("clip/seq_frac.len_") for k in metrics)  # per-bin series inside `clip`
     assert any(k.startswith("run/clip.seq_frac.len_") for k in metrics)
-    # the run's length law (issue 30 item 2): std(S_L) ~ c L^gamma over its length bins, and the Q-Q R^2
+    # the run's length law: std(S_L) ~ c L^gamma over its length bins, and the Q-Q R^2
     assert {"run/logratio.std_exponent", "run/logratio.std_exponent_r2", "run/logratio.qq_r2"} <= set(metrics)
     plots = {a.path for a in client.list_artifacts(first, "plots")}
     assert {"plots/lre_by_step.png", "plots/clip_fraction_by_length.png"} <= plots

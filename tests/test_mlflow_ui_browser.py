@@ -1,4 +1,4 @@
-"""The URL printed at the end of a default run opens the runs list in a real browser (issue 34).
+"""The URL printed at the end of a default run opens the runs list in a real browser.
 
 A tiny run (experiments/run.py, the SMALL settings) ends on its summary block; `mlflow ui` serves the
 run's SQLite store on a free loopback port; headless Chromium (Debian package ``chromium``) loads
@@ -22,7 +22,8 @@ from conftest import REPO, SMALL, free_port
 from fspo.tracking.run_summary import RULE, UI_URL
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed")]
+pytestmark = [pytest.mark.slow, pytest.mark.docs,
+              pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed")]
 
 
 def _dom(url: str) -> str:
@@ -59,7 +60,8 @@ def test_printed_url_opens_the_runs_list(tmp_path):
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    ui = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{tmp_path / 'store.db'}",
+    ui = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri",
+                           f"sqlite:///{tmp_path / 'store.db'}",
                            "--port", str(port), "--workers", "1"], cwd=tmp_path, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

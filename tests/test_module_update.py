@@ -5,7 +5,7 @@ logger, no checkpoints) with a callback that puts a hand-built `RolloutBatch` in
 in ``on_train_batch_start`` — the same hand-off `fspo.rollout.callback.RolloutCallback` uses — and a
 callback that copies every parameter's gradient in ``on_before_optimizer_step`` (called for
 manual optimization too). This uses only Lightning's public hooks and the module's documented
-batch contract, so it survives refactors of the module's private helpers (calling `_update` with a
+batch contract, so it survives refactors of the module's private functions (calling `_update` with a
 dummy optimizer would need `manual_backward` to work outside a Trainer, which it does not).
 
 The micro-batching test swaps AdamW for plain SGD (a subclass overriding only
@@ -96,7 +96,8 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
                policy_lag: int = 0, **ppo):
     """One RL step (``B / mini_batch_size`` optimizer updates) on ``rollout``; returns
     (module, recorded gradients, logged metrics)."""
-    settings = dict(mini_batch_size=4, mini_batch_unit="sequences", micro_batch_max_tokens=8192, lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
+    settings = dict(mini_batch_size=4, mini_batch_unit="sequences", micro_batch_max_tokens=8192,
+                    lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
     settings.update(ppo)
     bins = LengthBins(width=4, max_len=12)
     clip = instantiate(OmegaConf.load(CONF / "clip" / f"{clip_name}.yaml"))
@@ -306,7 +307,7 @@ def test_old_log_prob_pass_size(mini_batch_size, epochs, rows):
 
 
 def test_engine_old_log_probs_first_minibatch_is_measured():
-    """Issue 30 item 6 (the stale first batch). Under ``rollout.overlap`` the batch was sampled by the
+    """The stale first batch. Under ``rollout.overlap`` the batch was sampled by the
     engine's weights ``policy_lag`` steps behind and its old log-probs are the engine's: the first
     mini-batch's ratio is against that behaviour policy, so it is NOT on-policy: with one update per
     step its band, LRE and log-ratio statistics are measured and fspo_ema's sigma-hat moves.

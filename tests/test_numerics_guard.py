@@ -1,5 +1,6 @@
 """Guarded numerics and logging start-up: nothing non-finite reaches the optimizer, one bad reward
-sample is scored 0 and counted (a NaN or an always-failing reward stops the run: test_reward_guard.py), and an unreachable MLflow server fails fast (or falls back when asked).
+sample is scored 0 and counted (a NaN or an always-failing reward stops the run: test_reward_guard.py), and an
+unreachable MLflow server fails fast (or falls back when asked).
 
 Owns: NaN log-probs injected at one step (skipped and counted with ``ppo.nonfinite=skip``; a clear
 error with the previous checkpoint intact with ``raise``), ``guarded_reward`` (a raising or NaN
@@ -144,7 +145,8 @@ def test_bad_reward_samples_are_logged_and_training_goes_on(compose_cfg, monkeyp
     from fspo.train import train
 
     cfg = compose_cfg(BASE + ["steps=1", "val.size=0", f"reward._target_={__name__}.PoisonReward",
-                              "reward_guard.max_error_frac=0.5"])  # some raising samples tolerated (test_reward_guard.py)
+                              # some raising samples tolerated (test_reward_guard.py)
+                              "reward_guard.max_error_frac=0.5"])
     source = instantiate(cfg.data.train)
     first = next(iter(PromptStepSampler(len(source), int(cfg.prompts_per_step), 1, int(cfg.seed))))
     answers = [source[i].answer for i in first]

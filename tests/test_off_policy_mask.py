@@ -86,7 +86,8 @@ def test_bad_settings(kw, match):
 
 
 def test_config_accepts_the_mask_with_engine_old_log_probs():
-    check_config(compose_config(["rollout_correction.off_policy_mask=sqrt", "rollout_correction.off_policy_threshold=0.5"]))
+    check_config(compose_config(["rollout_correction.off_policy_mask=sqrt",
+                                 "rollout_correction.off_policy_threshold=0.5"]))
 
 
 def test_rlmodule_step_masked_sequence_equals_zero_advantage():

@@ -49,7 +49,8 @@ def test_packed_micro_batches_respect_the_budget_and_cover_every_sequence():
     # slots: the narrowest of the fewest wins; a budget below the longest still gives the longest
     assert row_width(lengths, 20) == 10 and row_width(lengths, 4) == 10
     assert row_width(lengths, 20, row_factor=1.7) == 10
-    skew = torch.tensor([10, 6, 6, 6])  # widths 10 / 12 / 15 / 17 / 20: 4 / 3 / 3 / 2 / 2 rows -> 40 / 36 / 45 / 34 / 40
+    # widths 10 / 12 / 15 / 17 / 20: 4 / 3 / 3 / 2 / 2 rows -> 40 / 36 / 45 / 34 / 40
+    skew = torch.tensor([10, 6, 6, 6])
     assert row_width(skew, 100) == 17 and row_width(skew, 100, tolerance=0.06) == 12
     assert row_width(skew, 11) == 10  # budget 11: widths 10 / 11 -> 40 / 44 slots
     assert row_width(skew, 100, row_factor=1.0) == 10

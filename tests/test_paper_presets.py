@@ -152,7 +152,7 @@ def test_preset_with_method_has_the_papers_values(preset, method):
         assert c["run_name"] == f"{preset}_{method}" and c["ppo"]["autocast"] == "bf16"  # one device: autocast
     else:  # a sharded layout: FSDP2 computes in bf16
         assert c["trainer"]["strategy"]["mixed_precision"] == "bf16"
-    assert c["model"]["dtype"] == "float32"  # master weights and AdamW state (issue 29: bf16 ones round lr 1e-6 away)
+    assert c["model"]["dtype"] == "float32"  # master weights and AdamW state (bf16 ones round lr 1e-6 away)
     assert c["data"]["max_prompt_len"] == 2000 and c["rollout"]["sampling"]["max_new_tokens"] == 18000
     assert c["prompts_per_step"] == 128 and c["rollout"]["sampling"]["n"] == 16  # 2,048 sequences per step
     assert c["ppo"]["mini_batch_size"] == 32 and c["ppo"]["mini_batch_unit"] == "prompts" and c["ppo"]["epochs"] == 1

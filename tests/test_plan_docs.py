@@ -1,6 +1,6 @@
 """The dry-run outputs and plan tables in docs/ are the code's (benchmarks/plan_docs.py): each page
-rendered again equals the page. Before, docs/gpus.md showed a peak of 85.76 GiB for a command whose code
-printed 95.09 GiB. To refresh after a change to the plan: ``python benchmarks/plan_docs.py``."""
+rendered again equals the page, so a page never shows a peak the command does not print. To refresh after a
+change to the plan: ``python benchmarks/plan_docs.py``."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 
 from conftest import REPO
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
 
 _spec = importlib.util.spec_from_file_location("plan_docs", REPO / "benchmarks" / "plan_docs.py")
 plan_docs = importlib.util.module_from_spec(_spec)

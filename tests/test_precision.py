@@ -1,5 +1,5 @@
-"""Float32 master weights (issue 29 item 1): the rounding that makes bf16 weights learn nothing at lr 1e-6,
-its refusal before any work, the engine's generation dtype (item 7), and ``train/update_ratio`` by hand.
+"""Float32 master weights: the rounding that makes bf16 weights learn nothing at lr 1e-6,
+its refusal before any work, the engine's generation dtype, and ``train/update_ratio`` by hand.
 
 fspo/runtime/launch/precision.py and fspo/update/update_ratio.py; the end-to-end checks (every method logs
 update_ratio > 0 at every step; 2 FSDP ranks equal one process) are in tests/test_train_methods.py and

@@ -1,4 +1,4 @@
-"""No process outlives its run, no wait lasts forever (issue 33, items 7 and 8).
+"""No process outlives its run, no wait lasts forever.
 
 Owns: the end-to-end kill -9 of a real ``rollout.overlap.enable=true`` run (experiments/run.py in its own
 session, SIGKILLed once its engine answered; every process of the session must be gone within seconds),
@@ -98,7 +98,8 @@ def test_kill_9_of_an_overlap_trainer_leaves_no_process_alive(tmp_path):
 def _overlap_run(tmp_path, steps: int, extra=(), resume=False) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     args = [o for o in SMALL if not o.startswith("steps")] + [f"steps={steps}", "val.size=0",
-                                                               "rollout.overlap.enable=true", "ppo.old_log_probs=engine",
+                                                               "rollout.overlap.enable=true",
+                                                               "ppo.old_log_probs=engine",
                                                                "checkpoint.every_n_steps=100", *extra]
     log = open(tmp_path / f"run{int(resume)}.log", "w")
     return subprocess.Popen([sys.executable, str(REPO / "experiments" / "run.py"), *args,

@@ -53,4 +53,5 @@ def test_a_pending_line_is_never_lost(caplog):
 
 def test_one_name_for_the_binding_clip_fraction():
     console = {key: name for key, name, _ in FIELDS}
-    assert console["clip/seq_frac"] == "binding clip" and HEADLINE_KEYS["clip/seq_frac"].endswith("binding clip fraction")
+    assert console["clip/seq_frac"] == "binding clip"
+    assert HEADLINE_KEYS["clip/seq_frac"].endswith("binding clip fraction")

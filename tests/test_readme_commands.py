@@ -1,4 +1,4 @@
-"""The README's commands run as written (issue 35), shortened where a full run would take minutes: the main
+"""The README's commands run as written, shortened where a full run would take minutes: the main
 job and the one-override examples get ``steps=2 val.size=8`` (and a folder and store of the test's own), and
 the end-of-run block the README shows is the one printed. The set-up commands are what .ci/run runs; the
 MLflow UI command is opened in a browser by tests/test_mlflow_ui_browser.py; hub/local-weight lines
@@ -15,6 +15,8 @@ import sys
 import pytest
 
 from conftest import REPO
+
+pytestmark = pytest.mark.docs  # a check of the docs and layout (runs by default; -m docs selects them)
 
 SHORT = ["steps=2", "val.size=8", "val.every_n_steps=2", "prompts_per_step=4", "rollout.sampling.n=2",
          "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=48"]
@@ -37,7 +39,8 @@ def _run(cmd: str, tmp_path, name: str) -> str:
     argv = shlex.split(cmd)  # run from a scratch folder (the relative paths of the repo root), so stores stay there
     out = tmp_path / name
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:], *SHORT, f"output_dir={out}"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:], *SHORT, f"output_dir={out}"], cwd=tmp_path,
+                          env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr

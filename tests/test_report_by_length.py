@@ -61,7 +61,8 @@ def test_flatness_skips_thin_bins_and_reports_the_noise_floor():
 def test_by_length_markdown():
     rows = by_length_rows({"fspo": RUNS}, min_count=50)
     md = by_length_markdown(rows, min_count=50)
-    assert "| Method | n | 16-32 | 32-48 | 224-inf | max - min (bins with n >= 50; largest se) | pooled LRE (noise floor) |" in md
+    assert ("| Method | n | 16-32 | 32-48 | 224-inf | max - min (bins with n >= 50; largest se) "
+            "| pooled LRE (noise floor) |") in md
     assert "| fspo | 2 | 0.300<br>n=200 | 0.300<br>n=50 | (0.500<br>n=3) | 0.000 (2 bins; se 0.046) | " in md
 
 

@@ -18,7 +18,8 @@ def _arm(rng, band, n_prompts=480, g=8, sigma=0.01, knock=False):
     S = rng.normal(0, sd)
     out = lb.outside_of(band, L, S).astype(float) if band is not None else np.zeros_like(L)
     steps = np.repeat(np.arange(n_prompts) // 12, g)
-    return {"step": steps, "update": 1 + np.repeat(np.arange(n_prompts) % 3, g), "group": np.repeat(np.arange(n_prompts) % 12, g),
+    return {"step": steps, "update": 1 + np.repeat(np.arange(n_prompts) % 3, g),
+            "group": np.repeat(np.arange(n_prompts) % 12, g),
             "length": L, "s": S, "d2": sigma ** 2 * L, "adv": np.zeros_like(L), "out": out}
 
 

@@ -28,7 +28,8 @@ from fspo.runtime.checkpoints.files import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 2
-ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4",
+ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
+        "ppo.mini_batch_unit=sequences", "ppo.lr=5e-4",
         "rollout.sampling.max_new_tokens=24", "val.size=8", "val.every_n_steps=3", f"checkpoint.every_n_steps={EVERY}",
         "checkpoint.keep_last=10", "seed=7", f"reward._target_={__name__}.DigitReward"]
 NOISY = ("time/", "perf/")  # wall-clock metrics: present in both runs, values differ

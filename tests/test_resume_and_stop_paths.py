@@ -7,7 +7,7 @@ untouched); a checkpoint write that fails on a full disk leaves no ``.partial``;
 for its next checkpoint is refused up front; ``checkpoints/`` replaced by a file mid-run; ``export_lora`` on
 non-torch and crafted files, a pickle ``pytorch_model.bin`` in ``model.path``, a malformed ``run_config.yaml``
 given to evaluate (one line each, nothing run); every ``from_pretrained`` passes ``trust_remote_code=False``.
-Leaves out: stop signals themselves (test_stop_outside_fit.py, test_continue_command.py).
+Leaves out: stop signals themselves (test_signals.py, test_continue_command.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from fspo.runtime.checkpoints.resume import ResumePlan, check_room
 from fspo.runtime.checks.errors import user_error
 from fspo.runtime.checks.run_config import RUN_CONFIG_FILE, resume_config, save_run_config
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+       "OMP_NUM_THREADS": "1"}
 
 
 def _one_line(exc: BaseException) -> str:

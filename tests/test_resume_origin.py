@@ -1,4 +1,4 @@
-"""Resuming another run's checkpoint into a new output_dir (issue 33, item 11): a new MLflow run, tagged
+"""Resuming another run's checkpoint into a new output_dir: a new MLflow run, tagged
 with where it came from; the run that made the checkpoint is left untouched.
 
 Owns: two real training runs on one MLflow SQLite store (run A writes a checkpoint; run B starts in another
@@ -53,7 +53,7 @@ def _history(client, rid, key="m"):
 
 
 def test_overlap_resume_replaces_the_rerun_steps_values(compose_cfg, tmp_path):
-    """Issue 33 item 12: with rollout.overlap the steps a resume re-runs log new values; they replace the
+    """With rollout.overlap the steps a resume re-runs log new values; they replace the
     killed attempt's (a synchronous resume keeps the first values: they are identical)."""
     from mlflow.tracking import MlflowClient
 

@@ -1,4 +1,4 @@
-"""Rewards that cannot teach stop the run (issue 33, item 10): NaN, failing on every sample, raising too often.
+"""Rewards that cannot teach stop the run: NaN, failing on every sample, raising too often.
 
 Owns: `check_reward_health`'s policy on hand-made counts, `guarded_reward`'s ``raised`` flags, the real
 training loop on rewards that return NaN / always raise / raise on some samples (with and without

@@ -212,7 +212,8 @@ def test_diagnostics_by_length_bin_and_lre():
     assert m["rollout_corr/token_std"] == pytest.approx(s, rel=0.02)
     assert m["rollout_corr/lre"] > 0.15 > 0.05 > out["seq_fair_mask"]["rollout_corr/lre"]
     c = corr("seq_mask")
-    assert c.compute_metrics() == {"rollout_corr/band_m": 0.0, "rollout_corr/band_s": 0.0}  # nothing seen: no per-bin keys
+    # nothing seen: no per-bin keys
+    assert c.compute_metrics() == {"rollout_corr/band_m": 0.0, "rollout_corr/band_s": 0.0}
 
 
 def test_corrections_need_recompute_and_temperature_one():

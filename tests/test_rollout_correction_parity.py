@@ -84,7 +84,8 @@ def test_verl_modes_by_hand():
     # threshold "0.5_4" bounds exp(-S) (k1 = -log ratio): keep -log 4 <= S <= log 2 -> S = -1.1 and -0.2
     torch.testing.assert_close(ours(old, engine, mask, "seq_mask", 2.0, 0.25), col([0.0, 1.0, 0.0, 1.0]))
     # rollout_is=sequence, threshold 2.0 (TIS): min(e^S, 2)
-    torch.testing.assert_close(ours(old, engine, mask, "seq_is", 2.0), col([2.0, E(-1.1), 2.0, E(-0.2)]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours(old, engine, mask, "seq_is", 2.0), col([2.0, E(-1.1), 2.0, E(-0.2)]), rtol=1e-6,
+                               atol=1e-7)
     # rollout_is=sequence, threshold "0.5_3" (IcePop): e^S inside [0.5, 3], else 0
     torch.testing.assert_close(ours(old, engine, mask, "seq_masked_is", 3.0, 0.5), col([E(0.9), 0.0, 0.0, E(-0.2)]),
                                rtol=1e-6, atol=1e-7)

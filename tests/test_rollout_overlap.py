@@ -1,4 +1,4 @@
-"""Pipelined rollouts (``rollout.overlap``, issue 21): the engine process, its weight slots, the
+"""Pipelined rollouts (``rollout.overlap``): the engine process, its weight slots, the
 pipeline's schedule and staleness, a real run with overlap on, its resume, and the refused settings.
 
 The engine-process tests spawn the real child (fspo/rollout/async_engine.py) on the tiny Qwen3. The
@@ -74,7 +74,9 @@ def test_each_request_uses_the_weights_of_its_slot(engine):
 def test_child_errors_come_back_with_their_traceback(engine):
     eng, _ = engine
     eng.submit(0, [[5] * 600], SamplingConfig(n=1, max_new_tokens=4, seed=0))  # beyond max_position_embeddings
-    with pytest.raises(RuntimeError, match="the rollout engine process failed: ValueError: prompt length 600 .*max_position_embeddings"):
+    with pytest.raises(RuntimeError,
+                       match="the rollout engine process failed: ValueError: prompt length 600 "
+                             ".*max_position_embeddings"):
         eng.result()
 
 
@@ -149,7 +151,8 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
 
     out, db = tmp_path / "out", tmp_path / "mlflow.db"
     args = [sys.executable, str(ROOT / "experiments" / "run.py"), "prompts_per_step=8", "rollout.sampling.n=4",
-            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=40", "ppo.lr=5e-4", "val.size=4",
+            "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=40",
+            "ppo.lr=5e-4", "val.size=4",
             "val.every_n_steps=100",
             "rollout.overlap.enable=true", f"hydra.run.dir={out}", f"logger.tracking_uri=sqlite:///{db}",
             "checkpoint.every_n_steps=1"]
@@ -162,7 +165,7 @@ def test_run_with_overlap_trains_logs_and_resumes(tmp_path):
     gap = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "rollout/logprob_gap")}
     assert sorted(gap) == [0, 1, 2, 3, 4]
     assert gap[0] < 1e-5 < min(gap[1], gap[2])  # float32 noise at step 0; a policy lag after
-    # issue 30 (the stale first batch): a stale step measures all 4 mini-batches of 8 (32 sequences), a step
+    # the stale first batch: a stale step measures all 4 mini-batches of 8 (32 sequences), a step
     # whose request used the current weights (0, and 3: the resumed pipeline starts over) only the last 3
     from fspo.diagnostics.metric_keys import display_key  # counts are shown in the last chart section
 

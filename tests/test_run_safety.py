@@ -1,4 +1,4 @@
-"""Runs that never lose work (issue 19, defects 1-4): one run per output folder, damaged checkpoints
+"""Runs that never lose work: one run per output folder, damaged checkpoints
 detected and moved aside, no silent fresh start, and a resumed run keeps its own config.
 
 Owns: the output-folder lock (fspo/runtime/checks/run_lock.py: a second run exits at once naming the holder; a
@@ -7,7 +7,7 @@ killed holder's lock is taken over), checkpoint checksums (fspo/runtime/checkpoi
 touched; ``resume=fresh``; older checkpoints without manifest load unverified), the non-finite guard
 after loading, and the resumed config (fspo/runtime/checks/run_config.py: saved config restored, experiment-changing
 overrides refused, allowed ones recorded). The end-to-end cases run `experiments/run.py` as
-subprocesses on the tiny model (helpers from test_resume.py). Leaves out: kill -9 / exact resume
+subprocesses on the tiny model (functions from test_resume.py). Leaves out: kill -9 / exact resume
 (test_resume.py) and signals (test_signals.py).
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ def corrupt_weights(ckpt: Path) -> str:
     return key
 
 
-# ------------------------------------------------------------------ defect 1: the output-folder lock
+# ------------------------------------------------------------------ the output-folder lock
 def test_lock_refuses_a_second_holder_and_is_taken_over_after_kill9(tmp_path, caplog):
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=_env(), stdout=subprocess.PIPE, text=True)
@@ -131,7 +131,7 @@ def test_lock_refuses_a_second_holder_and_is_taken_over_after_kill9(tmp_path, ca
 
 @pytest.mark.slow
 def test_second_run_in_the_same_output_dir_exits_at_once_and_touches_nothing(tmp_path):
-    """Issue 19.1: seeds 1 and 2, same output_dir, a checkpoint every step."""
+    """Two runs in one folder: seeds 1 and 2, same output_dir, a checkpoint every step."""
     out = tmp_path / "out"
     args = BASE + ["steps=4", "checkpoint.every_n_steps=1"]
     first = launch(tmp_path, out, "seed1.log", args + ["seed=1"])
@@ -157,7 +157,7 @@ def test_second_run_in_the_same_output_dir_exits_at_once_and_touches_nothing(tmp
     assert (out / LOCK_FILE).read_text() == ""
 
 
-# ------------------------------------------------------------------ defects 2-3: checksums
+# ------------------------------------------------------------------ checksums
 def test_manifest_verifies_files_and_shard_folders(tmp_path):
     f = tmp_path / "step_000002.ckpt.partial"
     torch.save({"w": torch.arange(100.0)}, f)
@@ -290,18 +290,33 @@ def test_nonfinite_parameters_after_loading_stop_and_move_the_checkpoint_aside(c
     assert all(torch.isfinite(v).all() for v in policy_state(ck / "step_000003.ckpt").values())
 
 
+def _in_process_cfg(tmp_path, out, args):
+    """The config experiments/run.py composes from ``args``, with folder ``out`` and store ``tmp/mlflow.db``."""
+    from conftest import compose_config
+
+    return compose_config(args, output_dir=out, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                          artifact_location=tmp_path / "artifacts")
+
+
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
-    """Issue 19.2: bytes overwritten inside the newest checkpoint (loads as NaN weights)."""
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog, capfd):
+    """A damaged checkpoint: bytes overwritten inside the newest checkpoint (loads as NaN weights). In process
+    (`fspo.train.train`, as experiments/run.py calls it)."""
+    from fspo.train import train
+
     out = tmp_path / "out"
     args = BASE + ["steps=4", "checkpoint.every_n_steps=2", "seed=3"]
-    run_ok(tmp_path, out, "first.log", args)
+    train(_in_process_cfg(tmp_path, out, args))
     newest = out / "checkpoints" / "step_000004.ckpt"
     corrupt_weights(newest)
     damaged = newest.read_bytes()
-    log = run_ok(tmp_path, out, "resume.log", args[:-3] + args[-2:] + ["steps=6", "resume=auto"])  # allowed change
-    assert "skipping damaged checkpoint" in log and "step_000004.ckpt does not match its SHA-256" in log
-    assert f"continuing from {out / 'checkpoints' / 'step_000002.ckpt'} (step 2)" in log
+    capfd.readouterr()
+    caplog.clear()
+    caplog.set_level("INFO")
+    train(_in_process_cfg(tmp_path, out, args[:-3] + args[-2:] + ["steps=6", "resume=auto"]))  # allowed change
+    log = caplog.text + "".join(capfd.readouterr())
+    assert "skipping damaged checkpoint" in log and "step_000004.ckpt does not match its SHA-256" in log, log[-3000:]
+    assert f"continuing from {out / 'checkpoints' / 'step_000002.ckpt'} (step 2)" in log, log[-3000:]
     assert (out / "checkpoints" / "damaged" / "step_000004.ckpt").read_bytes() == damaged  # moved aside, intact
     ckpts = list_checkpoints(out / "checkpoints")
     assert [p.name for p in ckpts] == ["step_000002.ckpt", "step_000004.ckpt", "step_000006.ckpt"]
@@ -311,27 +326,36 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
 
 @pytest.mark.slow
 def test_all_checkpoints_unreadable_exit_nonzero_and_keep_them(tmp_path):
-    """Issue 19.3: every checkpoint truncated -> an error, not a silent fresh start; resume=fresh starts over."""
+    """No silent fresh start: every checkpoint truncated -> an error, not a fresh start; resume=fresh starts over.
+    In process (`fspo.train.train`, as experiments/run.py calls it); the error's console line is `user_error`'s."""
+    from fspo.runtime.checks.errors import user_error
+    from fspo.train import train
+
     out = tmp_path / "out"
     args = BASE + ["steps=2", "checkpoint.every_n_steps=1", "seed=3"]
-    run_ok(tmp_path, out, "first.log", args)
+
+    def cfg(extra=()):
+        return _in_process_cfg(tmp_path, out, [*args, *extra])
+
+    train(cfg())
     old_run = (out / "mlflow_run_id").read_text().strip()
     for p in list_checkpoints(out / "checkpoints"):
         with open(p, "r+b") as f:
             f.truncate(1000)
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    rc, log = run(tmp_path, out, "auto.log", args + ["resume=auto"])
-    assert rc == 2, log[-3000:]
-    last = log.strip().splitlines()[-1]
-    assert last.startswith("error: CheckpointCorrupt: resume=auto: no checkpoint in") and "resume=fresh" in last, last
+    with pytest.raises(CheckpointCorrupt) as e:
+        train(cfg(["resume=auto"]))
+    last = user_error(e.value)
+    assert last.startswith("CheckpointCorrupt: resume=auto: no checkpoint in") and "resume=fresh" in last, last
+    assert "\n" not in last
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
-    run_ok(tmp_path, out, "fresh.log", args + ["resume=fresh"])
+    train(cfg(["resume=fresh"]))
     assert sorted(p.name for p in (out / "checkpoints" / "damaged").iterdir()) == sorted(before)
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000001.ckpt", "step_000002.ckpt"]
     assert (out / "mlflow_run_id").read_text().strip() != old_run
 
 
-# ------------------------------------------------------------------ defect 4: the run's config on resume
+# ------------------------------------------------------------------ the run's config on resume
 def _saved(tmp_path, **over) -> OmegaConf:
     base = {"seed": 1, "steps": 30, "prompts_per_step": 8, "output_dir": str(tmp_path), "resume": None,
             "cpu_threads": 1, "val": {"size": 16, "every_n_steps": 20}, "tags": {"mlflow.parentRunId": "p"},
@@ -378,8 +402,9 @@ def test_resume_restores_saved_config_and_refuses_experiment_changes(tmp_path, c
 
 @pytest.mark.slow
 def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
-    """Issue 19.4: started with steps=8 prompts_per_step=4 val.size=4 (and the test's model/reward), stopped
-    with SIGUSR1, resumed with only resume=auto (plus the folder and store): the same experiment goes on."""
+    """A resume keeps the run's config: started with steps=8 prompts_per_step=4 val.size=4 (and the test's
+    model/reward), stopped with SIGUSR1, resumed with only resume=auto (plus the folder and store): the same
+    experiment goes on."""
     out, db = tmp_path / "out", tmp_path / "mlflow.db"
     first = launch(tmp_path, out, "first.log", BASE + ["steps=8", "checkpoint.every_n_steps=0", "seed=3"])
     deadline = time.monotonic() + 300
@@ -393,7 +418,7 @@ def test_resume_auto_alone_continues_the_saved_experiment(tmp_path):
     rows = metric_rows(db)
 
     # the run's reward is this test module's class, not fspo's: a stored config may only instantiate it when
-    # the command line names it again (issue 33 item 5); without that, one line says so and nothing is touched
+    # the command line names it again; without that, one line says so and nothing is touched
     rc, log = run(tmp_path, out, "untrusted.log", ["resume=auto"])
     assert rc == 2 and log.strip().splitlines()[-1].startswith("error: UntrustedTarget: reward._target_="), log[-3000:]
     assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == stopped
@@ -440,7 +465,7 @@ def test_evaluation_reads_the_runs_own_config_and_skips_damaged_checkpoints(tmp_
 
 
 def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
-    """Issue 22: a run saved when the classes lived in flat modules (``fspo.module.PPOConfig``,
+    """A run saved when the classes lived in flat modules (``fspo.module.PPOConfig``,
     ``fspo.guard.DivergenceGuard``, ``fspo.distributed.FSDP2Strategy``) resumes: the saved targets are
     read as the new paths, which is not a change of the experiment."""
     from fspo.runtime.checks.run_config import LEGACY_TARGETS, upgrade_legacy_targets
@@ -457,7 +482,8 @@ def test_resume_reads_a_config_saved_before_the_regrouping(tmp_path):
                             "trainer": {"strategy": {"_target_": "fspo.runtime.launch.distributed.FSDP2Strategy"}},
                             "callbacks": [{"_target_": "fspo.runtime.checks.run_lock.LockOutputDir"}]})
     cfg = resume_config(new, ResumePlan(ckpt_path=None, step=3, run_id="r"), tmp_path, overrides=["resume=auto"])
-    assert cfg.ppo._target_ == "fspo.update.settings.PPOConfig" and cfg.guard._target_ == "fspo.update.guard.DivergenceGuard"
+    assert cfg.ppo._target_ == "fspo.update.settings.PPOConfig"
+    assert cfg.guard._target_ == "fspo.update.guard.DivergenceGuard"
     assert cfg.trainer.strategy._target_ == "fspo.runtime.launch.distributed.FSDP2Strategy"
     assert cfg.callbacks[0]._target_ == "fspo.runtime.checks.run_lock.LockOutputDir"
     # every new path the map names exists
@@ -484,7 +510,7 @@ def test_resume_of_another_method_does_not_take_the_default_methods_keys(tmp_pat
 
 
 def test_a_deleted_manifest_is_named_with_what_was_and_was_not_verified(tmp_path, caplog):
-    """Issue 33 item 13: not 'written by an older version' when its neighbours have manifests."""
+    """A checkpoint without a manifest is not 'written by an older version' when its neighbours have manifests."""
     ck = tmp_path / "checkpoints"
     _ckpt(ck, 2)
     last = _ckpt(ck, 4)

@@ -33,7 +33,8 @@ def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
         ("open with", f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}")
     assert open_hint("sqlite:////data/m.db") == ("open with", "mlflow ui --backend-store-uri sqlite:////data/m.db")
     assert open_hint("./mlruns") == ("open with", f"mlflow ui --backend-store-uri file://{tmp_path / 'mlruns'}")
-    assert open_hint("file:///data/mlruns", "0", "r") == ("open with", "mlflow ui --backend-store-uri file:///data/mlruns")
+    assert open_hint("file:///data/mlruns", "0", "r") == ("open with",
+                                                          "mlflow ui --backend-store-uri file:///data/mlruns")
     assert open_hint("http://host:5000/", "7", "abc") == \
         ("run page", "http://host:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
     assert open_hint("https://mlflow.example.org", "7") == \
@@ -60,14 +61,15 @@ def test_training_block_sqlite(tmp_path, monkeypatch):
                     "held-out acc": "0.303 -> 0.500 (step 0 -> 60)", "run LRE": "0.0289",
                     "open with": f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}",
                     "experiment page": "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning",
-                    "run page": "http://127.0.0.1:5000/#/experiments/3/runs/r123/model-metrics?workflowType=machine_learning"}
+                    "run page": "http://127.0.0.1:5000/#/experiments/3/runs/r123/model-metrics"
+                                "?workflowType=machine_learning"}
 
 
 def test_training_block_http(tmp_path):
     text = training_summary(tmp_path, tmp_path / "checkpoints", "http://127.0.0.1:5000", "fspo", "2", "x", "r9",
                             {"val/accuracy": 0.25})
-    assert "  run page:        http://127.0.0.1:5000/#/experiments/2/runs/r9/model-metrics?workflowType=machine_learning" \
-        in text.splitlines()
+    assert ("  run page:        http://127.0.0.1:5000/#/experiments/2/runs/r9/model-metrics"
+            "?workflowType=machine_learning") in text.splitlines()
     assert "mlflow ui" not in text and "tracking URI:    http://127.0.0.1:5000" in text
 
 

@@ -122,7 +122,7 @@ def test_length_weighted_has_same_value(name):
 
 
 def two_sequences():
-    """The issue's reproduction: L = 10 and L = 100, new = old (S = 0), A = +1 for both."""
+    """The smallest case that shows the length bias: L = 10 and L = 100, new = old (S = 0), A = +1 for both."""
     T = 100
     lp, old = torch.zeros(2, T, requires_grad=True), torch.zeros(2, T)
     m = torch.zeros(2, T)

@@ -1,7 +1,7 @@
 """The multi-process tests' launcher (tests/conftest.py `torchrun`) keeps each worker's log whole.
 
-A worker that fails after writing more than the launcher's console tail used to show (6 kB of stderr)
-lost its first lines, the ones that name the error; here a rank writes a marker, 20 kB after it, and
+A worker that fails after writing more than a console tail (6 kB of stderr) shows
+must not lose its first lines, the ones that name the error; here a rank writes a marker, 20 kB after it, and
 fails: the test failure shows the marker and the rank's full log.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Files from elsewhere never run code: crafted checkpoints and stored configs (issue 33, items 4 and 5).
+"""Files from elsewhere never run code: crafted checkpoints and stored configs.
 
 Owns: a ``torch.save`` file whose pickle calls a function when loaded (refused, nothing runs, one line
 naming the file), a legacy (non-zip) torch file (one line), a distributed-checkpoint folder with a
@@ -99,7 +99,7 @@ def test_evaluate_on_a_crafted_checkpoint_exits_2_and_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
-# ------------------------------------------------------------------ stored configs (item 5)
+# ------------------------------------------------------------------ stored configs
 def test_stored_config_target_outside_the_allow_list_is_refused(tmp_path):
     from omegaconf import OmegaConf
 

@@ -1,11 +1,23 @@
-"""Parity with verl 0.9.1 itself: its `agg_loss`, `compute_policy_loss_vanilla` and
-`compute_policy_loss_gspo` against `fspo.losses.aggregate` and our registry's vanilla / grpo / gspo.
+"""Parity with verl 0.9.1 itself, loss by loss: verl's `agg_loss` and policy losses against
+`fspo.losses.aggregate` and the registry's rules of the same name.
 
-Every aggregation mode, with verl's default denominators (empty ``global_batch_info``) and with
-explicit global ones (dp_size 1 and 2), on random data with padding, a fully-masked row, mixed-sign
-advantages and log-ratios large enough that the upper, lower and dual clips (and the +-20 / 10
-float-safety clamps) all bind. Loss, gradient w.r.t. log_prob (within 1e-6 relative) and the three
-metrics. verl is an optional test dependency (installed by .ci/run); without it this module skips.
+- aggregation: every mode, with verl's default denominators (empty ``global_batch_info``) and with explicit
+  global ones (dp_size 1 and 2);
+- vanilla / grpo / gspo: `compute_policy_loss_vanilla` and `compute_policy_loss_gspo`, on random data with
+  padding, a fully-masked row, mixed-sign advantages and log-ratios large enough that the upper, lower and
+  dual clips (and the +-20 / 10 float-safety clamps) all bind;
+- CISPO, SAPO and GMPO: `compute_policy_loss_cispo`, `compute_policy_loss_sapo` and
+  `compute_policy_loss_geo_mean` against ``cispo``, ``sapo`` and ``geo_mean`` / ``gmpo``, and the clip rules as
+  the trainer uses them (value="surrogate": the same gradient, a value shifted to -A on-policy); token
+  log-ratios N(0, 0.6^2) with four tokens beyond verl's +-20 clamp, per-token advantages with noise (mixed
+  signs inside low-|A| rows, one A = 0 row), a fully masked row. LUSPO has no verl counterpart
+  (tests/test_clip_cispo_sapo_gmpo_luspo.py pins it by hand);
+- DPPO: `compute_policy_loss_dppo_tv` / `compute_policy_loss_dppo_kl` against ``dppo_tv`` / ``dppo_kl`` and
+  `DPPOClip` as the trainer uses it, with the new log-probs kept < 0 (p, q are probabilities, so the binary
+  KL is defined), rollout IS weights on and off; and CPPO reducing to DPPO when its two mechanisms are off.
+Loss, gradient w.r.t. log_prob (within 1e-6 relative) and the three metrics, for every aggregation mode and
+batch-info set (local, global, dp 2). verl is an optional test dependency (installed by .ci/run); without it
+this module skips.
 """
 from __future__ import annotations
 
@@ -14,7 +26,16 @@ import torch
 
 try:
     import verl
-    from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
+    from verl.trainer.ppo.core_algos import (
+        agg_loss,
+        compute_policy_loss_cispo,
+        compute_policy_loss_dppo_kl,
+        compute_policy_loss_dppo_tv,
+        compute_policy_loss_geo_mean,
+        compute_policy_loss_gspo,
+        compute_policy_loss_sapo,
+        compute_policy_loss_vanilla,
+    )
     from verl.workers.config import ActorConfig
 except ImportError as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"verl is not importable ({exc!r}); install it as .ci/run does to run the verl parity "
@@ -23,7 +44,12 @@ if verl.__version__ != "0.9.1":  # pragma: no cover
     pytest.skip(f"the parity test pins verl 0.9.1, found {verl.__version__}", allow_module_level=True)
 
 from fspo.clipping import GRPOClip, GSPOClip  # noqa: E402
+from fspo.clipping.cispo import CISPOClip  # noqa: E402
+from fspo.clipping.cppo import CPPOClip  # noqa: E402
+from fspo.clipping.dppo import DPPOClip  # noqa: E402
+from fspo.clipping.gmpo import GMPOClip  # noqa: E402
 from fspo.clipping.registry import get_policy_loss_fn  # noqa: E402
+from fspo.clipping.sapo import SAPOClip  # noqa: E402
 from fspo.losses import AGG_MODES, aggregate  # noqa: E402
 
 RTOL = 1e-6
@@ -209,3 +235,159 @@ def test_dp_size_needs_global_denominators_like_verl():
             get_policy_loss_fn("vanilla")(old, new, adv, m, mode, cfg)
     ref, _ = compute_policy_loss_vanilla(old, new, adv, m, "token-sum", cfg)
     assert_rel(get_policy_loss_fn("vanilla")(old, new, adv, m, "token-sum", cfg)[0], ref, "token-sum dp2")
+
+
+# ============================== CISPO, SAPO, GMPO
+def check_metrics(ours, ref):
+    assert set(ours) == set(ref) == set(METRICS)
+    for k in METRICS:
+        assert ours[k] == pytest.approx(ref[k], rel=RTOL, abs=1e-9), k
+
+
+def rule_grad(rule, old, new, adv, m, mode, info):
+    """The gradient the trainer takes: the rule (its default value form) + `aggregate` (+ dp factor)."""
+    def fn(x):
+        res = rule(x, old, adv, m)
+        out = aggregate(res.token_loss, m, mode, total_tokens=info.get("batch_num_tokens"),
+                        total_seqs=info.get("global_batch_size"), norm_len=info.get("loss_scale_factor"))
+        return out.loss * info.get("dp_size", 1), None
+    return grad_of(fn, new)[2]
+
+
+# ---- CISPO ----------------------------------------------------------------------------------------
+CISPO_CLIPS = {"paper": dict(clip_ratio=0.2, clip_ratio_low=1.0, clip_ratio_high=0.28),
+               "two-sided": dict(clip_ratio=0.25, clip_ratio_low=None, clip_ratio_high=None)}
+
+
+@pytest.mark.parametrize("clips", list(CISPO_CLIPS))
+@pytest.mark.parametrize("info", list(INFOS))
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_cispo(mode, info, clips):
+    old, new, adv, m = token_batch(0)
+    kw = CISPO_CLIPS[clips]
+    cfg = actor_config(INFOS[info], **kw)
+    ref, ref_metrics, g_ref = grad_of(lambda x: compute_policy_loss_cispo(old, x, adv, m, mode, cfg), new)
+    ours, metrics, g_ours = grad_of(lambda x: get_policy_loss_fn("cispo")(old, x, adv, m, mode, cfg), new)
+    low, high = kw["clip_ratio_low"] or kw["clip_ratio"], kw["clip_ratio_high"] or kw["clip_ratio"]
+    res = CISPOClip(low, high, value="verl")(new, old, adv, m)
+    assert_rel(ours, ref, "cispo loss", abs_scale(res.token_loss, m, mode, INFOS[info]))
+    assert_rel(g_ours, g_ref, "cispo grad")
+    check_metrics(metrics, ref_metrics)
+    assert_rel(rule_grad(CISPOClip(low, high), old, new, adv, m, mode, INFOS[info]), g_ref, "cispo surrogate grad")
+    # the data exercises the cap (and, two-sided, the floor) and the +-20 clamp
+    assert res.clip_upper.any() and (res.clip_lower.any() == (clips == "two-sided"))
+    assert 0 < ref_metrics["actor/pg_clipfrac"] < 1
+
+
+# ---- SAPO -----------------------------------------------------------------------------------------
+SAPO_TAUS = {"paper": dict(tau_pos=1.0, tau_neg=1.05), "sharp": dict(tau_pos=3.0, tau_neg=8.0)}
+
+
+@pytest.mark.parametrize("taus", list(SAPO_TAUS))
+@pytest.mark.parametrize("info", list(INFOS))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_sapo(mode, info, taus):
+    """verl's sapo aggregates with seq-mean-token-mean whatever ``loss_agg_mode`` says; so does ours."""
+    old, new, adv, m = token_batch(1)
+    cfg = actor_config(INFOS[info], **SAPO_TAUS[taus])
+    ref, ref_metrics, g_ref = grad_of(lambda x: compute_policy_loss_sapo(old, x, adv, m, mode, cfg), new)
+    ours, metrics, g_ours = grad_of(lambda x: get_policy_loss_fn("sapo")(old, x, adv, m, mode, cfg), new)
+    res = SAPOClip(**SAPO_TAUS[taus], value="verl")(new, old, adv, m)
+    assert_rel(ours, ref, "sapo loss", abs_scale(res.token_loss, m, "seq-mean-token-mean", INFOS[info]))
+    assert_rel(g_ours, g_ref, "sapo grad")
+    check_metrics(metrics, ref_metrics)
+    g_rule = rule_grad(SAPOClip(**SAPO_TAUS[taus]), old, new, adv, m, "seq-mean-token-mean", INFOS[info])
+    assert_rel(g_rule, g_ref, "sapo surrogate grad")
+    assert res.clip_upper.any() and not res.clipped[m.bool()].all()
+    assert res.clip_lower.any() == (taus == "sharp")  # below r = 1 only for tau > 1.7627
+
+
+def test_sapo_default_taus_are_verls():
+    old, new, adv, m = token_batch(2)
+    cfg = actor_config({})
+    ref, _ = compute_policy_loss_sapo(old, new, adv, m, config=cfg)
+    assert_rel(get_policy_loss_fn("sapo")(old, new, adv, m, config=cfg)[0], ref, "sapo defaults")
+    assert get_policy_loss_fn("sapo")(old, new, adv, m, config=None)[0] == pytest.approx(float(ref), rel=1e-6)
+
+
+# ---- GMPO (verl geo_mean) -------------------------------------------------------------------------
+GMPO_CLIPS = {"paper": dict(clip_ratio=0.4, clip_ratio_low=0.4, clip_ratio_high=0.4),
+              "asym": dict(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=0.5)}
+
+
+@pytest.mark.parametrize("name", ["geo_mean", "gmpo"])
+@pytest.mark.parametrize("clips", list(GMPO_CLIPS))
+@pytest.mark.parametrize("info", list(INFOS))
+def test_geo_mean(info, clips, name):
+    """verl's geo_mean ignores loss_agg_mode and global_batch_info (a plain mean over the B rows)."""
+    old, new, adv, m = token_batch(3)
+    adv[3] = torch.linspace(-0.5, 0.5, adv.shape[1]) * m[3]  # a row whose token advantages change sign
+    kw = GMPO_CLIPS[clips]
+    cfg = actor_config(INFOS[info], **kw)
+    ref, ref_metrics, g_ref = grad_of(lambda x: compute_policy_loss_geo_mean(old, x, adv, m, "token-mean", cfg), new)
+    for mode in AGG_MODES:
+        ours, metrics, g_ours = grad_of(lambda x, mode=mode: get_policy_loss_fn(name)(old, x, adv, m, mode, cfg), new)
+        assert_rel(ours, ref, f"{name} loss {mode}")
+        assert_rel(g_ours, g_ref, f"{name} grad {mode}")
+        check_metrics(metrics, ref_metrics)
+    low, high = kw["clip_ratio_low"] or kw["clip_ratio"], kw["clip_ratio_high"] or kw["clip_ratio"]
+    res = GMPOClip(low, high)(new, old, adv, m)
+    # the trainer's form: the rule under seq-mean-token-mean over the B rows gives verl's gradient
+    assert_rel(rule_grad(GMPOClip(low, high), old, new, adv, m, "seq-mean-token-mean",
+                         {"global_batch_size": m.shape[0]}), g_ref, "gmpo rule grad")
+    assert res.clip_upper.any() and res.clip_lower.any() and not res.clipped[m.bool()].all()
+    assert ((new - old).abs()[m.bool()] > 20).any()
+
+
+# ============================== DPPO, CPPO
+VERL = {"tv": compute_policy_loss_dppo_tv, "kl": compute_policy_loss_dppo_kl}
+THRESH = {"tv": dict(clip_ratio=0.2, clip_ratio_low=0.05, clip_ratio_high=0.1, clip_ratio_c=3.0),
+          "kl": dict(clip_ratio=0.02, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=20.0)}
+
+
+def prob_batch(seed):
+    """token_batch with new log-probs < 0 (valid probabilities) and old ones spread over (-3, 0]."""
+    old, new, adv, m = token_batch(seed)
+    return old, new.clamp(max=-1e-3), adv, m
+
+
+@pytest.mark.parametrize("is_weights", [False, True])
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+@pytest.mark.parametrize("info", list(INFOS))
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_dppo(mode, info, kind, is_weights):
+    old, new, adv, m = prob_batch(4)
+    w = (0.5 + torch.rand(old.shape, generator=torch.Generator().manual_seed(9))) if is_weights else None
+    cfg = actor_config(INFOS[info], **THRESH[kind])
+    ref, ref_metrics, g_ref = grad_of(lambda x: VERL[kind](old, x, adv, m, mode, cfg, rollout_is_weights=w), new)
+    ours, metrics, g_ours = grad_of(
+        lambda x: get_policy_loss_fn(f"dppo_{kind}")(old, x, adv, m, mode, cfg, rollout_is_weights=w), new)
+    t = THRESH[kind]
+    low, high = t["clip_ratio_low"] or t["clip_ratio"], t["clip_ratio_high"] or t["clip_ratio"]
+    res = DPPOClip(kind, low, high, t["clip_ratio_c"], value="verl")(new, old, adv, m)
+    scale_loss = res.token_loss if w is None else res.token_loss * w
+    assert_rel(ours, ref, "dppo loss", abs_scale(scale_loss, m, mode, INFOS[info]))
+    assert_rel(g_ours, g_ref, "dppo grad")
+    check_metrics(metrics, ref_metrics)
+    if w is None:
+        g_rule = rule_grad(DPPOClip(kind, low, high, t["clip_ratio_c"]), old, new, adv, m, mode, INFOS[info])
+        assert_rel(g_rule, g_ref, "dppo surrogate grad")
+        # CPPO with both mechanisms off is DPPO
+        g_cppo = rule_grad(CPPOClip(kind, low, high, w_min=1.0, budget="none", clip_ratio_c=t["clip_ratio_c"]),
+                           old, new, adv, m, mode, INFOS[info])
+        assert_rel(g_cppo, g_ref, "cppo (off) grad")
+    # the data masks tokens on both sides and leaves most in
+    assert res.clip_upper.any() and res.clip_lower.any() and not res.clipped[m.bool()].all()
+    assert 0 < ref_metrics["actor/pg_clipfrac"] < 1
+
+
+def test_dppo_default_truncation_is_verls():
+    """A config without clip_ratio_c: verl reads 20; a verl ActorConfig carries its own 3.0 (and its
+    clip_ratio_low / clip_ratio_high default to 0.2, so its clip_ratio is not read for DPPO)."""
+    old, new, adv, m = prob_batch(5)
+    cfg = actor_config({}, clip_ratio=0.1)
+    ref, _ = compute_policy_loss_dppo_tv(old, new, adv, m, config=cfg)
+    assert_rel(get_policy_loss_fn("dppo_tv")(old, new, adv, m, config=cfg)[0], ref, "dppo defaults")
+    plain = get_policy_loss_fn("dppo_tv")(old, new, adv, m, config={"clip_ratio": 0.2})[0]
+    ref20, _ = compute_policy_loss_dppo_tv(old, new, adv, m, config=actor_config({}, clip_ratio_c=20.0))
+    assert_rel(plain, ref20, "dppo C=20 when absent")

@@ -221,7 +221,7 @@ def test_fspo_registry_matches_module(mode):
 
 
 def test_registry_names_and_config_forms():
-    # registry.py's own names; rule files add theirs (tests/test_clip_new_rules.py checks those)
+    # registry.py's own names; rule files add theirs (tests/test_clip_cispo_sapo_gmpo_luspo.py checks those)
     assert {"vanilla", "grpo", "rloo", "gspo", "fspo"} <= set(POLICY_LOSSES)
     assert get_policy_loss_fn("vanilla") is get_policy_loss_fn("grpo")
     with pytest.raises(ValueError, match=r"'ppo2'.*\[" + ", ".join(repr(n) for n in sorted(POLICY_LOSSES)) + r"\]"):

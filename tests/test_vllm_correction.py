@@ -59,4 +59,5 @@ def test_training_with_bf16_vllm_logs_rollout_correction(compose_cfg, mlflow_uri
         assert [m.step for m in sorted(h, key=lambda m: m.step)] == [0, 1], key
     std = client.get_metric_history(run.info.run_id, "rollout_corr/token_std")
     assert all(m.value > 1e-3 for m in std), [m.value for m in std]  # bf16 engine vs float32 trainer
-    assert any(k.startswith("rollout_corr/masked_frac.len_") for k in run.data.metrics)  # MLflow keys: fspo/diagnostics/metric_keys.py
+    # MLflow keys: fspo/diagnostics/metric_keys.py
+    assert any(k.startswith("rollout_corr/masked_frac.len_") for k in run.data.metrics)

@@ -63,7 +63,8 @@ def check(workdir: str) -> None:
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_serves_the_merged_lora_policy_and_follows_syncs(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", f"import test_vllm_lora as t; t.check({str(tmp_path)!r})"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

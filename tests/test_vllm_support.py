@@ -1,5 +1,5 @@
-"""The supported vLLM range (fspo/runtime/launch/vllm_support.py) and the local rank (fspo/runtime/launch/launcher.py), issue 29
-items 3 and 4. Faked version strings and environments; no vLLM, no GPU, no second node needed."""
+"""The supported vLLM range (fspo/runtime/launch/vllm_support.py) and the local rank (fspo/runtime/launch/launcher.py).
+Faked version strings and environments; no vLLM, no GPU, no second node needed."""
 from __future__ import annotations
 
 import sys
@@ -75,7 +75,7 @@ def test_config_check_refuses_an_installed_old_vllm_before_any_work(monkeypatch)
     check_config(compose_config([]))  # the HF engine does not care
 
 
-# ---------------------------------------------------------------- the local rank (item 4)
+# ---------------------------------------------------------------- the local rank
 # Two nodes x 2 processes: global ranks 0 1 | 2 3, local ranks 0 1 | 0 1.
 TWO_NODES = [(0, 0), (1, 1), (2, 0), (3, 1)]
 

@@ -79,7 +79,8 @@ def run(workdir: str) -> None:
 
 
 def test_validation_first_syncs_the_policy_before_generating(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", f"import test_vllm_validation_first as t; t.run({str(tmp_path)!r})"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -87,11 +88,13 @@ def test_validation_first_syncs_the_policy_before_generating(tmp_path):
     kinds = [(c["call"], c["phase"]) for c in calls]
     # validation at step 0, steps 1 and 2, validation at step 2: a sync before every generation
     assert kinds == [("sync", "validation"), ("generate", "validation"), ("sync", "train"), ("generate", "train"),
-                     ("sync", "train"), ("generate", "train"), ("sync", "validation"), ("generate", "validation")], kinds
+                     ("sync", "train"), ("generate", "train"), ("sync", "validation"),
+                     ("generate", "validation")], kinds
     # the first sync loads the weights inside `trainer.validate`'s inference mode; the training syncs, outside
     # it, then update those weights in place (vLLM's weights must not be inference tensors)
     assert calls[0]["inference_mode"] and not calls[2]["inference_mode"]
     gens = [c for c in calls if c["call"] == "generate"]
     assert all(c["gap"] < 1e-3 for c in gens), [c["gap"] for c in gens]  # the policy's log-probs, every time
     # not dummy weights: those sample near-uniformly, at a mean log-prob of about -log(vocab)
-    assert all(c["engine_mean_logprob"] > -math.log(VOCAB) + 1.0 for c in gens), [c["engine_mean_logprob"] for c in gens]
+    means = [c["engine_mean_logprob"] for c in gens]
+    assert all(m > -math.log(VOCAB) + 1.0 for m in means), means

@@ -70,7 +70,8 @@ def _worker(rank, world, port, queue):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     ref = build_tiny_model(seed=3, **ARCH)
-    plain, plain_gathers = _recorded(lambda: dict(engine_weights(_shard(build_tiny_model(seed=3, **ARCH), world), BF16)))
+    plain, plain_gathers = _recorded(lambda: dict(engine_weights(_shard(build_tiny_model(seed=3, **ARCH), world),
+                                                                 BF16)))
     ref_sd = ref.state_dict()
     plain_exact = sorted(k for k in ref_sd if plain[k].dtype == BF16 and torch.equal(plain[k], ref_sd[k].to(BF16)))
     full32 = sum(n for _, n in plain_gathers) * 4  # what the float32 gather would have moved, in bytes

@@ -2,7 +2,7 @@
 settings, the registry names and the diagnostics they feed.
 
 Gradients are taken of the ``token-sum`` aggregation (k_i = 1), so each entry is d token_loss / d logp
-itself, unless a test says otherwise. old log-probs are 0, so logp_t = d_t. tests/test_verl_parity_new_rules.py
+itself, unless a test says otherwise. old log-probs are 0, so logp_t = d_t. tests/test_verl_parity.py
 checks CISPO, SAPO and GMPO against verl 0.9.1 itself.
 """
 from __future__ import annotations
