@@ -46,7 +46,8 @@ def test_nearest_key_comes_from_the_selected_rule():
 
 @pytest.mark.parametrize("argv", [
     ["clip.c_upper=0.05", "clip.c_dual=0.05"], ["+logger.artifact_location=/tmp/a"], ["+rollout.engine.compact=true"],
-    ["+method=grpo", "clip.clip_ratio_high=0.3"], ["--config-dir", "sweeps", "--config-name", "methods", "sweep.name=x"],
+    ["+method=grpo", "clip.clip_ratio_high=0.3"],
+    ["--config-dir", "sweeps", "--config-name", "methods", "sweep.name=x"],
     ["-m", "+method=fspo,gspo", "clip.c_upper=0.05"], ["++brand.new=1"], ["hydra.run.dir=/tmp/x"],
 ])
 def test_known_keys_and_appends_pass(argv):
@@ -169,4 +170,5 @@ def test_stated_defaults_agree():
     assert "lr" in literal
     assert {k: ppo[k] for k in literal} == {k: defaults[k] for k in literal}
     clip = OmegaConf.load(REPO / "conf" / "clip" / "fspo.yaml")
-    assert {k: clip[k] for k in clip if k != "_target_"} == {k: getattr(FSPOSettings, k) for k in clip if k != "_target_"}
+    keys = [k for k in clip if k != "_target_"]
+    assert {k: clip[k] for k in keys} == {k: getattr(FSPOSettings, k) for k in keys}

@@ -1,7 +1,7 @@
 """CISPO (MiniMax-M1, arXiv 2506.13585): clip the token importance-sampling weight, keep every gradient.
 
 Owns: `CISPOClip` and the registry name ``cispo`` (verl 0.9.1's `compute_policy_loss_cispo`,
-tests/test_verl_parity_new_rules.py). Leaves out: aggregation (fspo/losses.py; MiniMax-M1 and verl's
+tests/test_verl_parity.py). Leaves out: aggregation (fspo/losses.py; MiniMax-M1 and verl's
 default are token-mean, conf/method/cispo.yaml).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: `DPPOClip`, `binary_divergence` and `dppo_weighted_loss` (CPPO, cppo.py, shares them)
 and the registry names ``dppo_tv`` / ``dppo_kl`` (verl 0.9.1's `compute_policy_loss_dppo_tv` /
-`compute_policy_loss_dppo_kl`, tests/test_verl_parity_dppo.py). Leaves out: aggregation (fspo/losses.py;
+`compute_policy_loss_dppo_kl`, tests/test_verl_parity.py). Leaves out: aggregation (fspo/losses.py;
 verl's default for both is token-mean, conf/method/dppo.yaml).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GMPO (arXiv 2507.20673): the geometric mean of token-clipped ratios as the sequence ratio.
 
 Owns: `GMPOClip` and the registry names ``geo_mean`` (verl 0.9.1's `compute_policy_loss_geo_mean`,
-tests/test_verl_parity_new_rules.py) and ``gmpo``. Leaves out: aggregation (fspo/losses.py; GMPO
+tests/test_verl_parity.py) and ``gmpo``. Leaves out: aggregation (fspo/losses.py; GMPO
 averages sequences, seq-mean-token-mean here, conf/method/gmpo.yaml).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: `LUSPOClip` and the registry name ``luspo``. verl 0.9.1 has no LUSPO (no ``luspo`` anywhere in
 it), so this file implements the paper's objective as its authors and TRL state it (below) and
-tests/test_clip_new_rules.py pins it by hand. Leaves out: aggregation (fspo/losses.py), which is where
+tests/test_clip_cispo_sapo_gmpo_luspo.py pins it by hand. Leaves out: aggregation (fspo/losses.py), which is where
 LUSPO's length factor lives: conf/method/luspo.yaml selects seq-mean-token-sum.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SAPO (Qwen, arXiv 2511.20347): a smooth sigmoid gate on the token ratio instead of a hard clip.
 
 Owns: `SAPOClip` and the registry name ``sapo`` (verl 0.9.1's `compute_policy_loss_sapo`,
-tests/test_verl_parity_new_rules.py). Leaves out: aggregation (fspo/losses.py; SAPO and verl use
+tests/test_verl_parity.py). Leaves out: aggregation (fspo/losses.py; SAPO and verl use
 seq-mean-token-mean, conf/method/sapo.yaml).
 """
 from __future__ import annotations
