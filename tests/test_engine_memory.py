@@ -143,6 +143,7 @@ def test_vllm_engine_wakes_weights_then_kv_cache(monkeypatch):
     engine = object.__new__(VLLMEngine)  # no vLLM here: the constructor's import is skipped
     engine.llm, engine.on_gpu, engine.enable_sleep_mode = FakeLLM(log), True, True
     engine._asleep, engine._synced, engine.sleep_level = set(), True, 2
+    engine.weight_dtype = None  # set by setup(): no cast
     engine.sleep()
     n = len(list(policy.state_dict()))  # tied embeddings: lm_head.weight is in the state dict already
     for _ in range(2):
@@ -171,6 +172,7 @@ def test_vllm_sleep_level_2_discards_the_weights_until_the_next_sync(level):
     engine = object.__new__(VLLMEngine)  # no vLLM here: the constructor's import is skipped
     engine.llm, engine.on_gpu, engine.enable_sleep_mode = FakeLLM(log), True, True
     engine._asleep, engine._synced, engine.sleep_level = set(), True, level
+    engine.weight_dtype = None  # set by setup(): no cast
     engine.sleep()
     assert log == [("llm.sleep", level)] and engine._synced == (level == 1)
     if level == 2:
