@@ -99,6 +99,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(target: Callable, args: Callable, n: int = 2) -> dict:
+    """Run ``target(*args(rank, port, queue))`` in ``n`` spawned processes sharing one free port; each
+    puts ``(rank, result)`` on the queue. Returns {rank: result}; every process must exit 0."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=args(r, port, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    out = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
 def compose_config(overrides: Iterable[str] = (), output_dir: Optional[Path] = None,
                    tracking_uri: Optional[str] = None, artifact_location: Optional[Path] = None,
                    config_name: str = "config", config_dir: Path = CONF,

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import spawn_ranks
 from fspo.models.tiny import build_tiny_model, build_tokenizer
 from fspo.rollout.base import SamplingConfig
 from fspo.rollout.weights import checkpoint_name, iter_full_state_dict
@@ -161,18 +161,9 @@ def _tp_worker(rank, world, port, workdir, queue):
 
 
 def _spawn(with_engine, tmp_path, target=None):
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    args = ((lambda r: (r, 2, port, str(tmp_path), queue)) if target else
-            (lambda r: (r, 2, port, with_engine, str(tmp_path), queue)))
-    procs = [ctx.Process(target=target or _fsdp_worker, args=args(r)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return out
+    args = ((lambda r, port, queue: (r, 2, port, str(tmp_path), queue)) if target else
+            (lambda r, port, queue: (r, 2, port, with_engine, str(tmp_path), queue)))
+    return spawn_ranks(target or _fsdp_worker, args)
 
 
 @pytest.mark.distributed

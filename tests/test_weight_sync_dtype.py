@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import spawn_ranks
 from fspo.models.gather import gathered, wire_dtype
 from fspo.models.lora import LoRASettings, apply_lora, merged_weights
 from fspo.models.tiny import build_tiny_model
@@ -90,16 +90,7 @@ def _worker(rank, world, port, queue):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return out
+    return spawn_ranks(_worker, lambda r, port, queue: (r, 2, port, queue))
 
 
 @pytest.mark.distributed
