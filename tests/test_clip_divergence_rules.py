@@ -224,13 +224,13 @@ def test_registry_names():
 
 @pytest.mark.parametrize("arm, L_med, c", [("vespo_matched", 72, 0.030), ("vespo_law", 114, 0.0015)])
 def test_vespo_arms_match_fspo_at_the_median_length(arm, L_med, c):
-    """The arms' half-weight edges sit at +-c sqrt(L_med), FSPO's matched band (conf/arm/fspo_matched.yaml for the
-    length-fairness sweep, conf/arm/fspo_law.yaml for the length-law sweep)."""
+    """The arms' half-weight edges sit at +-c sqrt(L_med), FSPO's matched band (sweeps/arm/fspo_matched.yaml for the
+    length-fairness sweep, sweeps/arm/fspo_law.yaml for the length-law sweep)."""
     from omegaconf import OmegaConf
 
-    from conftest import CONF
+    from conftest import REPO
 
-    clip = OmegaConf.load(CONF / "arm" / f"{arm}.yaml").clip
+    clip = OmegaConf.load(REPO / "sweeps" / "arm" / f"{arm}.yaml").clip
     for k, lam in ((clip.k_pos, clip.lambda_pos), (clip.k_neg, clip.lambda_neg)):
         lo, hi = vespo_band(k, lam)
         assert hi == pytest.approx(c * math.sqrt(L_med), rel=2e-3) and -lo == pytest.approx(hi, rel=2e-3)

@@ -40,7 +40,8 @@ def test_normalize_group_overrides():
     assert n(["method=grpo", "model=qwen3_8b", "experiment=paper_qwen3_8b"]) == \
         ["+method=grpo", "model=qwen3_8b", "+experiment=paper_qwen3_8b"]  # the experiment adds /model
     assert n(["+method=grpo", "+model=qwen3_8b"]) == ["+method=grpo", "+model=qwen3_8b"]
-    assert n(["+clip=grpo", "clip=fspo_ema", "arm=grpo_matched"]) == ["clip=grpo", "clip=fspo_ema", "+arm=grpo_matched"]
+    assert n(["+clip=grpo", "clip=fspo_ema"]) == ["clip=grpo", "clip=fspo_ema"]
+    assert n(["--config-dir", str(SWEEPS), "arm=grpo_matched"])[-1] == "+arm=grpo_matched"
     # keys, flags, values and the other override forms pass as they are
     keep = ["model.path=/x", "ppo.lr=1e-6", "++seed=3", "~tags", "-m", "hydra.run.dir=a", "--cfg", "job", "method"]
     assert n(keep) == keep

@@ -5,12 +5,12 @@ metrics.
 Owns:
 - every sweep, expanded with Hydra's own BasicSweeper code (fspo/sweeps.py), with every job's config composed;
 - the length-fairness sweep (sweeps/length_fairness.yaml): every arm composes on the long-chain task with its
-  `method` and `bands` tags, and the regime-matched bands follow conf/arm/fspo_matched.yaml's rule: every
+  `method` and `bands` tags, and the regime-matched bands follow sweeps/arm/fspo_matched.yaml's rule: every
   method's band, as an interval of the sequence log-ratio S at the median length L_med = 72, equals FSPO's
   z = 1 band c sqrt(L_med) with c = sigma_hat = 0.030;
 - the length-law sweep (sweeps/length_law.yaml) on its task (conf/data/mod_chain.yaml): the task's reference
   responses span >= 20x in length, evenly in log L, with a prompt of fixed length; every arm composes with its
-  tags; mini-batches hold whole groups; the matched bands follow conf/arm/fspo_law.yaml's rule at the pilot's
+  tags; mini-batches hold whole groups; the matched bands follow sweeps/arm/fspo_law.yaml's rule at the pilot's
   median length L_med = 114 (c = 0.0015); the knock-out arm keeps advantages on the shortest third only;
 - end to end: `mlflow server` on a free localhost port, `experiments/run.py -m` (2 methods x 1 seed x 2 steps)
   against it, the runs checked through the REST API (`/api/2.0/mlflow/...`).

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Set
 from omegaconf import OmegaConf
 
 from fspo.runtime.checks.config_keys import compose_for_check, early_value_error, nested_key_error
+from fspo.runtime.checks.method_aliases import legacy_forms
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -109,6 +110,7 @@ def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
     """``argv`` with every config-group selection in the form Hydra accepts: ``group=x`` becomes
     ``+group=x`` when the primary config's defaults list has no ``group`` entry, and ``+group=x``
     becomes ``group=x`` when it has one. Other arguments (keys, flags, ``++``/``~`` forms) pass as they are."""
+    argv = legacy_forms(argv)  # clip=<rule>, +arm=<arm> without --config-dir: deprecated, composing as before
     name, dirs = _config_location(argv, config_name)
     if conf_dir not in dirs:
         dirs.append(conf_dir)
@@ -224,6 +226,7 @@ def _compositions(argv: Sequence[str], name: str, dirs: Sequence[Path], with_val
 def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
     """`unknown_key_error` and then `value_error`, composing the config once where the command line composes
     (the entry point's first check: a typo or a value out of range never starts a run)."""
+    argv = legacy_forms(argv)
     if {"-m", "--multirun"} & set(argv) or not _key_args(argv):
         return unknown_key_error(argv, config_name, conf_dir)
     if (top := unknown_key_error([a for a in argv if "." not in a.partition("=")[0]], config_name, conf_dir)):
