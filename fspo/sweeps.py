@@ -1,8 +1,8 @@
 """The sweep configs in ``sweeps/``: list them and expand one into its jobs, as Hydra would.
 
-Owns: `list_sweeps`, `sweep_jobs` (the override lists Hydra's basic sweeper launches for
-``python experiments/run.py -m --config-dir sweeps --config-name <name> [overrides]``) and
-`job_config` (one job's composed config). Used by tests and to preview a sweep:
+Owns: `list_sweeps`, `list_arms` (sweeps/arm/: the length sweeps' arms), `sweep_jobs` (the override lists
+Hydra's basic sweeper launches for ``python experiments/run.py -m --config-dir sweeps --config-name <name>
+[overrides]``) and `job_config` (one job's composed config). Used by tests and to preview a sweep:
 
     python -m fspo.sweeps                       # every sweep and its jobs
     python -m fspo.sweeps methods seed=1,2      # one sweep, with command-line overrides
@@ -14,6 +14,7 @@ Leaves out: running the jobs (experiments/run.py) and the MLflow parent run
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 from typing import List, Sequence
 
@@ -27,6 +28,11 @@ CONF_DIR = ROOT / "conf"
 def list_sweeps(sweeps_dir: Path = SWEEPS_DIR) -> List[str]:
     """Names of the sweep configs: ``sweeps/*.yaml`` except files starting with ``_`` (shared parts)."""
     return sorted(p.stem for p in Path(sweeps_dir).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def list_arms(sweeps_dir: Path = SWEEPS_DIR) -> List[str]:
+    """Names of the sweep arms: ``sweeps/arm/*.yaml``, each a method plus its own settings (``+arm=<name>``)."""
+    return sorted(p.stem for p in (Path(sweeps_dir) / "arm").glob("*.yaml"))
 
 
 def _compose(name: str, overrides: Sequence[str], return_hydra_config: bool) -> DictConfig:
@@ -72,7 +78,9 @@ Without NAME: every sweep in sweeps/ and its jobs.
 
 positional arguments:
   NAME        a sweep: {names}
-  OVERRIDE    command-line overrides as for run.py (seed=1,2 replaces the sweep's seeds)
+  OVERRIDE    command-line overrides as for run.py (seed=1,2 replaces the sweep's seeds;
+              +arm=a,b runs the arms a and b of a length sweep, from sweeps/arm/:
+{arms})
 
 options:
   -h, --help  show this help message and exit"""
@@ -81,7 +89,8 @@ options:
 def main(argv: Sequence[str]) -> int:
     """CLI: print the jobs of one sweep (``name [overrides]``) or of every sweep; ``-h``: usage."""
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE.format(names=", ".join(list_sweeps())))
+        arms = textwrap.fill(", ".join(list_arms()), 100, initial_indent=" " * 14, subsequent_indent=" " * 14)
+        print(USAGE.format(names=", ".join(list_sweeps()), arms=arms))
         return 0
     if argv and argv[0] not in list_sweeps():
         print(f"error: unknown sweep {argv[0]!r}: choose one of {list_sweeps()} (files in {SWEEPS_DIR}); "

@@ -21,10 +21,11 @@ from omegaconf import OmegaConf
 from conftest import CONF, REPO, compose_config
 from fspo.runtime.checks import method_aliases
 from fspo.runtime.checks.method_aliases import deprecations, legacy_forms
+from fspo.sweeps import list_arms
+from fspo.sweeps import main as sweeps_main
 
 SWEEPS = REPO / "sweeps"
 RULES = sorted(p.stem for p in (CONF / "clip").glob("*.yaml"))
-ARM_FILES = sorted(p.stem for p in (SWEEPS / "arm").glob("*.yaml"))
 # arm: (method, rule class, loss_agg_mode, tags.bands), as the length sweeps ran them (advantage: grpo for all)
 ARMS = {
     "cispo_matched": ("cispo", "CISPOClip", "token-mean", "matched"),
@@ -81,9 +82,11 @@ def test_every_rule_is_a_method_composing_the_same_rule(rule):
         assert changed <= {"method"}
 
 
-def test_arm_table_names_every_arm():
-    assert set(ARM_FILES) == set(ARMS)
+def test_arm_table_names_every_arm(capsys):
+    assert list_arms() == sorted(ARMS) == sorted(p.stem for p in (SWEEPS / "arm").glob("*.yaml"))
     assert not (CONF / "arm").exists()  # conf/ holds what a single run picks
+    assert sweeps_main(["--help"]) == 0  # python -m fspo.sweeps --help lists them
+    assert all(arm in capsys.readouterr().out for arm in ARMS)
 
 
 def _stated(arm):
