@@ -86,7 +86,8 @@ def test_arm_table_names_every_arm(capsys):
     assert list_arms() == sorted(ARMS) == sorted(p.stem for p in (SWEEPS / "arm").glob("*.yaml"))
     assert not (CONF / "arm").exists()  # conf/ holds what a single run picks
     assert sweeps_main(["--help"]) == 0  # python -m fspo.sweeps --help lists them
-    assert all(arm in capsys.readouterr().out for arm in ARMS)
+    usage = capsys.readouterr().out
+    assert all(arm in usage for arm in ARMS)
 
 
 def _stated(arm):
