@@ -4,6 +4,7 @@ older forms still compose the same config with one deprecation line.
 Owns:
 - every clip rule in conf/clip/ is a method in conf/method/ of the same name, and ``+method=<rule>`` composes the
   clip and advantage nodes that ``clip=<rule>`` does (the rest differs at most in ``method`` and the aggregation);
+- the paper setups in conf/experiment/ pick no part of a method (a setup tier: model, data, batch);
 - the sweep arms in sweeps/arm/: each names the method, rule, aggregation and bands the sweeps ran with, and
   differs from its method's config only in the keys the arm file states;
 - the deprecation lines of ``clip=<rule>`` and of ``+arm=<arm>`` without ``--config-dir``
@@ -80,6 +81,17 @@ def test_every_rule_is_a_method_composing_the_same_rule(rule):
     assert changed <= {"method", "loss_agg_mode"}, changed
     if rule.startswith("fspo"):  # the FSPO bands keep FSPO's advantage and aggregation
         assert changed <= {"method"}
+
+
+@pytest.mark.parametrize("setup", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_paper_setups_pick_no_part_of_a_method(setup):
+    node = OmegaConf.load(CONF / "experiment" / f"{setup}.yaml")
+    assert not {"method", "clip", "advantage", "loss_agg_mode", "aggregator"} & set(node), setup
+    groups = {str(k).split()[-1].lstrip("/") for d in node.get("defaults", []) if OmegaConf.is_dict(d) for k in d}
+    assert not {"method", "clip", "advantage"} & groups, setup
+    picked = compose_config([f"+experiment={setup}", "+method=gspo"])
+    alone = compose_config(["+method=gspo"])
+    assert (picked.clip, picked.advantage, picked.loss_agg_mode) == (alone.clip, alone.advantage, alone.loss_agg_mode)
 
 
 def test_arm_table_names_every_arm(capsys):
