@@ -1,7 +1,4 @@
-"""GRPO's token-level clip (DAPO clip-higher + dual clip): verl's `compute_policy_loss_vanilla`.
-
-Owns: `GRPOClip`. Leaves out: aggregation (fspo/losses.py), advantages (fspo/advantages.py).
-"""
+"""GRPO's token-level clip (DAPO clip-higher + dual clip), verl's `compute_policy_loss_vanilla`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -21,13 +18,9 @@ from fspo.clipping.base import ClipResult
 
 
 class GRPOClip(RatioClipRule):
-    """Token-level PPO clip in ratio space, exactly verl's vanilla policy loss.
-
-    Per token: d_t = clamp(logp_new - logp_old, -20, 20), r_t = exp(d_t),
-    loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), and for A < 0
-    loss_t = min(loss_t, -A * clip_ratio_c) (dual clip). Paper settings (Table 5): low 0.2,
-    high 0.28, dual 3.0. ``token_loss`` is 0 on padding; masks follow verl's strict comparisons.
-    ``in_band`` (per token): 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip binding.
+    """Token-level PPO clip in ratio space (paper eq. (7)), verl's vanilla: r_t = exp(clamp(d_t, -20, 20)),
+    loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), for A < 0 min(loss_t, -A clip_ratio_c). Paper
+    (Table 5): 0.2 / 0.28 / 3.0. ``in_band``: 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip.
     """
 
     level = "token"
