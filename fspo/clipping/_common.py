@@ -147,23 +147,18 @@ def weight_clip_result(token_loss: Tensor, d: Tensor, ratio: Tensor, in_band: Te
     """Token-level `ClipResult` of a rule that bounds a token's gradient weight (CISPO, SAPO): binding where the
     ratio is out of ``in_band`` and A != 0, upper above r = 1, lower below; no dual, no cap.
     """
-    r = ratio.detach()
+    r, zero = ratio.detach(), torch.zeros_like(p.mask)
     bind = ~in_band & p.mask & (adv != 0)
-    return ClipResult(token_loss=token_loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                      clip_upper=bind & (r > 1.0), clip_lower=bind & (r < 1.0),
-                      clip_dual=torch.zeros_like(p.mask), in_band=in_band & p.mask)
+    return seq_result(token_loss, d.sum(-1), bind & (r > 1.0), bind & (r < 1.0), zero, in_band, zero, p)
 
 
 def seq_result(token_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
                in_band: Tensor, cap: Tensor, p: Prepared) -> ClipResult:
-    """A `ClipResult` from the [B, T] loss and per-sequence [B] decisions broadcast over tokens."""
+    """A `ClipResult` from the [B, T] loss and [B, T] decisions, or per-sequence [B] ones broadcast over tokens."""
     m = p.mask
-    return ClipResult(
-        token_loss=token_loss * p.maskf,
-        seq_log_ratio=seq_log_ratio.detach(),
-        clip_upper=upper.unsqueeze(-1) & m,
-        clip_lower=lower.unsqueeze(-1) & m,
-        clip_dual=dual.unsqueeze(-1) & m,
-        in_band=in_band.unsqueeze(-1) & m,
-        clip_cap=cap.unsqueeze(-1) & m,
-    )
+
+    def on_tokens(x: Tensor) -> Tensor:
+        return (x if x.dim() == 2 else x.unsqueeze(-1)) & m
+    return ClipResult(token_loss=token_loss * p.maskf, seq_log_ratio=seq_log_ratio.detach(),
+                      clip_upper=on_tokens(upper), clip_lower=on_tokens(lower), clip_dual=on_tokens(dual),
+                      in_band=on_tokens(in_band), clip_cap=on_tokens(cap))

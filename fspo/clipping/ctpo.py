@@ -14,6 +14,7 @@ from fspo.clipping._common import (
     MAX_LOG_RATIO,
     cap_mask,
     prepare,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -85,9 +86,7 @@ class CTPOClip(ClipRule):
             s_l, lo_l, hi_l = ((x * last).sum(-1) for x in (stat, lo, hi))
             in_band = ((s_l >= lo_l) & (s_l <= hi_l)).unsqueeze(-1).expand_as(m)
         cap = cap_mask(stat, adv, upper | lower | dual, None, CTPO_MAX_LOG_RATIO)
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                          clip_upper=upper & m, clip_lower=lower & m, clip_dual=dual & m,
-                          in_band=in_band & m, clip_cap=cap & m)
+        return seq_result(loss, d.sum(-1), upper, lower, dual, in_band, cap, p)
 
     def extra_repr(self) -> str:
         return (f"la_clip_low={self.la_clip_low}, la_clip_high={self.la_clip_high}, la_clip_c={self.la_clip_c}, "

@@ -11,6 +11,7 @@ from torch import Tensor
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
     Prepared,
+    seq_result,
     token_ratio_inputs,
 )
 from fspo.clipping.base import ClipResult, ClipRule
@@ -43,9 +44,8 @@ def dppo_weighted_loss(p: Prepared, adv: Tensor, ratio: Tensor, valid: Tensor, c
 
 def mask_result(loss: Tensor, d: Tensor, adv: Tensor, valid: Tensor, in_band: Tensor, p: Prepared) -> ClipResult:
     """Token-level `ClipResult` of a masking rule: upper where masked with A > 0, lower with A < 0."""
-    off = ~valid & p.mask
-    return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1), clip_upper=off & (adv > 0),
-                      clip_lower=off & (adv < 0), clip_dual=torch.zeros_like(p.mask), in_band=in_band & p.mask)
+    off, zero = ~valid & p.mask, torch.zeros_like(p.mask)
+    return seq_result(loss, d.sum(-1), off & (adv > 0), off & (adv < 0), zero, in_band, zero, p)
 
 
 class DPPOClip(ClipRule):

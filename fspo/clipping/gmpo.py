@@ -10,6 +10,7 @@ from fspo.clipping._common import (
     MAX_LOG_RATIO,
     prepare,
     seq_advantage,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -52,12 +53,8 @@ class GMPOClip(ClipRule):
         e = torch.where(cap.unsqueeze(-1), MAX_LOG_RATIO, g.clamp(max=MAX_LOG_RATIO).unsqueeze(-1) + c - c.detach())
         dd = d.detach()
         in_band = (dd >= -self.clip_ratio_low) & (dd <= self.clip_ratio_high)
-        m = p.mask
-        return ClipResult(token_loss=-a.unsqueeze(-1) * torch.exp(e) * p.maskf, seq_log_ratio=dd.sum(-1),
-                          clip_upper=(sgn > 0) & (dd > self.clip_ratio_high) & m,
-                          clip_lower=(sgn < 0) & (dd < -self.clip_ratio_low) & m,
-                          clip_dual=torch.zeros_like(m), in_band=in_band & m,
-                          clip_cap=cap.unsqueeze(-1) & m)
+        return seq_result(-a.unsqueeze(-1) * torch.exp(e), dd.sum(-1), (sgn > 0) & (dd > self.clip_ratio_high),
+                          (sgn < 0) & (dd < -self.clip_ratio_low), torch.zeros_like(p.mask), in_band, cap, p)
 
     def extra_repr(self) -> str:
         return f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}"

@@ -11,6 +11,7 @@ from fspo.clipping._common import (
     cap_mask,
     prepare,
     ratio_clip,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -36,7 +37,4 @@ class GRPOClip(RatioClipRule):
         adv = token_advantage(advantages, p)
         loss, up, lo, du, ok = ratio_clip(d, adv, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
         cap = cap_mask(d, adv, up | lo | du, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        m = p.mask
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
-                          clip_cap=cap & m)
+        return seq_result(loss, d.sum(-1), up, lo, du, ok, cap, p)

@@ -11,6 +11,7 @@ from fspo.clipping._common import (
     prepare,
     ratio_clip,
     seq_log_ratio_per_token,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -41,10 +42,7 @@ class GSPOClip(RatioClipRule):
         loss, up, lo, du, ok = ratio_clip(log_ratio, adv, self.clip_ratio_low, self.clip_ratio_high, None,
                                           clamp=(None, GSPO_MAX_LOG_RATIO))
         cap = cap_mask(log_ratio, adv, up | lo | du, None, GSPO_MAX_LOG_RATIO)
-        m = p.mask
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=s.detach(),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
-                          clip_cap=cap & m)
+        return seq_result(loss, s, up, lo, du, ok, cap, p)
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. (2))."""
