@@ -99,6 +99,8 @@ class RatioClipRule(ClipRule):
     or None (no dual clip).
     """
 
+    settings = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
                  clip_ratio_c: Optional[float]) -> None:
         super().__init__()
@@ -106,9 +108,6 @@ class RatioClipRule(ClipRule):
         self.clip_ratio_low, self.clip_ratio_high = st.clip_ratio_low, st.clip_ratio_high
         self.clip_ratio_c = st.clip_ratio_c
 
-    def extra_repr(self) -> str:
-        return (f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}, "
-                f"clip_ratio_c={self.clip_ratio_c}")
 
 
 def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ a term as clipped where the weight has lost half (our reading; the loss does not
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ class ClipRule(torch.nn.Module):
     """
 
     level: ClassVar[str] = "token"  # "token" or "sequence"
+    settings: ClassVar[Tuple[str, ...]] = ()  # the attributes `extra_repr` shows
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:  # pragma: no cover - abstract
@@ -67,6 +68,9 @@ class ClipRule(torch.nn.Module):
 
     def extra_metrics(self) -> Dict[str, float]:
         return {}
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={getattr(self, k)}" for k in self.settings)
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """Closed-form clip probability c(L) over ``lengths`` (numpy) when S_L ~ N(0, sigma^2 L); None when the rule

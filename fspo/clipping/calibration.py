@@ -64,11 +64,12 @@ class _MomentBand(torch.nn.Module):
         self.register_buffer("moments", torch.zeros(len(self.edges), 4, dtype=torch.float64))
 
     def _apply(self, fn, recurse=True):
-        """Device moves apply; dtype casts do not: the sums stay float64."""
-        keep = self.moments
+        """Device moves apply; dtype casts do not: the float64 state stays float64."""
+        keep = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float64}
         out = super()._apply(fn, recurse)
-        if self.moments.dtype != keep.dtype:
-            self.moments = keep.to(self.moments.device)
+        for k, b in keep.items():
+            if self._buffers[k].dtype != b.dtype:
+                self._buffers[k] = b.to(self._buffers[k].device)
         return out
 
     @torch.no_grad()

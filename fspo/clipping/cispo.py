@@ -23,6 +23,7 @@ class CISPOClip(ClipRule):
     ``in_band``: 1 - low <= r_t <= 1 + high. No dual, no cap.
     """
 
+    settings = ("clip_ratio_low", "clip_ratio_high", "value")
     level = "token"
 
     def __init__(self, clip_ratio_low: float = CISPOSettings.clip_ratio_low,
@@ -41,8 +42,6 @@ class CISPOClip(ClipRule):
         factor = lp if self.value == "verl" else 1.0 + lp - lp.detach()
         return weight_clip_result(-w * adv * factor, d, ratio, ratio.detach() == w, adv, p)
 
-    def extra_repr(self) -> str:
-        return f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}, value={self.value}"
 
 
 @register_policy_loss("cispo")

@@ -32,6 +32,8 @@ class CPPOClip(DPPOClip):
     ``budget="none"`` with ``w_min=1`` is DPPO exactly. ``in_band``: the positional band and the budget.
     """
 
+    settings = DPPOClip.settings + ("w_min", "budget")
+
     def __init__(self, divergence: str = CPPOSettings.divergence, clip_ratio_low: float = CPPOSettings.clip_ratio_low,
                  clip_ratio_high: float = CPPOSettings.clip_ratio_high, w_min: float = CPPOSettings.w_min,
                  budget: str = CPPOSettings.budget, clip_ratio_c: float = CPPOSettings.clip_ratio_c,
@@ -67,8 +69,6 @@ class CPPOClip(DPPOClip):
         band_ok = torch.where(up, b <= self.clip_ratio_high, b <= self.clip_ratio_low)
         return valid & budget_ok, in_band & band_ok
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, w_min={self.w_min}, budget={self.budget}"
 
 
 @register_policy_loss("cppo")

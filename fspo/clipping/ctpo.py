@@ -41,6 +41,7 @@ class CTPOClip(ClipRule):
     p = 1/2, high = low).
     """
 
+    settings = ("la_clip_low", "la_clip_high", "la_clip_c", "la_power", "ratio_mode", "acceptance")
     level = "token"
 
     def __init__(self, la_clip_low: float = CTPOSettings.la_clip_low, la_clip_high: float = CTPOSettings.la_clip_high,
@@ -87,10 +88,6 @@ class CTPOClip(ClipRule):
             in_band = ((s_l >= lo_l) & (s_l <= hi_l)).unsqueeze(-1).expand_as(m)
         cap = cap_mask(stat, adv, upper | lower | dual, None, CTPO_MAX_LOG_RATIO)
         return seq_result(loss, d.sum(-1), upper, lower, dual, in_band, cap, p)
-
-    def extra_repr(self) -> str:
-        return (f"la_clip_low={self.la_clip_low}, la_clip_high={self.la_clip_high}, la_clip_c={self.la_clip_c}, "
-                f"la_power={self.la_power}, ratio_mode={self.ratio_mode}, acceptance={self.acceptance}")
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """With iid d_t ~ N(0, sigma^2): o(t) = Phi(-high t^p / std_t) + Phi(-low t^p / std_t), std_t = sigma sqrt(t)

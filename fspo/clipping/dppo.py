@@ -61,6 +61,7 @@ class DPPOClip(ClipRule):
     ``in_band``: tv -low <= p - q <= high; kl D_t <= (high if p > q else low).
     """
 
+    settings = ("divergence", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "value")
     level = "token"
 
     def __init__(self, divergence: str = DPPOSettings.divergence, clip_ratio_low: float = DPPOSettings.clip_ratio_low,
@@ -98,9 +99,6 @@ class DPPOClip(ClipRule):
         loss = dppo_weighted_loss(p, adv, ratio, valid, self.clip_ratio_c, self.value)
         return mask_result(loss, d, adv, valid, in_band, p)
 
-    def extra_repr(self) -> str:
-        return (f"divergence={self.divergence}, clip_ratio_low={self.clip_ratio_low}, "
-                f"clip_ratio_high={self.clip_ratio_high}, clip_ratio_c={self.clip_ratio_c}, value={self.value}")
 
 
 def verl_mask_metrics(rule: DPPOClip, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
@@ -144,4 +142,3 @@ def policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
     """verl's ``dppo_kl``: `DPPOClip("kl", value="verl")`; ``clip_ratio*`` are the thresholds."""
     return _dppo("kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-

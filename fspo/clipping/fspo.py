@@ -56,6 +56,7 @@ class FSPOClip(ClipRule):
     ``drift`` zero | kl, ``z``, ``alpha``, ``sigma0``, ``ratio_grad``.
     """
 
+    settings = ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "ratio_grad")
     level = "sequence"
     BANDS = ("fixed", "ema") + tuple(CALIBRATORS)
     DRIFTS = ("zero", "kl")
@@ -177,7 +178,3 @@ class FSPOClip(ClipRule):
         if c_du is not None:
             out["clip/c_dual"] = float(c_du)
         return out
-
-    def extra_repr(self) -> str:
-        return (f"c_upper={self.c_upper}, c_lower={self.c_lower}, c_dual={self.c_dual}, band={self.band}"
-                f", drift={self.drift}, z={self.z}, alpha={self.alpha}, ratio_grad={self.ratio_grad}")

@@ -31,6 +31,7 @@ class GMPOClip(ClipRule):
     verl). Masks: upper A_t > 0, d_t > high; lower A_t < 0, d_t < -low; ``in_band`` -low <= d_t <= high.
     """
 
+    settings = ("clip_ratio_low", "clip_ratio_high")
     level = "token"
 
     def __init__(self, clip_ratio_low: float = GMPOSettings.clip_ratio_low,
@@ -56,8 +57,6 @@ class GMPOClip(ClipRule):
         return seq_result(-a.unsqueeze(-1) * torch.exp(e), dd.sum(-1), (sgn > 0) & (dd > self.clip_ratio_high),
                           (sgn < 0) & (dd < -self.clip_ratio_low), torch.zeros_like(p.mask), in_band, cap, p)
 
-    def extra_repr(self) -> str:
-        return f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}"
 
 
 @register_policy_loss("geo_mean")

@@ -48,4 +48,3 @@ class GSPOClip(RatioClipRule):
         """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. (2))."""
         from fspo.clipping.theory import c_gspo
         return c_gspo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)
-

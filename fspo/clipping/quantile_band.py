@@ -45,15 +45,6 @@ class QuantileBand(PerBinBand):
         self.register_buffer("u_edges", torch.cat([torch.zeros(1, dtype=torch.float64), inner]), persistent=False)
         self.register_buffer("hist", torch.zeros(len(self.edges), n_u, dtype=torch.float64))
 
-    def _apply(self, fn, recurse=True):
-        """As the base: device moves apply, dtype casts leave the float64 state alone."""
-        keep = (self.hist, self.u_edges)
-        out = super()._apply(fn, recurse)
-        if self.hist.dtype != keep[0].dtype:
-            self.hist = keep[0].to(self.hist.device)
-            self.u_edges = keep[1].to(self.hist.device)
-        return out
-
     def _extra_sums(self, r: Tensor, length: Tensor, idx: Tensor, ok: Tensor) -> Tensor:
         """This batch's histogram of u per length bin (rows that count only)."""
         u = torch.where(ok, r.abs() / torch.where(ok, length, 1.0).sqrt(), 0.0)

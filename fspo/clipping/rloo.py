@@ -28,6 +28,7 @@ class RLOOClip(RatioClipRule):
     is their masked mean. ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: |S_i| > 20, no clip binding.
     """
 
+    settings = RatioClipRule.settings + ("ratio_grad",)
     level = "sequence"
 
     def __init__(self, clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.667,
@@ -47,9 +48,6 @@ class RLOOClip(RatioClipRule):
         _, up, lo, du, ok = ratio_clip(s.detach(), a, *bounds)
         cap = cap_mask(s, a, up | lo | du, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         return seq_result(loss, s, up, lo, du, ok, cap, p)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", ratio_grad={self.ratio_grad}"
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S > log(1 + high)) + P(S < log(1 - low)), S ~ N(0, sigma^2 L) (eq. (1))."""

@@ -27,6 +27,7 @@ class SAPOClip(ClipRule):
     (A_t != 0); no dual, no cap.
     """
 
+    settings = ("tau_pos", "tau_neg", "value")
     level = "token"
 
     def __init__(self, tau_pos: float = SAPOSettings.tau_pos, tau_neg: float = SAPOSettings.tau_neg,
@@ -46,8 +47,6 @@ class SAPOClip(ClipRule):
         in_band = (tau * (ratio.detach() - 1.0)).abs() <= HALF_WEIGHT
         return weight_clip_result(-gate * adv, d, ratio, in_band, adv, p)
 
-    def extra_repr(self) -> str:
-        return f"tau_pos={self.tau_pos}, tau_neg={self.tau_neg}, value={self.value}"
 
 
 @register_policy_loss("sapo")

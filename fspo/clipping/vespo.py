@@ -66,6 +66,7 @@ class VESPOClip(ClipRule):
     phi_i < 1/2, upper / lower where x_i is above / below `vespo_band` (A != 0); no dual, no cap.
     """
 
+    settings = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "value", "length_scale", "ref_length")
     level = "sequence"
 
     def __init__(self, k_pos: float = VESPOSettings.k_pos, lambda_pos: float = VESPOSettings.lambda_pos,
@@ -120,9 +121,6 @@ class VESPOClip(ClipRule):
                 out = out + 0.5 * c_rloo(lengths, sigma, math.expm1(min(hi, 700.0)), min(-math.expm1(lo), 1.0 - 1e-15))
         return out
 
-    def extra_repr(self) -> str:
-        return (f"k_pos={self.k_pos}, lambda_pos={self.lambda_pos}, k_neg={self.k_neg}, lambda_neg={self.lambda_neg}, "
-                f"value={self.value}, length_scale={self.length_scale}, ref_length={self.ref_length}")
 
 
 VESPO_KEYS = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "length_scale", "ref_length")
