@@ -1,11 +1,5 @@
-"""Build the report folder from MLflow runs and log it to a ``report`` run.
-
-Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
-``by_length.md`` (c(L) per bin with counts and flatness), ``sl_band.csv`` and ``figures/sl_scatter.png`` (Figure 1
-left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``,
-``figures/*.png`` and the runs' Q-Q plots (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as
-artifacts of a new run named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command
-line (experiments/report.py).
+"""`make_report`: the report folder (tables, by-length and length-law views, figures, the runs' Q-Q plots) from
+MLflow runs, logged as artifacts of a run tagged ``fspo.role = report`` in its own experiment.
 """
 from __future__ import annotations
 
@@ -46,7 +40,7 @@ def metric_key(s: str) -> str:
 
 
 def _download_qq(tracking_uri: str, runs: Dict[str, List[RunRecord]], out: Path) -> Dict[str, Path]:
-    """Fetch each run's Q-Q plot artifact into ``out``; runs without one are skipped (logged)."""
+    """Fetch each run's Q-Q plot into ``out``; runs without one are skipped (logged)."""
     from mlflow.artifacts import download_artifacts
 
     out.mkdir(parents=True, exist_ok=True)
@@ -92,11 +86,9 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
                 group_by: Sequence[str] = ("method",), statuses: Sequence[str] = ("FINISHED",),
                 log_to_mlflow: bool = True, title: str = "FSPO report",
                 min_bin_count: float = MIN_COUNT) -> Dict[str, object]:
-    """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out``.
-
-    ``min_bin_count``: sequences per run a length bin needs to count for flatness (by_length.py).
-    Returns ``{"out", "n_runs", "groups", "table1", "fairness", "by_length", "report_run_id"}`` (rows as dicts).
-    Raises ValueError when no run matches (saying what was searched).
+    """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out`` (``min_bin_count``:
+    sequences per run a length bin needs to count for flatness). Returns ``{"out", "n_runs", "groups", "table1",
+    "fairness", "by_length", "report_run_id"}``; ValueError, saying what was searched, when no run matches.
     """
     from mlflow.tracking import MlflowClient
 
