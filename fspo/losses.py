@@ -85,8 +85,7 @@ def aggregate(token_loss: Tensor, response_mask: Tensor, mode: str, *,
               total_tokens: Optional[Number] = None, total_seqs: Optional[Number] = None,
               norm_len: Optional[Number] = None) -> AggResult:
     """Aggregate ``token_loss`` [B, T] over ``response_mask`` [B, T] with ``mode`` (module table); padding ignored
-    (even NaN). Returns the float32 loss and the per-sequence weights w_i.
-    """
+    (even NaN). Returns the float32 loss and the per-sequence weights w_i."""
     fn = _MODES[check_mode(mode)]
     if token_loss.shape != response_mask.shape or token_loss.dim() != 2:
         raise ValueError(f"aggregate: token_loss shape {tuple(token_loss.shape)} and response_mask shape "
@@ -101,8 +100,7 @@ def aggregate(token_loss: Tensor, response_mask: Tensor, mode: str, *,
 
 class Aggregator:
     """Hydra-instantiable `aggregate` with a ``mode``; a configured ``norm_len`` (verl's ``loss_scale_factor``) wins
-    over the call's (the training step passes the mini-batch's response width).
-    """
+    over the call's (the training step passes the mini-batch's response width)."""
 
     def __init__(self, mode: str = "token-mean", norm_len: Optional[int] = None) -> None:
         self.mode = check_mode(mode)

@@ -15,8 +15,7 @@ SPLITS = {"train": 0, "val": 1_000_003, "test": 2_000_003}
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
     """Step ``step``'s sampling (also its mini-batch order and the probe's directions) on data-parallel rank
-    ``rank``: ``seed * STEP + step + RANK * rank``.
-    """
+    ``rank``: ``seed * STEP + step + RANK * rank``."""
     return int(seed) * STEP + int(step) + RANK * int(rank)
 
 
@@ -32,8 +31,7 @@ def round_seed(step_seed: int, j: int) -> int:
 
 def request_seed(seed: int, prompt: int, n: int, replica: int = 0) -> int:
     """Prompt ``prompt``'s request (``n`` samples; sample i gets this + i) on engine replica ``replica``:
-    ``seed + prompt * n + REPLICA * replica``.
-    """
+    ``seed + prompt * n + REPLICA * replica``."""
     return int(seed) + int(prompt) * int(n) + REPLICA * int(replica)
 
 

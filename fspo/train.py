@@ -65,8 +65,7 @@ def _probes(cfg: DictConfig) -> list:
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. ``overrides``: this launch's
     command line (restored onto a continued run's saved config). A stop signal is honoured from the first line
-    to the last: the run stops with one line naming the command that continues it.
-    """
+    to the last: the run stops with one line naming the command that continues it."""
     quiet_third_party()  # each console line once, third-party noise filtered
     with honour_stop_signals(_signal_names(cfg)):
         check_config(cfg)  # every setting, before anything is locked, loaded, written or opened
@@ -99,8 +98,7 @@ def _signal_names(cfg: DictConfig) -> list:
 
 def _report_stop(exc: BaseException, seen: Dict[str, Any], plan: ResumePlan, out_dir: Path) -> None:
     """After a stop: the MLflow run KILLED at its step, buffered metrics sent, and one line with the step, the last
-    checkpoint and the command that continues the run.
-    """
+    checkpoint and the command that continues the run."""
     module, ckpt = seen.get("module"), seen.get("ckpt")
     step = int(module.rl_step) if module is not None else int(plan.step)
     loggers = seen.get("loggers") or []

@@ -35,8 +35,7 @@ class Prepared(NamedTuple):
 def prepare(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
             response_mask: Tensor) -> Prepared:
     """Check that log_prob, old_log_prob, response_mask are [B, T] and advantages [B] or [B, T] (ValueError naming
-    the shapes); upcast to float32 (bf16 included).
-    """
+    the shapes); upcast to float32 (bf16 included)."""
     if log_prob.dim() != 2:
         raise ValueError(f"{owner}: log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
     for name, t in (("old_log_prob", old_log_prob), ("response_mask", response_mask)):
@@ -75,8 +74,7 @@ def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: 
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """verl's `compute_policy_loss_vanilla`, elementwise: r = exp(clamp(log_ratio)), l = max(-A r, -A clip(r,
     1 - low, 1 + high)), and for A < 0 with a dual clip c: min(l, -A c). Returns (loss, upper, lower, dual,
-    in_band) with verl's strict comparisons; in_band = 1 - low <= r <= 1 + high.
-    """
+    in_band) with verl's strict comparisons; in_band = 1 - low <= r <= 1 + high."""
     ratio = torch.exp(torch.clamp(log_ratio, min=clamp[0], max=clamp[1]))
     neg_adv = -adv
     l1 = neg_adv * ratio
@@ -96,8 +94,7 @@ def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: 
 
 class RatioClipRule(ClipRule):
     """Base of the ratio-space rules: ``clip_ratio_low`` in [0, 1), ``clip_ratio_high`` >= 0, ``clip_ratio_c`` > 1
-    or None (no dual clip).
-    """
+    or None (no dual clip)."""
 
     settings = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
@@ -112,8 +109,7 @@ class RatioClipRule(ClipRule):
 
 def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:
     """[B, T] log of a sequence ratio per token (base.py): ``per_token`` sg(seq_value) + logp_t - sg(logp_t);
-    ``length_weighted`` ``full`` (with its graph through S) on every token. 0 on padding.
-    """
+    ``length_weighted`` ``full`` (with its graph through S) on every token. 0 on padding."""
     if ratio_grad == "length_weighted":
         return full.unsqueeze(-1) * p.maskf
     lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
@@ -123,8 +119,7 @@ def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, ful
 def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[float], high: Optional[float]
              ) -> Tensor:
     """Where clamping ``log_ratio`` to [low, high] (None: unbounded) alone zeroes the gradient: no clip binds and
-    A != 0.
-    """
+    A != 0."""
     out = torch.zeros_like(binding)
     if high is not None:
         out |= log_ratio.detach() > high
@@ -144,8 +139,7 @@ def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advan
 def weight_clip_result(token_loss: Tensor, d: Tensor, ratio: Tensor, in_band: Tensor, adv: Tensor,
                        p: Prepared) -> ClipResult:
     """Token-level `ClipResult` of a rule that bounds a token's gradient weight (CISPO, SAPO): binding where the
-    ratio is out of ``in_band`` and A != 0, upper above r = 1, lower below; no dual, no cap.
-    """
+    ratio is out of ``in_band`` and A != 0, upper above r = 1, lower below; no dual, no cap."""
     r, zero = ratio.detach(), torch.zeros_like(p.mask)
     bind = ~in_band & p.mask & (adv != 0)
     return seq_result(token_loss, d.sum(-1), bind & (r > 1.0), bind & (r < 1.0), zero, in_band, zero, p)

@@ -51,8 +51,7 @@ class ClipRule(torch.nn.Module):
     """Base class: ``forward(log_prob, old_log_prob [B, T] any float dtype, math in float32; advantages [B] or
     [B, T]; response_mask [B, T])`` -> `ClipResult`. Settings are validated in ``__init__`` (ValueError naming
     the setting). `observe` gets detached statistics once per optimizer step (running estimates);
-    `extra_metrics` returns scalars to log.
-    """
+    `extra_metrics` returns scalars to log."""
 
     level: ClassVar[str] = "token"  # "token" or "sequence"
     settings: ClassVar[Tuple[str, ...]] = ()  # the attributes `extra_repr` shows
@@ -74,6 +73,5 @@ class ClipRule(torch.nn.Module):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """Closed-form clip probability c(L) over ``lengths`` (numpy) when S_L ~ N(0, sigma^2 L); None when the rule
-        has none (token-level rules).
-        """
+        has none (token-level rules)."""
         return None

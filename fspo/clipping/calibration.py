@@ -39,8 +39,7 @@ def geometric_edges(bins_per_octave: int = 2, max_len: int = 32768) -> list:
 
 class _MomentBand(torch.nn.Module):
     """Shared state and update of the calibrators. Settings: ``alpha`` in (0, 1], ``sigma0`` > 0, ``min_count`` >= 1,
-    ``bins_per_octave`` >= 1 and ``max_len`` >= 2 (ints).
-    """
+    ``bins_per_octave`` >= 1 and ``max_len`` >= 2 (ints)."""
 
     gamma_min, gamma_max = 0.0, 1.5
 
@@ -75,8 +74,7 @@ class _MomentBand(torch.nn.Module):
     @torch.no_grad()
     def observe(self, seq_log_ratio: Tensor, lengths: Tensor, mu: Optional[Tensor] = None) -> None:
         """M <- (1 - alpha) M + the batch's (1, log L, r^2, r^2 / L) per bin over all ranks, r = S - mu (None: 0).
-        Rows with L < 1 or non-finite L or r are ignored; a batch with none on any rank changes nothing.
-        """
+        Rows with L < 1 or non-finite L or r are ignored; a batch with none on any rank changes nothing."""
         dev = self.moments.device
         s = torch.as_tensor(seq_log_ratio).detach().to(dev, torch.float64).reshape(-1)
         length = torch.as_tensor(lengths).detach().to(dev, torch.float64).reshape(-1)
@@ -126,8 +124,7 @@ class _MomentBand(torch.nn.Module):
 
     def fit(self) -> Tuple[Tensor, Tensor]:
         """(sigma, gamma) of std(S_L) = sigma L^gamma: least squares of log std_k on mean log L_k over populated bins,
-        weights n_k, gamma clamped to [gamma_min, gamma_max]; fewer than 2 bins: (sigma_sqrt(), 0.5).
-        """
+        weights n_k, gamma clamped to [gamma_min, gamma_max]; fewer than 2 bins: (sigma_sqrt(), 0.5)."""
         pop, x, y, n = self._bins()
         w = torch.where(pop, n, 0.0)
         sw = w.sum().clamp(min=1e-300)
@@ -157,8 +154,7 @@ class _MomentBand(torch.nn.Module):
 
 class PowerLawBand(_MomentBand):
     """scale(L) = sigma L^gamma from `fit` (0 at L = 0). gamma in [``gamma_min``, ``gamma_max``] = [0, 1.5]: [0, 1]
-    spans stationary token processes, and the cap bounds how far a noisy fit can blow the extrapolated band up.
-    """
+    spans stationary token processes, and the cap bounds how far a noisy fit can blow the extrapolated band up."""
 
     def __init__(self, alpha: float = 0.05, sigma0: float = 0.03, min_count: float = 32.0,
                  bins_per_octave: int = 2, max_len: int = 32768, gamma_min: float = 0.0,
@@ -180,8 +176,7 @@ class PowerLawBand(_MomentBand):
 
 class PerBinBand(_MomentBand):
     """scale(L) = the bins' own std, no law assumed: linear in (mean log L, log std) between populated bins, the
-    sqrt law from the end bins beyond them, sigma_sqrt() sqrt(L) with no populated bin.
-    """
+    sqrt law from the end bins beyond them, sigma_sqrt() sqrt(L) with no populated bin."""
 
     def scale(self, lengths: Tensor) -> Tensor:
         """std_hat(L) per sequence, float32 [B] on the device of ``lengths``; 0 where L <= 0."""

@@ -48,8 +48,7 @@ class CISPOClip(ClipRule):
 def policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
                       loss_agg_mode: str = "token-mean", config: Any = None):
     """verl's ``cispo``: `CISPOClip(value="verl")`. ``actor/pg_clipfrac`` = token share with r != clip(r),
-    ``actor/pg_clipfrac_lower`` = 0.
-    """
+    ``actor/pg_clipfrac_lower`` = 0."""
     rule = CISPOClip(**_ratio_kwargs(config, CISPOClip), value="verl")
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                 metrics_fn=lambda res, m: {"actor/pg_clipfrac": _masked_mean(~res.in_band, m)})

@@ -91,8 +91,7 @@ class CTPOClip(ClipRule):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """With iid d_t ~ N(0, sigma^2): o(t) = Phi(-high t^p / std_t) + Phi(-low t^p / std_t), std_t = sigma sqrt(t)
-        (cumprod) or sigma / sqrt(t) (geomean); c(L) = mean_{t <= L} o(t) (``prefix``) or o(L) (``last``).
-        """
+        (cumprod) or sigma / sqrt(t) (geomean); c(L) = mean_{t <= L} o(t) (``prefix``) or o(L) (``last``)."""
         from scipy.special import ndtr
 
         from fspo.clipping.theory import _as_len

@@ -23,8 +23,7 @@ KL_EPS = 1e-8
 
 def binary_divergence(kind: str, log_prob: Tensor, old_log_prob: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(D_t, p_t, q_t), p = e^{logp_new}, q = e^{logp_old} (detached), verl's forms: ``tv`` D_t = p - q (signed);
-    ``kl`` D_t = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)).
-    """
+    ``kl`` D_t = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))."""
     lp, lq = log_prob.detach(), old_log_prob.detach()
     p, q = torch.exp(lp), torch.exp(lq)
     if kind == "tv":
@@ -34,8 +33,7 @@ def binary_divergence(kind: str, log_prob: Tensor, old_log_prob: Tensor) -> Tupl
 
 def dppo_weighted_loss(p: Prepared, adv: Tensor, ratio: Tensor, valid: Tensor, clip_c: float, value: str) -> Tensor:
     """-A_t sg(min(r_t, C)) valid_t times logp_t (``verl``) or 1 + logp_t - sg(logp_t) (``surrogate``): gradient
-    -A_t min(r_t, C) on valid tokens, 0 elsewhere.
-    """
+    -A_t min(r_t, C) on valid tokens, 0 elsewhere."""
     w = torch.clamp(ratio, max=clip_c).detach() * valid.float()
     lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
     factor = lp if value == "verl" else 1.0 + lp - lp.detach()
@@ -104,8 +102,7 @@ class DPPOClip(ClipRule):
 def verl_mask_metrics(rule: DPPOClip, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                       response_mask: Tensor):
     """verl's DPPO metrics: ``actor/pg_clipfrac`` = masked token share (A = 0 takes the A <= 0 test),
-    ``actor/pg_clipfrac_lower`` = share of valid tokens with r > C.
-    """
+    ``actor/pg_clipfrac_lower`` = share of valid tokens with r > C."""
     def fn(res: ClipResult, m: Tensor):
         p, _, adv, ratio = token_ratio_inputs("DPPO metrics", log_prob.detach(), old_log_prob, advantages,
                                               response_mask)

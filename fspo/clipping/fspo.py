@@ -131,8 +131,7 @@ class FSPOClip(ClipRule):
     def observe(self, seq_log_ratio: Tensor, lengths: Tensor, token_log_ratio: Tensor,
                 response_mask: Tensor) -> None:
         """EMA updates of sigma_hat (unbiased std of (S - mu_L) / sqrt(L) over L > 0, needs >= 2 sequences) and
-        kl_bar (masked token mean of k3 = exp(d) - 1 - d, needs a token), from sums all-reduced across ranks.
-        """
+        kl_bar (masked token mean of k3 = exp(d) - 1 - d, needs a token), from sums all-reduced across ranks."""
         length = lengths.to(torch.float64)
         valid = length > 0
         zres = (seq_log_ratio.to(torch.float64) - self.drift_mu(length).to(torch.float64)) \
@@ -157,8 +156,7 @@ class FSPOClip(ClipRule):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(S - mu_L > c_upper sqrt L) + P(S - mu_L < -c_lower sqrt L) with the scales in effect; 2 Phi(-z)
-        for the calibrated bands.
-        """
+        for the calibrated bands."""
         from fspo.clipping.theory import c_fspo, c_fspo_symmetric
         if self.calibrator is not None:  # the band tracks std(S_L) itself: 2 Phi(-z) at every L
             return c_fspo_symmetric(lengths, self.z)

@@ -65,8 +65,7 @@ def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "token-mean", config: Any = None):
     """verl's ``geo_mean``: `GMPOClip`, the mean of J_i over all B rows (``loss_agg_mode`` and ``global_batch_info``
     ignored, as verl). Clip fractions: token share out of the band with A_t > 0 / A_t < 0; ``actor/ppo_kl``
-    unclamped.
-    """
+    unclamped."""
     rule = GMPOClip(**_ratio_kwargs(config, GMPOClip))
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()

@@ -21,8 +21,7 @@ from fspo.clipping.base import ClipResult
 class GRPOClip(RatioClipRule):
     """Token-level PPO clip in ratio space (paper eq. (7)), verl's vanilla: r_t = exp(clamp(d_t, -20, 20)),
     loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), for A < 0 min(loss_t, -A clip_ratio_c). Paper
-    (Table 5): 0.2 / 0.28 / 3.0. ``in_band``: 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip.
-    """
+    (Table 5): 0.2 / 0.28 / 3.0. ``in_band``: 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip."""
 
     level = "token"
 

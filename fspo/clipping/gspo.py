@@ -24,8 +24,7 @@ GSPO_MAX_LOG_RATIO = 10.0
 class GSPOClip(RatioClipRule):
     """GSPO (paper eq. (10)), verl's `compute_policy_loss_gspo`: log s_{i,t} = sg(S_i / L_i) + logp_t - sg(logp_t)
     clamped at 10, loss = max(-A s, -A clip(s, 1 - low, 1 + high)), no dual clip. Paper: 3e-4 / 4e-4.
-    ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: log s_i > 10, no clip binding.
-    """
+    ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: log s_i > 10, no clip binding."""
 
     level = "sequence"
 

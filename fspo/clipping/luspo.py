@@ -24,8 +24,7 @@ class LUSPOClip(GSPOClip):
 def policy_loss_luspo(old_log_prob, log_prob, advantages, response_mask,
                       loss_agg_mode: str = "seq-mean-token-sum", config: Any = None):
     """LUSPO: `LUSPOClip`, aggregated with seq-mean-token-sum whatever ``loss_agg_mode`` says (the length factor is
-    the method); metrics as gspo's.
-    """
+    the method); metrics as gspo's."""
     rule = LUSPOClip(**_ratio_kwargs(config, LUSPOClip))
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-sum", config,
                 kl_clamp=None)

@@ -23,8 +23,7 @@ __all__ = ["QuantileBand"]
 
 class QuantileBand(PerBinBand):
     """scale(L) = (coverage quantile of |S_L - mu_L|) / z per length bin. Settings as `PerBinBand` plus ``z`` > 0
-    (FSPOClip's), ``u_min`` < ``u_max`` (> 0) and ``n_u`` >= 8 cells.
-    """
+    (FSPOClip's), ``u_min`` < ``u_max`` (> 0) and ``n_u`` >= 8 cells."""
 
     needs_z = True  # FSPOClip passes its z (the coverage and the scale depend on it)
 
@@ -59,8 +58,7 @@ class QuantileBand(PerBinBand):
 
     def quantiles(self) -> Tensor:
         """The coverage quantile of u per length bin [K] (float64; 0 for an empty bin), log-linear inside its cell
-        (linear in [0, u_min); u_max in the last cell).
-        """
+        (linear in [0, u_min); u_max in the last cell)."""
         n = self.hist.sum(1, keepdim=True)
         cum = self.hist.cumsum(1)
         target = self.coverage * n

@@ -89,8 +89,7 @@ def _seq_kwargs(config: Any) -> Dict[str, Any]:
 
 def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
     """verl's ``global_batch_info`` as `aggregate` keywords, and its ``dp_size`` (1); dp_size > 1 needs the global
-    denominator ``mode`` uses (ValueError otherwise).
-    """
+    denominator ``mode`` uses (ValueError otherwise)."""
     info = _get(config, "global_batch_info") or {}
     totals = {"total_tokens": _get(info, "batch_num_tokens"), "total_seqs": _get(info, "global_batch_size"),
               "norm_len": _get(info, "loss_scale_factor")}
@@ -114,8 +113,7 @@ def _run_full(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages
               metrics_fn: Optional[Callable[[ClipResult, Tensor], Dict[str, float]]] = None,
               rollout_is_weights: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, float], ClipResult]:
     """Apply ``rule``, weight by ``rollout_is_weights``, aggregate with ``mode`` and verl's batch info; returns
-    (loss, metrics, `ClipResult`). ``metrics_fn(result, mask)`` overrides metrics a rule reports differently.
-    """
+    (loss, metrics, `ClipResult`). ``metrics_fn(result, mask)`` overrides metrics a rule reports differently."""
     totals, dp = _batch_info(config, mode)
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()

@@ -25,8 +25,7 @@ class RLOOClip(RatioClipRule):
     """Sequence-level PPO clip in ratio space (paper eq. (8), TRL's RLOO): s_i = exp(clamp(S_i, -20, 20)),
     loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high)), for A_i < 0 min(loss_i, -A_i clip_ratio_c), on
     every token in the gradient form ``ratio_grad`` (base.py). Paper: 0.4 / 0.667 / 3.0. [B, T] advantages: A_i
-    is their masked mean. ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: |S_i| > 20, no clip binding.
-    """
+    is their masked mean. ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: |S_i| > 20, no clip binding."""
 
     settings = RatioClipRule.settings + ("ratio_grad",)
     level = "sequence"

@@ -53,8 +53,7 @@ class SAPOClip(ClipRule):
 def policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "seq-mean-token-mean", config: Any = None):
     """verl's ``sapo``: `SAPOClip(value="verl")` with config ``tau_pos`` / ``tau_neg``, aggregated with
-    seq-mean-token-mean whatever ``loss_agg_mode`` says, as verl; clip fractions 0.
-    """
+    seq-mean-token-mean whatever ``loss_agg_mode`` says, as verl; clip fractions 0."""
     kw = {k: _get(config, k) for k in ("tau_pos", "tau_neg")}
     rule = SAPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,

@@ -70,8 +70,7 @@ def c_fspo(L: ArrayLike, sigma: Optional[float] = None, c_upper: Optional[float]
            c_lower: Optional[float] = None, *, z: Optional[float] = None, mu: float = 0.0,
            parts: bool = False) -> Out:
     """FSPO's band [-c_lo sqrt(L), c_hi sqrt(L)]: ``sigma`` and ``c_upper`` (``c_lower`` defaults to it), or ``z``
-    (c = z sigma; ``sigma`` needed only when mu != 0).
-    """
+    (c = z sigma; ``sigma`` needed only when mu != 0)."""
     L = _as_len(L)
     if z is not None:
         if mu != 0 and sigma is None:

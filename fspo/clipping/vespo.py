@@ -108,8 +108,7 @@ class VESPOClip(ClipRule):
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """c(L) = P(phi < 1/2), S ~ N(0, sigma^2 L), averaged over the two signs of A: grows with L as RLOO's; flat as
-        FSPO's with ``length_scale="sqrt"``.
-        """
+        FSPO's with ``length_scale="sqrt"``."""
         from fspo.clipping.theory import c_fspo, c_rloo
         out = 0.0
         for k, lam in ((self.k_pos, self.lambda_pos), (self.k_neg, self.lambda_neg)):
@@ -130,8 +129,7 @@ VESPO_KEYS = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "length_scale", "ref
 def policy_loss_vespo(old_log_prob, log_prob, advantages, response_mask,
                       loss_agg_mode: str = "token-mean", config: Any = None):
     """VESPO: `VESPOClip(value="verl")`, config ``k_pos``, ``lambda_pos``, ``k_neg``, ``lambda_neg`` (also under
-    ``config.policy_loss.vespo``, the recipe's place).
-    """
+    ``config.policy_loss.vespo``, the recipe's place)."""
     sub = _get(_get(config, "policy_loss"), "vespo")
     kw = {key: (_get(sub, key) if _get(sub, key) is not None else _get(config, key)) for key in VESPO_KEYS}
     rule = VESPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")

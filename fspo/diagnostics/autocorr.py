@@ -25,8 +25,7 @@ DEFAULT_LAGS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class TokenLogRatioACF(DiagnosticMetric):
     """``update(token_log_ratio [B, T], response_mask [B, T])``; ``positions``: `LengthBins` over the token's
-    0-based position.
-    """
+    0-based position."""
 
     def __init__(self, positions: LengthBins, lags: Sequence[int] = DEFAULT_LAGS, **kwargs) -> None:
         super().__init__(**kwargs)

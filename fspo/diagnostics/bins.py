@@ -16,8 +16,7 @@ _LABEL_RE = re.compile(r"^len_(\d+)_(\d+|inf)$")
 
 class LengthBins:
     """``LengthBins(width=200, max_len=32768)`` (edges 0, w, 2w, ..., max_len) or ``LengthBins(edges=[...])``
-    (non-negative integers, strictly increasing). Labels ``len_00200_00400`` / ``len_32768_inf`` (MLflow-safe).
-    """
+    (non-negative integers, strictly increasing). Labels ``len_00200_00400`` / ``len_32768_inf`` (MLflow-safe)."""
 
     def __init__(self, width: int = 200, max_len: int = 32768,
                  edges: Optional[Sequence[int]] = None) -> None:

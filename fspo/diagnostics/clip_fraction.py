@@ -162,8 +162,7 @@ class ClipFractionByLength(DiagnosticMetric):
     def per_bin(self) -> Dict[str, np.ndarray]:
         """Per-bin arrays (NaN where empty): ``count``, ``mean_len``, ``seq_frac``, ``tok_frac`` (binding clips);
         ``band_count``, ``band_mean_len``, ``out_frac`` (acceptance). Cached as ``last_per_bin`` by `compute()`
-        (synced), so plotting needs no collective.
-        """
+        (synced), so plotting needs no collective."""
         n = self.n_seq.double().cpu().numpy()
         nb = self.band_n_seq.double().cpu().numpy()
         with np.errstate(invalid="ignore", divide="ignore"):

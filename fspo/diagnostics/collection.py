@@ -68,8 +68,7 @@ class FairnessMetrics(torch.nn.Module):
                     token_log_ratio: Optional[Tensor] = None) -> None:
         """Count one (micro-)batch's `ClipResult`: ``lengths`` [B] (None: from the mask), ``response_mask`` [B, T],
         ``advantages`` [B] or [B, T], ``token_log_ratio`` [B, T] (optional, for the autocorrelation).
-        ``on_policy`` (None: ``not log_ratio``) as in the class docstring.
-        """
+        ``on_policy`` (None: ``not log_ratio``) as in the class docstring."""
         if lengths is None:
             lengths = torch.as_tensor(response_mask).sum(-1)
         if on_policy is None:
@@ -89,8 +88,7 @@ class FairnessMetrics(torch.nn.Module):
 
     def compute(self) -> Dict[str, float]:
         """Flat ``{name: float}`` of every metric, synced across ranks; names MLflow-safe, keys with nothing to report
-        absent, no NaN.
-        """
+        absent, no NaN."""
         out: Dict[str, float] = {}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
@@ -106,8 +104,7 @@ class FairnessMetrics(torch.nn.Module):
 
     def figures(self, theory: Union[None, Callable, Mapping[str, object]] = None) -> Dict[str, Figure]:
         """``clip_fraction_by_length``, ``logratio_qq``, ``logratio_std_vs_len`` of the last `compute()` (run first if
-        none). ``theory``: c(L) curves beside the observed out-of-band fraction (plots.py).
-        """
+        none). ``theory``: c(L) curves beside the observed out-of-band fraction (plots.py)."""
         if self._last is None or self.clip.last_per_bin is None or self.log_ratio.last_per_bin is None:
             self.compute()
         cp, lp = self.clip.last_per_bin, self.log_ratio.last_per_bin

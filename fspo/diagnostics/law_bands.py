@@ -50,8 +50,7 @@ class TokenRatioBand(RatioBand):
 
 class AffineBand:
     """mu_L -+ z sqrt(tau^2 + sigma^2 L): m by least squares through 0, then `law_stats.affine_variance` of the
-    residuals (tau^2 >= 0, sigma^2 > 0).
-    """
+    residuals (tau^2 >= 0, sigma^2 > 0)."""
 
     def __init__(self, z: float = 1.0, per_octave: int = 2, min_count: int = 10):
         self.z, self.per_octave, self.min_count = float(z), per_octave, min_count
@@ -76,8 +75,7 @@ class AffineBand:
 
 class BinQuantileBand(AffineBand):
     """mu_L -+ q_b (the affine band in bins with fewer than ``min_count`` sequences): exact coverage for any shape of
-    S_L, at the cost of noise.
-    """
+    S_L, at the cost of noise."""
 
     def fit(self, L, S) -> "BinQuantileBand":
         super().fit(L, S)
@@ -110,8 +108,7 @@ def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0,
     """Out-of-band test of one band over ``edges`` (bins with >= ``min_count``): n, k, c = k / n with Wilson CIs,
     ``p_homogeneity``, ``lre`` and ``lre_floor``, ``span``, ``ratio_last_first`` / ``ratio_first_last``, ``out_rate``;
     with ``limits`` the Gaussian prediction ``c_gauss``; with ``clusters`` ``design_effect`` and
-    ``p_homogeneity_clustered``.
-    """
+    ``p_homogeneity_clustered``."""
     L, S, out = np.asarray(L, float), np.asarray(S, float), np.asarray(outside, bool)
     idx = st.bin_index(L, edges)
     nb = len(edges) - 1
@@ -157,8 +154,7 @@ def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_up
                   min_history: int = 64, window: Optional[int] = None) -> Dict[str, np.ndarray]:
     """Fit ``make_band()`` on steps t - ``window`` .. t - 1 (all earlier when None; the same mini-batch index when
     ``by_update``) and judge step t with it, where >= ``min_history`` sequences fit. Returns ``judged``,
-    ``outside``, ``lo``, ``hi`` per row (NaN where not judged).
-    """
+    ``outside``, ``lo``, ``hi`` per row (NaN where not judged)."""
     L, S = np.asarray(L, float), np.asarray(S, float)
     step, update = np.asarray(step), np.asarray(update)
     judged, outside = np.zeros(len(L), bool), np.zeros(len(L), bool)

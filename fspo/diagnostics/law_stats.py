@@ -84,8 +84,7 @@ def std_exponent(m: BinMoments, min_count: int = 20) -> Dict[str, Optional[float
 def bootstrap_exponent(lengths, s, clusters, edges, min_count: int = 20, n_boot: int = 400,
                        seed: int = 0, level: float = 0.95) -> Optional[tuple]:
     """Percentile CI of the std exponent, resampling whole clusters (prompts) with replacement; None with fewer than
-    2 clusters.
-    """
+    2 clusters."""
     L, S, c = np.asarray(lengths, float), np.asarray(s, float), np.asarray(clusters)
     uniq, inv = np.unique(c, return_inverse=True)
     if len(uniq) < 2:
@@ -105,8 +104,7 @@ def bootstrap_exponent(lengths, s, clusters, edges, min_count: int = 20, n_boot:
 
 def affine_variance(m: BinMoments, min_count: int = 20) -> Dict[str, Optional[float]]:
     """Weighted least squares of var_b = tau^2 + sigma^2 mean-L_b, weights (n_b - 1) / var_b^2; L* = tau^2 / sigma^2
-    (None unless both > 0).
-    """
+    (None unless both > 0)."""
     ok = m.populated(min_count) & (m.var_s > 0)
     if ok.sum() < 2:
         return {"tau2": None, "sigma2": None, "l_star": None}
@@ -160,8 +158,7 @@ homogeneity_p_clustered = homogeneity_p
 
 def design_effect(outside, clusters, bins) -> float:
     """Rao-Scott design effect of the out-of-band rate: each bin's variance with whole clusters (prompt groups)
-    over its binomial variance, averaged with the bins' sequence counts; 1 for independent sequences.
-    """
+    over its binomial variance, averaged with the bins' sequence counts; 1 for independent sequences."""
     out, cl, b = np.asarray(outside, float), np.asarray(clusters), np.asarray(bins)
     num = den = 0.0
     for k in np.unique(b[b >= 0]):

@@ -44,8 +44,7 @@ def band_results(rec: Dict[str, np.ndarray], edges, min_count: int, seed: int = 
 def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int = 50, n_boot: int = 200,
                 seed: int = 0, panel: bool = True) -> Dict[str, float]:
     """Flat ``{law/...: float}`` of one run's records; {} with none. Records with ``update == -1`` are the
-    random-direction gate's (``law/gate/*``).
-    """
+    random-direction gate's (``law/gate/*``)."""
     gate = (rec["update"] == -1) & (rec["length"] > 0)
     out: Dict[str, float] = {}
     if gate.sum() >= 2:

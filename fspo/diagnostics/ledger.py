@@ -39,8 +39,7 @@ class SequenceLedger(DiagnosticMetric):
     def update(self, step: int, update: int, group_ids: Tensor, lengths: Tensor, token_log_ratio: Tensor,
                response_mask: Tensor, advantages: Tensor, in_band: Tensor) -> None:
         """Record a micro-batch: ``token_log_ratio`` [B, T] (0 on padding), ``response_mask`` [B, T], ``advantages``
-        [B] or [B, T], ``in_band`` [B, T] bool.
-        """
+        [B] or [B, T], ``in_band`` [B, T] bool."""
         m = response_mask.to(torch.float64)
         d = token_log_ratio.to(torch.float64) * m
         L = m.sum(-1)

@@ -33,8 +33,7 @@ def length_counts(result: ClipResult, response_mask: Tensor, bins: LengthBins) -
 
 def count_metrics(sums: Tensor, bins: LengthBins, prefix: str) -> Dict[str, float]:
     """``{prefix}/n_{row}/{label}`` for every row and every bin (a fixed key set, so a host averaging key by key
-    sees each key every call).
-    """
+    sees each key every call)."""
     values = sums.detach().cpu().tolist()
     return {f"{prefix}/n_{row}/{label}": float(values[r][b])
             for r, row in enumerate(ROWS) for b, label in enumerate(bins.labels)}

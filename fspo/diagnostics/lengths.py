@@ -13,8 +13,7 @@ from fspo.diagnostics.bins import check_lengths
 class RolloutLengthStats(DiagnosticMetric):
     """Over every completion seen (L = 0 included), ``update(lengths [B], overlong [B] bool)``; ``compute()``:
     ``rollout/overlong_rate``, ``rollout/response_len_mean``, ``rollout/response_len_mean_excl_overlong``,
-    ``rollout/response_len_max``, ``rollout/n_responses``; keys with a zero denominator omitted.
-    """
+    ``rollout/response_len_max``, ``rollout/n_responses``; keys with a zero denominator omitted."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

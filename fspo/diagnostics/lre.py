@@ -37,8 +37,7 @@ def q_bar(q: Tensor, weights: Tensor) -> Tensor:
 
 def lre(q: Tensor, weights: Tensor, q_bar_weights: Optional[Tensor] = None) -> Tensor:
     """``0.5 sum_b w_b |q_b / q_bar - 1| / sum_b w_b``, q_bar weighted by ``q_bar_weights`` (default ``weights``):
-    LRE with w = n_b, LRE_w with w = a_b and q_bar_weights = n_b. 0-dim float64.
-    """
+    LRE with w = n_b, LRE_w with w = a_b and q_bar_weights = n_b. 0-dim float64."""
     q = torch.as_tensor(q).double()
     w = torch.as_tensor(weights, device=q.device).double()
     if (w < 0).any():
@@ -61,8 +60,7 @@ def min_len_mask(bins: LengthBins, min_len: float = 0) -> Tensor:
 def length_fairness(counts: Tensor, clipped: Tensor, abs_adv: Tensor, bins: LengthBins,
                     min_len: float = 0, prefix: str = "fairness/") -> Dict[str, float]:
     """``<prefix>lre``, ``lre_w``, ``q_bar``, ``n_bins`` from per-bin counts n_b, rejected sums C_b and |A| sums a_b,
-    over non-empty bins with upper edge > ``min_len``; {} when none.
-    """
+    over non-empty bins with upper edge > ``min_len``; {} when none."""
     counts = torch.as_tensor(counts).double()
     keep = min_len_mask(bins, min_len).to(counts.device) & (counts > 0)
     if not bool(keep.any()):

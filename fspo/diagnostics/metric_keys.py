@@ -42,8 +42,7 @@ def canonical_key(key: str) -> str:
 
 def headline(metrics: Mapping[str, float]) -> Dict[str, float]:
     """Copies (not moves) shown first on the run page: held-out accuracy, LRE, the out-of-band and binding-clip
-    fractions, and the out-of-band fraction per length bin.
-    """
+    fractions, and the out-of-band fraction per length bin."""
     out = {f"{HEADLINE}/{name}": metrics[k] for k, name in HEADLINE_KEYS.items() if k in metrics}
     prefix, name = HEADLINE_BINS
     out.update({f"{HEADLINE}/{name}{k[len(prefix):]}": v for k, v in metrics.items() if k.startswith(prefix)})

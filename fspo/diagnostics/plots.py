@@ -117,8 +117,7 @@ def _side_of_theory(series, curves) -> Optional[str]:
 
 def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_L") -> Figure:
     """Sorted Z = (S - mu_hat_L) / (sqrt(L) sigma_hat) against Blom quantiles, with the least-squares line (slope,
-    intercept, R^2) and y = x.
-    """
+    intercept, R^2) and y = x."""
     fig, ax = _new_figure((5.0, 5.0))
     z = np.sort(np.asarray(z_sample, dtype=np.float64).ravel())
     z = z[np.isfinite(z)]
@@ -140,8 +139,7 @@ def plot_std_vs_sqrt_len(bin_mean_len: Sequence[float], bin_std: Sequence[float]
                          sigma: Optional[float] = None,
                          title: str = "std(S_L) vs sqrt(L)") -> Figure:
     """Per-bin std(S_L) against sqrt(mean L) (non-finite or non-positive bins skipped); with ``sigma`` the line
-    sigma sqrt(L); the legend gives the log-log exponent b of std ~ L^b (theory 0.5).
-    """
+    sigma sqrt(L); the legend gives the log-log exponent b of std ~ L^b (theory 0.5)."""
     fig, ax = _new_figure()
     x = np.asarray(bin_mean_len, dtype=np.float64).ravel()
     y = np.asarray(bin_std, dtype=np.float64).ravel()

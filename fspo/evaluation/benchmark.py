@@ -94,8 +94,7 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
                        seed: int = 0, keep_completions: bool = False, label: str = "") -> BenchmarkResult:
     """Sample ``k`` completions for every prompt of ``source`` with ``engine`` and score them with ``reward_fn``.
     Prompts over ``max_prompt_len`` raise or are skipped (``on_long_prompt``); a budget over ``context_len`` is
-    lowered (``fit_context``) or raises. Engine call j uses seed ``seed + j``. One progress line per call.
-    """
+    lowered (``fit_context``) or raises. Engine call j uses seed ``seed + j``. One progress line per call."""
     if k < 1:
         raise ValueError(f"samples per prompt (k) must be >= 1 for {name}, got {k}")
     samples, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
@@ -139,8 +138,7 @@ def check_fits_context(name: str, source, tokenizer, max_new_tokens: int, contex
                        max_prompt_len: Optional[int] = None, on_long_prompt: str = "raise",
                        fit_context: bool = True) -> int:
     """Raise ValueError, before anything is sampled, when benchmark ``name`` cannot run (the rules of
-    `evaluate_benchmark`); return the new-token budget it will use.
-    """
+    `evaluate_benchmark`); return the new-token budget it will use."""
     _, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
     return _fit_new_tokens(name, max(len(x) for x in ids), max_new_tokens, context_len, fit_context, warn=False)
 

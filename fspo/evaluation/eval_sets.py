@@ -37,8 +37,7 @@ def uses_builtin_task(run_cfg: Optional[DictConfig]) -> bool:
 
 def select_eval_data(cfg: DictConfig, run_cfg: Optional[DictConfig]) -> None:
     """Settle ``cfg.eval_data`` in place: with ``eval_data_auto`` and a built-in-task run, the built-in set replaces
-    the configured benchmarks; every ``from_run`` node takes the run's data settings.
-    """
+    the configured benchmarks; every ``from_run`` node takes the run's data settings."""
     with open_dict(cfg):
         if cfg.get("eval_data_auto", False) and uses_builtin_task(run_cfg):
             node = OmegaConf.load(EVAL_DATA_DIR / f"{BUILTIN_EVAL_SET}.yaml")

@@ -19,8 +19,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------- summary
 def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[str, Any]:
     """Best/last summary of ``entries`` (``{"checkpoint", "step", "base", "metrics": {benchmark: {metric: value}}}``):
-    ``{"metric", "benchmarks": {name: {"best", "last", "base"}}, "average", "checkpoints"}``.
-    """
+    ``{"metric", "benchmarks": {name: {"best", "last", "base"}}, "average", "checkpoints"}``."""
     ckpts = [e for e in entries if not e.get("base")]
     base = next((e for e in entries if e.get("base")), None)
     if not ckpts:
@@ -72,8 +71,7 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------- MLflow
 class MlflowRecorder:
     """One evaluation's MLflow sink: a new run in ``experiment_name``, or the existing run ``run_id``. Every artifact
-    is also written under ``out_dir``.
-    """
+    is also written under ``out_dir``."""
 
     def __init__(self, tracking_uri: str, out_dir, experiment_name: str = "fspo-eval", run_id: Optional[str] = None,
                  run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
@@ -130,8 +128,7 @@ class MlflowRecorder:
 
     def log_benchmark(self, result, step: Optional[int], checkpoint: Optional[str], folder: str) -> Dict[str, float]:
         """``eval/<name>/<metric>`` at ``step`` (0 when unknown), ``<folder>/per_problem.json`` (MLflow's table format),
-        completions when kept, tags ``eval/checkpoint`` / ``eval/step``. Returns the metrics.
-        """
+        completions when kept, tags ``eval/checkpoint`` / ``eval/step``. Returns the metrics."""
         metrics = result.metrics()
         self.log_metrics({f"eval/{result.name}/{k}": v for k, v in metrics.items()}, step or 0)
         table, artifact = result.table(), f"{folder}/per_problem.json"

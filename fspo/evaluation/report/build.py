@@ -88,8 +88,7 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
                 min_bin_count: float = MIN_COUNT) -> Dict[str, object]:
     """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out`` (``min_bin_count``:
     sequences per run a length bin needs to count for flatness). Returns ``{"out", "n_runs", "groups", "table1",
-    "fairness", "by_length", "report_run_id"}``; ValueError, saying what was searched, when no run matches.
-    """
+    "fairness", "by_length", "report_run_id"}``; ValueError, saying what was searched, when no run matches."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -44,8 +44,7 @@ def flatness(cells: Mapping[str, Cell], min_count: float = MIN_COUNT) -> Tuple[O
 
 def sampling_se(cells: Mapping[str, Cell], n_runs: int, min_count: float = MIN_COUNT) -> Optional[float]:
     """Largest binomial standard error sqrt(c (1 - c) / N) over the populated bins (N over all ``n_runs`` runs): the
-    noise floor of a max - min. None without counts.
-    """
+    noise floor of a max - min. None without counts."""
     se = [math.sqrt(c * (1 - c) / (n * n_runs)) for c, n in cells.values()
           if n is not None and n >= min_count and n > 0]
     return max(se) if se else None
@@ -54,8 +53,7 @@ def sampling_se(cells: Mapping[str, Cell], n_runs: int, min_count: float = MIN_C
 def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[float]]:
     """(LRE of the runs pooled, its noise floor); (None, None) without counts. Bins as the run-level LRE (upper edge
     > ``diagnostics/lre_min_len``); q_b = 1 - sum_r n_br c_br / n_b, then lre.py's formula. Floor: the expected
-    LRE of a flat curve at these counts, 0.5 sum_b (n_b / N) sqrt(2 / pi) sqrt(q_bar (1 - q_bar) / n_b) / q_bar.
-    """
+    LRE of a flat curve at these counts, 0.5 sum_b (n_b / N) sqrt(2 / pi) sqrt(q_bar (1 - q_bar) / n_b) / q_bar."""
     n: Dict[str, float] = {}
     out: Dict[str, float] = {}
     for r in runs:
@@ -82,8 +80,7 @@ def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[flo
 
 def by_length_rows(groups: Mapping[str, Sequence[RunRecord]], min_count: float = MIN_COUNT) -> List[dict]:
     """Per group: ``{"group", "n_runs", "cells": {bin: (c, n)}, "flatness", "n_populated", "max_se", "pooled_lre",
-    "lre_floor"}``.
-    """
+    "lre_floor"}``."""
     rows = []
     for g, runs in groups.items():
         cells = group_by_length(runs)
@@ -101,8 +98,7 @@ def _label(b: str) -> str:
 
 def by_length_markdown(rows: Sequence[dict], min_count: float = MIN_COUNT) -> str:
     """Groups as rows, bins as columns; cells ``c(L)`` with ``n=`` (mean count per run) below, thin ones in
-    parentheses; last column the flatness.
-    """
+    parentheses; last column the flatness."""
     bins = sorted({b for r in rows for b in r["cells"]})
     head = (["Method", "n"] + [_label(b) for b in bins]
             + [f"max - min (bins with n >= {min_count:g}; largest se)", "pooled LRE (noise floor)"])

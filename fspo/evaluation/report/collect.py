@@ -22,8 +22,7 @@ History = List[Tuple[int, float]]
 @dataclass
 class RunRecord:
     """One training run: ``metrics`` MLflow's latest values, ``history[key]`` [(step, value)] by step (ties by
-    logging time).
-    """
+    logging time)."""
 
     run_id: str
     name: str
@@ -101,8 +100,7 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
               statuses: Sequence[str] = ("FINISHED",)) -> List[RunRecord]:
     """Training runs in ``experiments`` matching ``filter_string`` (MLflow search syntax) with a status in
     ``statuses``, with the histories of the benchmarks, learning curves and, without run-level by-length
-    metrics, the per-step ones.
-    """
+    metrics, the per-step ones."""
     from mlflow.entities import ViewType
 
     ids = experiment_ids(client, experiments)

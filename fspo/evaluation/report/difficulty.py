@@ -22,8 +22,7 @@ Table = Dict[str, list]
 
 def difficulty_rows(table: Table, max_new_tokens: float) -> List[Dict[str, float]]:
     """Rows (``rank``, ``problem_id``, ``accuracy``, ``overlong_rate``, ``mean_len_excl_overlong``, ``k``), easiest
-    first, from a per-problem table.
-    """
+    first, from a per-problem table."""
     need = ("problem_id", "k", "n_correct", "mean_response_len", "n_overlong")
     missing = [c for c in need if c not in table]
     if missing:
@@ -44,8 +43,7 @@ def difficulty_rows(table: Table, max_new_tokens: float) -> List[Dict[str, float
 
 def eval_tables(client, run_id: str) -> Dict[str, Tuple[Table, float]]:
     """``{"<benchmark>[ step N]": (per-problem table, max_new_tokens)}`` of evaluate run ``run_id``; ValueError when it
-    holds no per_problem.json.
-    """
+    holds no per_problem.json."""
     from mlflow.artifacts import download_artifacts
 
     found: List[str] = []

@@ -69,8 +69,7 @@ def theory_curve(params: Mapping[str, str], sigma: Optional[float]) -> Optional[
 
 def group_clip_by_length(runs: Sequence[RunRecord], out_of_band: bool = False) -> Dict[str, float]:
     """Per length bin, the mean over runs of the binding-clip fraction, or with ``out_of_band`` of c(L) (runs lacking
-    a bin left out of its mean).
-    """
+    a bin left out of its mean)."""
     per_bin: Dict[str, List[float]] = {}
     for r in runs:
         for k, v in (r.out_of_band_by_length() if out_of_band else r.clip_by_length()).items():
@@ -85,8 +84,7 @@ def group_sigma(runs: Sequence[RunRecord]) -> Optional[float]:
 
 def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
     """``clip_fraction_by_length`` (every group's c(L) and theory) and one figure per group adding the binding-clip
-    fraction (dotted); runs without the out-of-band keys show only their binding curve.
-    """
+    fraction (dotted); runs without the out-of-band keys show only their binding curve."""
     observed, theory, out = {}, {}, {}
     for g, runs in groups.items():
         obs = group_clip_by_length(runs, out_of_band=True)
@@ -111,8 +109,7 @@ def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
 
 def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
     """One panel per group, shared axes: c(L) (hollow: bins under ``min_count`` sequences per run), theory (dashed),
-    binding clips (dotted); titled with the group's LRE and max - min of c(L).
-    """
+    binding clips (dotted); titled with the group's LRE and max - min of c(L)."""
     n = max(len(groups), 1)
     ncols = min(4, n)
     nrows = (n + ncols - 1) // ncols
@@ -164,8 +161,7 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
 
 def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
     """std(S_L) per bin against sqrt(L), one line per group with its log-log exponent, and sigma sqrt(L) for the
-    mean sigma_hat (dashed).
-    """
+    mean sigma_hat (dashed)."""
     fig, (ax,) = _figure()
     sig = []
     for i, (g, runs) in enumerate(groups.items()):

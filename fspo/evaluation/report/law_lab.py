@@ -45,8 +45,7 @@ def download_records(tracking_uri: str, groups, folder: Path) -> Dict[str, Dict[
 def lab_rows(records: Dict[str, Dict[str, np.ndarray]], min_count: int = 50, n_boot: int = 400,
              seed: int = 0, own_bands: Optional[Dict[str, object]] = None) -> Dict[str, dict]:
     """Per group: std exponent with bootstrap CI, tau^2 / sigma^2 / L*, variance inflation, its own band's test
-    (`law_bands.judge`); ``own_bands`` {group: band} adds the Gaussian prediction of c(L).
-    """
+    (`law_bands.judge`); ``own_bands`` {group: band} adds the Gaussian prediction of c(L)."""
     allL = np.concatenate([r["length"] for r in records.values()])
     edges = st.geometric_edges(max(1.0, allL.min()), allL.max() + 1, 2)
     out = {}
@@ -167,8 +166,7 @@ def _c_curve(ax, res: dict, label: str) -> None:
 
 def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
     """Left: each in-loop arm's own c(L) with Wilson CIs. Middle: every band on the measure-only arm's sequences.
-    Right: std(S_L) by bin (log-log) with each arm's exponent and CI, and a slope-1/2 line.
-    """
+    Right: std(S_L) by bin (log-log) with each arm's exponent and CI, and a slope-1/2 line."""
     import matplotlib.pyplot as plt
 
     fig, (a, m, b) = plt.subplots(1, 3, figsize=(17, 4.8))

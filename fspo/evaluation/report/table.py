@@ -59,8 +59,7 @@ def benchmarks(records: Sequence[RunRecord]) -> List[str]:
 
 def table1(groups: Dict[str, List[RunRecord]]) -> Tuple[List[str], List[Row]]:
     """(benchmarks, rows): per group ``<bench> best|last`` (mean over runs), their ``std``, ``n``, and ``average
-    best|last`` with >= 2 benchmarks; first a ``base`` row, the mean of each benchmark's step-0 value.
-    """
+    best|last`` with >= 2 benchmarks; first a ``base`` row, the mean of each benchmark's step-0 value."""
     every = [r for runs in groups.values() for r in runs]
     benches = benchmarks(every)
     rows: List[Row] = []
