@@ -49,15 +49,25 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
-def _get(config: Any, key: str) -> Optional[Any]:
+_MISSING = object()
+
+
+def _lookup(config: Any, key: str) -> Any:
+    """``config[key]`` / ``config.key`` as given (None included), or `_MISSING` where absent."""
     if config is None:
-        return None
-    if isinstance(config, dict):
-        return config.get(key)
-    try:
-        return getattr(config, key)
-    except AttributeError:
-        return None
+        return _MISSING
+    if isinstance(config, Mapping) or hasattr(config, "keys") and hasattr(config, "get"):
+        try:
+            return config[key] if key in config else _MISSING
+        except (AttributeError, KeyError, TypeError):
+            return _MISSING
+    return getattr(config, key, _MISSING)
+
+
+def _get(config: Any, key: str) -> Optional[Any]:
+    """``config[key]`` / ``config.key``, None where absent."""
+    v = _lookup(config, key)
+    return None if v is _MISSING else v
 
 
 def _defaults(cls: type, keys) -> Dict[str, Any]:
@@ -170,19 +180,6 @@ def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
 #: FSPO's stateless settings and their defaults, the paper's (Table 4)
 FSPO_KEYS = ("c_upper", "c_lower", "c_dual", "ratio_grad")
 FSPO_DEFAULTS: Dict[str, Any] = _defaults(FSPOClip, FSPO_KEYS)
-_MISSING = object()
-
-
-def _lookup(config: Any, key: str) -> Any:
-    """``config[key]`` / ``config.key`` as given (None included), or `_MISSING` where absent."""
-    if config is None:
-        return _MISSING
-    if isinstance(config, Mapping) or hasattr(config, "keys") and hasattr(config, "get"):
-        try:
-            return config[key] if key in config else _MISSING
-        except (AttributeError, KeyError, TypeError):
-            return _MISSING
-    return getattr(config, key, _MISSING)
 
 
 def setting(config: Any, key: str, default: Any = None) -> Any:

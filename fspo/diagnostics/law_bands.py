@@ -182,8 +182,3 @@ def outside_of(band, L, S) -> np.ndarray:
     """Flags S < lo(L) or S > hi(L) for a band with ``limits``."""
     lo, hi = band.limits(L)
     return (np.asarray(S) < lo) | (np.asarray(S) > hi)
-
-
-def median_length(L) -> Optional[float]:
-    L = np.asarray(L, float)
-    return float(np.median(L)) if len(L) else None
