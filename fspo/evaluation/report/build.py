@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import logging
 import re
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
-from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
+from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs, read_artifact
 from fspo.evaluation.report.law import law_markdown, law_rows
 from fspo.evaluation.report.law_lab import download_records, lab_figure, lab_markdown, lab_rows, own_band, targets
 from fspo.evaluation.report.scatter import write_scatter
@@ -41,22 +40,14 @@ def metric_key(s: str) -> str:
 
 def _download_qq(tracking_uri: str, runs: Dict[str, List[RunRecord]], out: Path) -> Dict[str, Path]:
     """Fetch each run's Q-Q plot into ``out``; runs without one are skipped (logged)."""
-    from mlflow.artifacts import download_artifacts
-
     out.mkdir(parents=True, exist_ok=True)
     got: Dict[str, Path] = {}
     for g, rs in runs.items():
         for r in rs:
-            name = f"{F.safe_name(g)}_seed{r.value('seed')}_{r.run_id[:8]}"
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    p = Path(download_artifacts(run_id=r.run_id, artifact_path=QQ_ARTIFACT, dst_path=tmp,
-                                                tracking_uri=tracking_uri))
-                    dst = out / f"{name}.png"
-                    dst.write_bytes(p.read_bytes())
+            dst = out / f"{F.safe_name(g)}_seed{r.value('seed')}_{r.run_id[:8]}.png"
+            copy = lambda p, dst=dst: dst.write_bytes(p.read_bytes())  # noqa: E731
+            if read_artifact(tracking_uri, r, QQ_ARTIFACT, copy) is not None:
                 got[f"{g} seed {r.value('seed')}"] = dst
-            except Exception as e:  # noqa: BLE001 - a missing artifact must not sink the report
-                log.warning("run %s has no %s (%s)", r.run_id, QQ_ARTIFACT, type(e).__name__)
     return got
 
 

@@ -1,9 +1,12 @@
 """Read training runs back from MLflow for the report (sweep parents and report runs left out)."""
 from __future__ import annotations
 
+import logging
 import re
+import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fspo.diagnostics.metric_keys import canonical_key
 from fspo.evaluation.best_last import best_last
@@ -17,6 +20,7 @@ RUN_BAND_PREFIX = "run/band/out_frac/len_"  # out-of-band fraction by length: th
 STEP_BAND_PREFIX = "band/out_frac/len_"
 BY_LENGTH = ((RUN_CLIP_PREFIX, STEP_CLIP_PREFIX), (RUN_BAND_PREFIX, STEP_BAND_PREFIX))
 History = List[Tuple[int, float]]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,3 +130,18 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
         rec.history = {k: _history(client, rec.run_id, stored.get(k, k)) for k in sorted(keys)}
         out.append(rec)
     return out
+
+
+def read_artifact(tracking_uri: str, run: RunRecord, path: str, read: Callable[[Path], Any],
+                  dst: Optional[Path] = None) -> Any:
+    """``read`` of ``run``'s artifact ``path``, downloaded to ``dst`` (None: a temporary folder); None, with a
+    warning, when the run has none (a run without it must not sink the report)."""
+    from mlflow.artifacts import download_artifacts
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return read(Path(download_artifacts(run_id=run.run_id, artifact_path=path, dst_path=str(dst or tmp),
+                                                tracking_uri=tracking_uri)))
+    except Exception as e:  # noqa: BLE001
+        log.warning("run %s has no %s (%s)", run.run_id, path, type(e).__name__)
+        return None

@@ -5,7 +5,6 @@ a group's runs are pooled; the knock-out arm's name contains ``knock``, the meas
 """
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -16,25 +15,17 @@ from fspo.diagnostics import law_bands as lb
 from fspo.diagnostics import law_stats as st
 from fspo.diagnostics.law_summary import band_results
 from fspo.diagnostics.ledger import read_csv
+from fspo.evaluation.report.collect import read_artifact
 
-log = logging.getLogger(__name__)
 ARTIFACT = "diagnostics/sequences.csv"
 
 
 def download_records(tracking_uri: str, groups, folder: Path) -> Dict[str, Dict[str, np.ndarray]]:
     """{group: pooled records} of the runs that logged ``diagnostics/sequences.csv`` (others are skipped)."""
-    import mlflow
-
     out = {}
     for g, runs in groups.items():
-        parts = []
-        for r in runs:
-            try:
-                p = mlflow.artifacts.download_artifacts(run_id=r.run_id, artifact_path=ARTIFACT,
-                                                        dst_path=str(folder / r.run_id), tracking_uri=tracking_uri)
-                parts.append(read_csv(Path(p)))
-            except Exception as e:  # noqa: BLE001 - a run without records must not sink the report
-                log.warning("run %s has no %s (%s)", r.run_id, ARTIFACT, type(e).__name__)
+        parts = [read_artifact(tracking_uri, r, ARTIFACT, read_csv, folder / r.run_id) for r in runs]
+        parts = [p for p in parts if p is not None]
         if parts:
             rec = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             keep = (rec["update"] >= 0) & (rec["length"] > 0)

@@ -5,8 +5,6 @@ length. Under the sqrt law the band fans out like sqrt(L) (dashed: the group's s
 """
 from __future__ import annotations
 
-import logging
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -14,25 +12,16 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from fspo.evaluation.report.collect import read_artifact
 from fspo.tracking.artifacts import SAMPLES_FILE
-
-log = logging.getLogger(__name__)
 
 
 def download_samples(tracking_uri: str, runs) -> Optional[np.ndarray]:
     """The pooled [n, 2] (L, S) samples of ``runs``; runs without the file are skipped (logged)."""
-    from mlflow.artifacts import download_artifacts
-
-    parts = []
-    for r in runs:
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                p = download_artifacts(run_id=r.run_id, artifact_path=SAMPLES_FILE, dst_path=tmp,
-                                       tracking_uri=tracking_uri)
-                parts.append(np.loadtxt(p, delimiter=",", skiprows=1, ndmin=2))
-        except Exception as e:  # noqa: BLE001 - a run logged before the samples existed: no scatter for it
-            log.warning("run %s has no %s (%s)", r.run_id, SAMPLES_FILE, type(e).__name__)
-    parts = [p for p in parts if p.size]
+    def load(p: Path) -> np.ndarray:
+        return np.loadtxt(p, delimiter=",", skiprows=1, ndmin=2)
+    parts = [read_artifact(tracking_uri, r, SAMPLES_FILE, load) for r in runs]  # older runs have none
+    parts = [p for p in parts if p is not None and p.size]
     return np.concatenate(parts) if parts else None
 
 
