@@ -47,15 +47,18 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
     random-direction gate's (``law/gate/*``)."""
     gate = (rec["update"] == -1) & (rec["length"] > 0)
     out: Dict[str, float] = {}
+
+    def exponent(prefix: str, r: Dict[str, np.ndarray], edges, m: st.BinMoments) -> None:
+        fit = st.std_exponent(m, min_count)
+        if fit["exponent"] is not None:
+            out[f"{prefix}std_exponent"], out[f"{prefix}std_exponent_r2"] = fit["exponent"], fit["r2"]
+            ci = st.bootstrap_exponent(r["length"], r["s"], lb.cluster_ids(r), edges, min_count, n_boot, seed)
+            if ci is not None:
+                out[f"{prefix}std_exponent_ci_lo"], out[f"{prefix}std_exponent_ci_hi"] = ci
     if gate.sum() >= 2:
         g = {k: v[gate] for k, v in rec.items()}
         edges = _edges(g["length"], per_octave)
-        fit = st.std_exponent(st.bin_moments(g["length"], g["s"], edges), min_count)
-        if fit["exponent"] is not None:
-            out["law/gate/std_exponent"], out["law/gate/std_exponent_r2"] = fit["exponent"], fit["r2"]
-            ci = st.bootstrap_exponent(g["length"], g["s"], lb.cluster_ids(g), edges, min_count, n_boot, seed)
-            if ci is not None:
-                out["law/gate/std_exponent_ci_lo"], out["law/gate/std_exponent_ci_hi"] = ci
+        exponent("law/gate/", g, edges, st.bin_moments(g["length"], g["s"], edges))
     keep = (rec["update"] >= 0) & (rec["length"] > 0)
     rec = {k: v[keep] for k, v in rec.items()}
     L, S = rec["length"], rec["s"]
@@ -64,12 +67,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
     edges = _edges(L, per_octave)
     m = st.bin_moments(L, S, edges, rec["d2"])
     out["law/n_seq"] = float(len(L))
-    fit = st.std_exponent(m, min_count)
-    if fit["exponent"] is not None:
-        out["law/std_exponent"], out["law/std_exponent_r2"] = fit["exponent"], fit["r2"]
-        ci = st.bootstrap_exponent(L, S, lb.cluster_ids(rec), edges, min_count, n_boot, seed)
-        if ci is not None:
-            out["law/std_exponent_ci_lo"], out["law/std_exponent_ci_hi"] = ci
+    exponent("law/", rec, edges, m)
     for k, v in st.affine_variance(m, min_count).items():
         if v is not None:
             out[f"law/{k}"] = v

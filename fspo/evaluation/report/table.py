@@ -76,15 +76,11 @@ def table1(groups: Dict[str, List[RunRecord]]) -> Tuple[List[str], List[Row]]:
             for kind, fn in (("best", RunRecord.best), ("last", RunRecord.last)):
                 m, s, n = mean_std([fn(r, b) for r in runs])
                 row[f"{b} {kind}"], row[f"{b} {kind} std"], row[f"{b} n"] = m, s, n
-        if len(benches) >= 2:
-            for kind in ("best", "last"):
-                vals = [row[f"{b} {kind}"] for b in benches]
-                row[f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
         rows.append(row)
-    if len(benches) >= 2 and rows and rows[0]["group"] == "base":
+    for row in rows if len(benches) >= 2 else ():
         for kind in ("best", "last"):
-            vals = [rows[0][f"{b} {kind}"] for b in benches]
-            rows[0][f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+            vals = [row[f"{b} {kind}"] for b in benches]
+            row[f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
     return benches, rows
 
 
