@@ -1,18 +1,13 @@
 """Band calibrators: std(S_L) measured per length instead of assumed sigma sqrt(L), so that
-P(|S_L - mu_L| > z scale(L)) = 2 Phi(-z) at every L (Gaussian S_L, any law in L). `CALIBRATORS` names them for
-``clip.band``; fspo.py builds the band mu_L +- z scale(L). Interface (the caller owns z and mu):
-observe(S [B], L [B], mu) once per optimizer step on every rank; scale(L) -> float32 [B] (0 at L = 0);
-fit() -> (sigma, gamma); metrics() -> clip/band_* scalars.
+P(|S_L - mu_L| > z scale(L)) = 2 Phi(-z) at every L (Gaussian S_L, any law in L); fspo.py builds the band
+mu_L +- z scale(L) and owns z and mu.
 
-Estimator:
-* Per geometric length bin k (``bins_per_octave``, overflow [max_len, inf); labels as LengthBins'), over
-  residuals r = S - mu_L of sequences with L > 0 and finite r: M_k = (n_k, sum log L, sum r^2, sum r^2 / L),
-  float64, one all_reduce of the batch's sums (exact across ranks).
-* Forgetting by decayed sums, M <- (1 - alpha) M + batch sums: a weighted mean with weight (1 - alpha)^age,
-  well defined for bins that see 0-5 sequences per batch; n_k stays a (decayed) count for ``min_count``.
-* Second moment about mu_L, not the bin mean: a drift mismatch m moves the clip fraction only by O(m^4).
-* Warm start: bins count once n_k >= min_count; without one, the sqrt law sigma_s sqrt(L) with
-  sigma_s = sqrt(sum r^2 / L / sum n) (``sigma0`` before min_count sequences in all).
+* Per geometric length bin k (``bins_per_octave``, overflow [max_len, inf)), over r = S - mu_L with L > 0 and
+  r finite: M_k = (n_k, sum log L, sum r^2, sum r^2 / L), float64, all-reduced (exact across ranks).
+* Decayed sums, M <- (1 - alpha) M + batch sums: well defined for bins seeing 0-5 sequences per batch, and n_k
+  stays a (decayed) count for ``min_count``. Second moment about mu_L: a drift mismatch m costs O(m^4).
+* Warm start: without a bin of min_count sequences, the sqrt law sigma_s sqrt(L), sigma_s^2 = sum r^2 / L /
+  sum n (``sigma0`` before min_count sequences in all).
 """
 from __future__ import annotations
 

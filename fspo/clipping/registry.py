@@ -1,18 +1,12 @@
 """verl-compatible policy-loss registry: ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-config) -> (loss, metrics)``, matching verl 0.9.1 (tests/test_verl_parity.py).
-
-Names here: ``vanilla`` = ``grpo``, ``rloo``, ``gspo``, ``fspo``; rule files register their own with
-`register_policy_loss` (importing this module imports them all, so a new rule needs no edit here).
-``config``: None, a dict, a DictConfig or any object with verl's field names: ``clip_ratio`` (both sides),
-``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``ratio_grad`` (fspo, rloo; passed only when set);
-unset fields take the paper's values for the method. FSPO reads ``FSPO_KEYS`` by `setting` (from
-``config.policy_loss``, else ``config``, else ``FSPO_DEFAULTS``; a key present as None is passed on, so
-``c_dual=None`` turns the dual clip off), never verl's ratio-space ``clip_ratio*``.
-Every name aggregates with ``loss_agg_mode`` (fspo/losses.py); ``rollout_is_weights`` ([B, T] or
-broadcastable) multiplies the token loss first, and ``config.global_batch_info`` sets the totals and the
-``dp_size`` factor as verl's `agg_loss`. Metrics (masked token means): ``actor/pg_clipfrac`` (upper or lower
-binds), ``actor/ppo_kl`` (mean logp_old - logp_new, clamped to +-20 except for gspo),
-``actor/pg_clipfrac_lower`` (dual). Stateful running estimates (the EMA band) need the `FSPOClip` module.
+config) -> (loss, metrics)``, matching verl 0.9.1 (tests/test_verl_parity.py). Rule files register their own
+names (importing this module imports them all). ``config`` (None, dict, DictConfig or verl's config object)
+gives verl's ``clip_ratio`` (both sides), ``clip_ratio_low/high/c``, ``ratio_grad``; unset fields take the
+rule's defaults. FSPO reads ``FSPO_KEYS`` by `setting` (a key present as None is passed on: ``c_dual=None``
+turns the dual clip off), never the ratio-space ``clip_ratio*``. ``rollout_is_weights`` multiply the token loss
+before `aggregate`; ``config.global_batch_info`` sets the totals and ``dp_size`` as verl's `agg_loss`. Metrics
+(masked token means): ``actor/pg_clipfrac`` (upper or lower), ``actor/ppo_kl`` (logp_old - logp_new, clamped
+to +-20 except for gspo), ``actor/pg_clipfrac_lower`` (dual).
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """Clip fractions, the paper's acceptance rate and the LRE by response length, as a torchmetrics `Metric` with
 sum-reduced states (exact for any split over ranks and micro-batches). Two events per sequence (base.py):
-acceptance (``in_band``; rate q(L), c(L) = 1 - q(L) as in theory.py) gives ``band/*`` and ``fairness/*``;
-binding clips (what the optimizer sees) give ``clip/*`` and ``fairness/binding_*``. The float-safety cap is
-counted apart (``clip/seq_frac_cap``), not in ``any = upper | lower | dual``.
-
-States per bin b (bins.py; L = 0 rows are in no bin): n_seq, n_tok = len_sum = sum L_i, frac_<k> =
-sum_i f_ik with f_ik = (sum_t clip_k[i, t] m_it) / L_i (0 or 1 for sequence rules), tok_<k>, abs_adv =
-sum_i |A_i| (LRE_w's proxy); the acceptance states band_n_seq, band_n_tok, band_abs_adv, band_in = sum_i g_i
-(the in-band fraction), band_in_tok count only batches updated with ``acceptance=True`` (`FairnessMetrics`
-skips on-policy mini-batches), so ``band/*`` may cover fewer sequences than ``clip/*``.
-
-`compute()` (per-bin keys for non-empty bins only; never NaN): ``band/out_frac/<bin>`` (c(L)),
-``band/n_seq/<bin>``, ``band/out_frac``, ``band/tok_out_frac``, ``band/n_seq``; ``fairness/{lre, lre_w, q_bar,
-n_bins}`` over bins with upper edge > lre_min_len; ``clip/seq_frac/<bin>``, ``clip/tok_frac/<bin>``,
-``clip/seq_frac_{upper,lower,dual,cap}/<bin>`` and their totals (also ``clip/tok_frac_*``);
-``fairness/binding_*`` the same LRE on the binding clips.
+acceptance (``in_band``, rate q(L); c(L) = 1 - q(L) as in theory.py) gives ``band/*`` and ``fairness/*``;
+binding clips give ``clip/*`` and ``fairness/binding_*``; the float-safety cap is counted apart
+(``clip/seq_frac_cap``), not in ``any = upper | lower | dual``. Per bin, a sequence counts its share of tokens
+f_ik = (sum_t clip_k[i, t] m_it) / L_i (0 or 1 for sequence rules) and g_i in band. The acceptance states
+count only batches updated with ``acceptance=True`` (`FairnessMetrics` skips on-policy mini-batches), so
+``band/*`` may cover fewer sequences than ``clip/*``. `compute()` (per-bin keys for non-empty bins; never NaN):
+``band/out_frac[/<bin>]``, ``band/tok_out_frac``, ``band/n_seq[/<bin>]``, ``fairness/{lre, lre_w, q_bar,
+n_bins}`` (bins with upper edge > lre_min_len), ``clip/seq_frac[_{upper,lower,dual,cap}][/<bin>]``,
+``clip/tok_frac[/<bin>]``, ``clip/tok_frac_{upper,lower,dual,cap}``, ``fairness/binding_*``.
 """
 from __future__ import annotations
 
