@@ -101,9 +101,7 @@ class RatioClipRule(ClipRule):
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
                  clip_ratio_c: Optional[float]) -> None:
         super().__init__()
-        st = RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__)
-        self.clip_ratio_low, self.clip_ratio_high = st.clip_ratio_low, st.clip_ratio_high
-        self.clip_ratio_c = st.clip_ratio_c
+        self._take(RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__))
 
 
 

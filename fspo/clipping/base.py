@@ -19,7 +19,7 @@ a term as clipped where the weight has lost half (our reading; the loss does not
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -70,6 +70,11 @@ class ClipRule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={getattr(self, k)}" for k in self.settings)
+
+    def _take(self, checked: Any) -> None:
+        """Copy the `settings` attributes of ``checked`` (the rule's validated settings dataclass) onto the rule."""
+        for k in self.settings:
+            setattr(self, k, getattr(checked, k))
 
     def theory_clip_fraction(self, lengths, sigma: float):
         """Closed-form clip probability c(L) over ``lengths`` (numpy) when S_L ~ N(0, sigma^2 L); None when the rule

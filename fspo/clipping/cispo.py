@@ -29,8 +29,7 @@ class CISPOClip(ClipRule):
     def __init__(self, clip_ratio_low: float = CISPOSettings.clip_ratio_low,
                  clip_ratio_high: float = CISPOSettings.clip_ratio_high, value: str = CISPOSettings.value) -> None:
         super().__init__()
-        s = CISPOSettings(clip_ratio_low, clip_ratio_high, value, owner=type(self).__name__)
-        self.clip_ratio_low, self.clip_ratio_high, self.value = s.clip_ratio_low, s.clip_ratio_high, s.value
+        self._take(CISPOSettings(clip_ratio_low, clip_ratio_high, value, owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

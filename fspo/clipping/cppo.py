@@ -41,8 +41,7 @@ class CPPOClip(DPPOClip):
         ClipRule.__init__(self)
         s = CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                          clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget, owner=type(self).__name__)
-        self._set(s)
-        self.w_min, self.budget = s.w_min, s.budget
+        self._take(s)
 
     def weights(self, p: Prepared) -> Tensor:
         """w_t [B, T] (1 on padding)."""

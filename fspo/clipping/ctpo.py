@@ -50,8 +50,7 @@ class CTPOClip(ClipRule):
         super().__init__()
         s = CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
                          owner=type(self).__name__)
-        self.la_clip_low, self.la_clip_high, self.la_clip_c = s.la_clip_low, s.la_clip_high, s.la_clip_c
-        self.la_power, self.ratio_mode, self.acceptance = s.la_power, s.ratio_mode, s.acceptance
+        self._take(s)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

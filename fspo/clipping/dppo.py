@@ -66,12 +66,8 @@ class DPPOClip(ClipRule):
                  clip_ratio_high: float = DPPOSettings.clip_ratio_high, clip_ratio_c: float = DPPOSettings.clip_ratio_c,
                  value: str = DPPOSettings.value) -> None:
         super().__init__()
-        self._set(DPPOSettings(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value,
-                               owner=type(self).__name__))
-
-    def _set(self, s: DPPOSettings) -> None:
-        self.divergence, self.clip_ratio_low, self.clip_ratio_high = s.divergence, s.clip_ratio_low, s.clip_ratio_high
-        self.clip_ratio_c, self.value = s.clip_ratio_c, s.value
+        self._take(DPPOSettings(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value,
+                                owner=type(self).__name__))
 
     def thresholds(self, p: Prepared) -> Tuple[Tensor, Tensor]:
         """(upper, lower) divergence thresholds per token [B, T]."""

@@ -68,8 +68,7 @@ class FSPOClip(ClipRule):
                  calibration: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         s = FSPOSettings(c_upper, c_lower, c_dual, band, drift, z, alpha, sigma0, ratio_grad, owner=type(self).__name__)
-        self.ratio_grad, self.c_upper, self.c_lower, self.c_dual = s.ratio_grad, s.c_upper, s.c_lower, s.c_dual
-        self.band, self.drift, self.z, self.alpha = s.band, s.drift, s.z, s.alpha
+        self._take(s)
         self.register_buffer("sigma_hat", torch.tensor(s.sigma0))
         self.register_buffer("kl_bar", torch.tensor(0.0))
         self.calibrator = None

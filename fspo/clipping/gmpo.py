@@ -37,8 +37,7 @@ class GMPOClip(ClipRule):
     def __init__(self, clip_ratio_low: float = GMPOSettings.clip_ratio_low,
                  clip_ratio_high: float = GMPOSettings.clip_ratio_high) -> None:
         super().__init__()
-        s = GMPOSettings(clip_ratio_low, clip_ratio_high, owner=type(self).__name__)
-        self.clip_ratio_low, self.clip_ratio_high = s.clip_ratio_low, s.clip_ratio_high
+        self._take(GMPOSettings(clip_ratio_low, clip_ratio_high, owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

@@ -33,8 +33,7 @@ class SAPOClip(ClipRule):
     def __init__(self, tau_pos: float = SAPOSettings.tau_pos, tau_neg: float = SAPOSettings.tau_neg,
                  value: str = SAPOSettings.value) -> None:
         super().__init__()
-        s = SAPOSettings(tau_pos, tau_neg, value, owner=type(self).__name__)
-        self.tau_pos, self.tau_neg, self.value = s.tau_pos, s.tau_neg, s.value
+        self._take(SAPOSettings(tau_pos, tau_neg, value, owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

@@ -76,8 +76,7 @@ class VESPOClip(ClipRule):
         super().__init__()
         s = VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
                           owner=type(self).__name__)
-        self.k_pos, self.lambda_pos, self.k_neg, self.lambda_neg = s.k_pos, s.lambda_pos, s.k_neg, s.lambda_neg
-        self.value, self.length_scale, self.ref_length = s.value, s.length_scale, s.ref_length
+        self._take(s)
 
     def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
         """x_i: S_i, or S_i sqrt(ref_length / L_i) with ``length_scale="sqrt"``, clamped to [log 1e-8, 20]."""
