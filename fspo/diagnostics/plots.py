@@ -37,10 +37,7 @@ def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str, loc: st
 
 def _label_xy(d: Mapping[str, float]) -> Tuple[np.ndarray, np.ndarray]:
     """Bin labels -> (bin midpoint, value); the overflow bin is placed at its lower edge."""
-    pts = []
-    for k, v in d.items():
-        pts.append((bin_midpoint(k), float(v)))
-    pts.sort()
+    pts = sorted((bin_midpoint(k), float(v)) for k, v in d.items())
     arr = np.asarray(pts, dtype=np.float64).reshape(-1, 2)
     return arr[:, 0], arr[:, 1]
 
