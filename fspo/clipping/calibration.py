@@ -20,8 +20,6 @@ from torch import Tensor
 
 from fspo.clipping._common import check_positive
 
-__all__ = ["PowerLawBand", "PerBinBand", "CALIBRATORS", "geometric_edges"]
-
 _N, _LOGL, _R2, _R2L = range(4)  # columns of the moments buffer
 _TINY_VAR = 1e-24  # floor on a bin's mean r^2 (std 1e-12): all-zero residuals keep log std finite
 

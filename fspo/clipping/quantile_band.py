@@ -18,8 +18,6 @@ from torch import Tensor
 from fspo.clipping._common import check_positive
 from fspo.clipping.calibration import PerBinBand
 
-__all__ = ["QuantileBand"]
-
 
 class QuantileBand(PerBinBand):
     """scale(L) = (coverage quantile of |S_L - mu_L|) / z per length bin. Settings as `PerBinBand` plus ``z`` > 0
