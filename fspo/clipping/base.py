@@ -11,8 +11,8 @@ Masks (all False on padding; per-sequence decisions broadcast over the sequence'
 ``clip_upper/lower/dual`` where the pessimistic min selects a clipped branch that differs from the unclipped
 one (zero gradient); ``in_band`` where the ratio lies inside the rule's band whatever sign(A): the paper's
 acceptance event, whose rate q(L) enters the LRE; ``clip_cap`` where only the float-safety cap on the
-log-ratio zeroes the gradient. Rules that weight logp_t (CISPO, SAPO, DPPO, VESPO) take ``value``:
-``surrogate`` (default) makes a token's value -A w at the old policy like every rule, ``verl`` reports the
+log-ratio zeroes the gradient. The weighting rules (CISPO, SAPO, DPPO, CPPO, VESPO) take ``value``:
+``surrogate`` (default) gives a token the value -A at the old policy like every rule, ``verl`` reports the
 reference implementation's value; the gradient is the same. A soft weight has no band: its diagnostics count
 a term as clipped where the weight has lost half (our reading; the loss does not depend on it).
 """

@@ -60,10 +60,11 @@ class VESPOClip(ClipRule):
 
         phi_i = sg(w_i^k e^{lam (1 - w_i)}),  w_i = e^{x_i},    J = sum_t phi_i A_t logp_t
 
-    phi(1) = 1, phi -> 0 as w -> 0 (k > 0) and w -> inf (lam > 0). ``value`` as in base.py. Defaults: TRL's and
-    the recipe's code. ``length_scale="sqrt"`` (ours): x_i = clamp(S_i sqrt(ref_length / L_i), ...), the same
-    spread at every length (FSPO's argument); VESPO at L = ref_length. Diagnostics per sequence: clipped where
-    phi_i < 1/2, upper / lower where x_i is above / below `vespo_band` (A != 0); no dual, no cap.
+    phi(1) = 1, phi -> 0 as w -> 0 (k > 0) and w -> inf (lam > 0). ``value`` (base.py): ``verl`` -phi_i A_t logp_t,
+    ``surrogate`` -phi_i A_t (1 + logp_t - sg(logp_t)). Defaults: TRL's and the recipe's code.
+    ``length_scale="sqrt"`` (ours): x_i = clamp(S_i sqrt(ref_length / L_i), ...), the same spread at every length
+    (FSPO's argument); VESPO at L = ref_length. Diagnostics per sequence: clipped where phi_i < 1/2, upper / lower
+    where x_i is above / below `vespo_band` (A != 0); no dual, no cap.
     """
 
     settings = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "value", "length_scale", "ref_length")
