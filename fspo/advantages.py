@@ -1,9 +1,5 @@
-"""Outcome advantages from scalar rewards and group (prompt) ids: pure, vectorised functions.
-
-Owns: `grpo`, `rloo`, `drgrpo`, the `ADVANTAGES` registry and `get_advantage_fn`. Every function
-maps (rewards [B], group_ids [B]) -> advantages [B] float32, computed in float64. A group whose
-rewards are all equal, or a group of one, gets exactly 0 (never NaN). Leaves out: when advantages
-are computed (fspo/rollout/callback.py) and how they enter the loss (fspo/clipping).
+"""Outcome advantages from scalar rewards and group (prompt) ids: (rewards [B], group_ids [B]) -> advantages [B]
+float32, computed in float64. A group of one, or with all rewards equal, gets exactly 0 (never NaN).
 """
 from __future__ import annotations
 
@@ -42,10 +38,7 @@ def _finish(adv: Tensor, grp: _Groups) -> Tensor:
 
 
 def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
-    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased (torch.std, as verl).
-
-    Groups of one and groups with equal rewards give exactly 0.
-    """
+    """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased (torch.std, as verl)."""
     grp = _groups("grpo", rewards, group_ids)
     dev = grp.r - grp.mean
     ss = torch.zeros_like(dev).index_add_(0, grp.inv, dev * dev)[grp.inv]

@@ -1,12 +1,6 @@
-"""Loss aggregation: a [B, T] per-token loss matrix to a scalar, as verl 0.9.1's `agg_loss` does.
-
-Owns: `aggregate`, `AggResult`, `Aggregator` (the Hydra-instantiable wrapper) and `AGG_MODES`.
-Leaves out: the per-token losses themselves (fspo/clipping), the split of a mini-batch into
-micro-batches (fspo/update/module.py), which passes the mini-batch denominators in, and verl's data-parallel
-factor dp_size (this function is single-process: dp_size = 1; fspo/clipping/registry.py applies it).
-
-Every mode is a per-token coefficient k_i times each sequence's token sum, loss = sum_i k_i sum_t m l,
-equivalently a weighted sum of per-sequence token means, loss = sum_i w_i mean_t(l_i,t), w_i = k_i L_i:
+"""Loss aggregation: a [B, T] per-token loss to a scalar, as verl 0.9.1's `agg_loss` (dp_size = 1; the registry
+applies verl's dp_size). Every mode is a per-token coefficient k_i on each sequence's token sum, loss =
+sum_i k_i sum_t m l = sum_i w_i mean_t(l_i,t), w_i = k_i L_i:
 
 | mode                      | loss                                        | k_i                          |
 |---------------------------|---------------------------------------------|------------------------------|
@@ -16,21 +10,12 @@ equivalently a weighted sum of per-sequence token means, loss = sum_i w_i mean_t
 | seq-mean-token-sum        | sum_i sum_t m l / total_seqs                | 1 / total_seqs               |
 | seq-mean-token-sum-norm   | sum_i sum_t m l / (total_seqs * norm_len)   | 1 / (total_seqs norm_len)    |
 
-The gradient of token t of sequence i is k_i d l_{i,t}. With the per-token form of a sequence-level
-ratio (FSPO's and RLOO's default ``ratio_grad="per_token"``; GSPO's only form: d l_{i,t} / d logp_{i,t}
-is the sequence's surrogate derivative on that token alone) every token of sequence i gets weight k_i:
-under token-mean the same 1 / total_tokens for all sequences, i.e. the paper's per-sequence weight
-up to a batch constant. Only the ``ratio_grad="length_weighted"`` form (the sequence surrogate with
-its full gradient through S_i on each of its L_i tokens) makes token-mean weight sequence i by L_i.
-
-Denominators (verl semantics): ``total_tokens`` defaults to sum(m) of this call (verl's
-batch_num_tokens), ``total_seqs`` to the number of sequences with L_i > 0 (verl's global_batch_size;
-verl excludes fully-masked rows), ``norm_len`` to T = response_mask.shape[-1] (verl's
-loss_scale_factor, default the horizon). When a mini-batch is split into micro-batches, pass the
-mini-batch's ``total_tokens`` / ``total_seqs`` / ``norm_len`` to every micro-batch call: the
-micro-batch losses then sum to the mini-batch loss (micro-batches trimmed to their own length need
-an explicit ``norm_len``). Clipped sequences stay in every denominator (paper section Method). A zero
-denominator gives loss 0 (with a graph); verl returns NaN there.
+Token t of sequence i gets gradient k_i d l_{i,t}, so with the per-token form of a sequence ratio
+(fspo/clipping/base.py) token-mean weights every sequence alike, the paper's weight up to a batch constant.
+Denominators (verl's): ``total_tokens`` defaults to sum(m) (batch_num_tokens), ``total_seqs`` to the rows with
+L_i > 0 (global_batch_size), ``norm_len`` to T (loss_scale_factor). Micro-batches pass the mini-batch's
+denominators so their losses sum to the mini-batch loss. Clipped sequences stay in every denominator (paper
+section Method); a zero denominator gives loss 0 (verl: NaN).
 """
 from __future__ import annotations
 
@@ -56,8 +41,7 @@ def _den(value: Optional[Number], default: Tensor) -> Tensor:
     return v.to(torch.float32)
 
 
-# Each mode maps (lengths [B], T, totals) -> per-token coefficient k_i, so loss = sum_i k_i sum_t m l
-# and w_i = k_i * L_i.
+# each mode: (lengths [B], T, totals) -> k_i
 def _token_mean(lengths: Tensor, t: int, tokens, seqs, norm) -> Tensor:
     return (1.0 / _den(tokens, lengths.sum())).expand_as(lengths)
 
@@ -91,7 +75,7 @@ AGG_MODES = tuple(_MODES)
 
 
 def check_mode(mode: str) -> str:
-    """Return ``mode`` if known, else raise ValueError listing the modes."""
+    """``mode`` if known, else ValueError listing the modes."""
     if mode not in _MODES:
         raise ValueError(f"loss_agg_mode must be one of {list(AGG_MODES)}, got {mode!r}")
     return mode
@@ -100,11 +84,8 @@ def check_mode(mode: str) -> str:
 def aggregate(token_loss: Tensor, response_mask: Tensor, mode: str, *,
               total_tokens: Optional[Number] = None, total_seqs: Optional[Number] = None,
               norm_len: Optional[Number] = None) -> AggResult:
-    """Aggregate ``token_loss`` [B, T] over ``response_mask`` [B, T] with ``mode`` (see module table).
-
-    Padding entries of ``token_loss`` are ignored (even NaN). Returns the scalar float32 loss and
-    the per-sequence weights w_i it applied.
-    """
+    """Aggregate ``token_loss`` [B, T] over ``response_mask`` [B, T] with ``mode`` (module table); padding ignored
+    (even NaN). Returns the float32 loss and the per-sequence weights w_i."""
     fn = _MODES[check_mode(mode)]
     if token_loss.shape != response_mask.shape or token_loss.dim() != 2:
         raise ValueError(f"aggregate: token_loss shape {tuple(token_loss.shape)} and response_mask shape "
@@ -118,14 +99,8 @@ def aggregate(token_loss: Tensor, response_mask: Tensor, mode: str, *,
 
 
 class Aggregator:
-    """Hydra-friendly aggregation setting: ``Aggregator(mode, norm_len)(token_loss, mask, ...)``.
-
-    ``__call__(token_loss, response_mask, *, total_tokens=None, total_seqs=None, norm_len=None)``
-    delegates to `aggregate`. A configured ``norm_len`` (a constant, verl's ``loss_scale_factor``)
-    wins over one given to the call; the call's (the training step passes the mini-batch's
-    response width, so micro-batches trimmed to their own longest sequence still sum to the
-    mini-batch loss) is used when none is configured.
-    """
+    """Hydra-instantiable `aggregate` with a ``mode``; a configured ``norm_len`` (verl's ``loss_scale_factor``) wins
+    over the call's (the training step passes the mini-batch's response width)."""
 
     def __init__(self, mode: str = "token-mean", norm_len: Optional[int] = None) -> None:
         self.mode = check_mode(mode)

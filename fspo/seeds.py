@@ -1,19 +1,7 @@
-"""Every random stream of a run, seeded from the run's ``seed`` in one place.
-
-Owns: the seed of each stream a run draws, named by its purpose and the counters that select it:
-
-- `step_seed(seed, step, rank)`: training step ``step``'s sampling on data-parallel rank ``rank``, also the
-  update's mini-batch order and the direction probe's random directions (``rank`` 0);
-- `val_seed(seed, batch, rank)`: validation batch ``batch`` (the same at every validation, so successive
-  validations differ only by the policy);
-- `round_seed(step_seed, j)`: round ``j`` of dynamic sampling within a step;
-- `request_seed(seed, prompt, n, replica)`: prompt ``prompt``'s request on engine replica ``replica`` (the engine
-  gives sample ``i`` of it that + ``i``);
-- `split_seed(seed, split)`: a generated data set's train / val / test split.
-
-Contract: each is a fixed integer function of its arguments, kept as it is so that a run seed reproduces the same
-samples (and the same numbers) across versions. A step seed is ``seed * STEP + step``: two run seeds meet only
-after ``STEP`` steps. Leaves out: seeding the global RNGs (Lightning's ``seed_everything``, fspo/train.py).
+"""Every random stream of a run, seeded from the run's ``seed`` in one place: each seed is a fixed integer
+function of the run seed and the counters that select the stream, kept as it is so a run seed reproduces the
+same samples across versions. Step seeds are ``seed * STEP + step``: two run seeds meet only after ``STEP``
+steps. Lightning's ``seed_everything`` (fspo/train.py) seeds the global RNGs.
 """
 from __future__ import annotations
 
@@ -26,12 +14,13 @@ SPLITS = {"train": 0, "val": 1_000_003, "test": 2_000_003}
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
-    """Step ``step``'s seed on data-parallel rank ``rank``: ``seed * STEP + step + RANK * rank``."""
+    """Step ``step``'s sampling (also its mini-batch order and the probe's directions) on data-parallel rank
+    ``rank``: ``seed * STEP + step + RANK * rank``."""
     return int(seed) * STEP + int(step) + RANK * int(rank)
 
 
 def val_seed(seed: int, batch: int, rank: int = 0) -> int:
-    """Validation batch ``batch``'s seed on rank ``rank``: ``step_seed(seed, VAL + batch, rank)``."""
+    """Validation batch ``batch`` (the same at every validation): ``step_seed(seed, VAL + batch, rank)``."""
     return step_seed(seed, VAL + int(batch), rank)
 
 
@@ -41,8 +30,8 @@ def round_seed(step_seed: int, j: int) -> int:
 
 
 def request_seed(seed: int, prompt: int, n: int, replica: int = 0) -> int:
-    """The request of prompt ``prompt`` (``n`` samples each) on engine replica ``replica``:
-    ``seed + prompt * n + REPLICA * replica``, so no two samples of one call, nor of two replicas, share one."""
+    """Prompt ``prompt``'s request (``n`` samples; sample i gets this + i) on engine replica ``replica``:
+    ``seed + prompt * n + REPLICA * replica``."""
     return int(seed) + int(prompt) * int(n) + REPLICA * int(replica)
 
 

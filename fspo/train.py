@@ -1,15 +1,7 @@
-"""Assemble and run one training job from a composed config; reads top to bottom.
-
-Owns: `train(cfg)` — check every setting first (fspo/runtime/checks/config_check.py), log the per-rank memory
-plan and refuse a layout that cannot fit (fspo/runtime/launch/memory_plan.py; ``dry_run=true``: print it and stop),
-build the policy (under trainer=fsdp on the meta device, each rank reading its shard: fspo/models/meta_init.py), data,
-reward, clip rule, module, rollout callback, loggers (conf/logger/, conf/extra_loggers/) and Lightning Trainer from
-``cfg`` (see conf/config.yaml), validate once before training, fit, and log the run-level diagnostics and their figures
-to each logger (fspo/tracking/artifacts.py). Returns the final metrics. The run holds ``output_dir``'s lock throughout
-(fspo/runtime/checks/run_lock.py). With ``resume=auto`` it continues the newest good checkpoint in ``output_dir`` and
-its MLflow run (fspo/runtime/checkpoints/resume.py) with the run's saved config (fspo/runtime/checks/run_config.py);
-checkpoints and signal stops are fspo/runtime/checkpoints/checkpointing.py's. Leaves out: Hydra's command line
-(experiments/run.py) and every component's internals.
+"""Assemble and run one training job from a composed config, top to bottom: check every setting, plan memory
+(``dry_run=true`` prints the plan and stops), hold ``output_dir``'s lock, settle what to resume (``resume=auto``:
+the newest good checkpoint, its MLflow run and saved config), build policy, data, reward, clip rule, module,
+rollout callback, loggers and Trainer, validate once, fit, and log the run-level diagnostics.
 """
 from __future__ import annotations
 
@@ -65,18 +57,15 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
 
 
 def _probes(cfg: DictConfig) -> list:
-    """The length-law probe's random-direction gate (fspo/update/direction_probe.py) when
-    ``diagnostics.law.random_direction`` is set (conf/probe/law.yaml); after the rollout callback."""
+    """The random-direction gate when ``diagnostics.law.random_direction`` is set; after the rollout callback."""
     eps = OmegaConf.select(cfg, "diagnostics.law.random_direction", default=None)
     return [RandomDirectionGate(float(eps), seed=int(cfg.seed))] if eps else []
 
 
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. Before any work:
-    lock ``output_dir`` (another live run there: `OutputDirInUse`), choose what to resume and restore
-    the run's saved config (``overrides``: this launch's command line, see fspo/runtime/checks/run_config.py).
-    A stop signal (SIGTERM, Ctrl-C, ``checkpoint.signals``) is honoured from the first line to the last
-    (fspo/runtime/checkpoints/stop_signal.py): the run stops with one line naming the command that continues it."""
+    """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. ``overrides``: this launch's
+    command line (restored onto a continued run's saved config). A stop signal is honoured from the first line
+    to the last: the run stops with one line naming the command that continues it."""
     quiet_third_party()  # each console line once, third-party noise filtered
     with honour_stop_signals(_signal_names(cfg)):
         check_config(cfg)  # every setting, before anything is locked, loaded, written or opened
@@ -102,14 +91,14 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
 
 
 def _signal_names(cfg: DictConfig) -> list:
-    """``checkpoint.signals`` as names (checked later by StepCheckpoint; anything else here is ignored)."""
+    """``checkpoint.signals`` as names (StepCheckpoint checks them)."""
     names = OmegaConf.select(cfg, "checkpoint.signals", default=None)
     return [str(n) for n in names] if OmegaConf.is_list(names) else []
 
 
 def _report_stop(exc: BaseException, seen: Dict[str, Any], plan: ResumePlan, out_dir: Path) -> None:
-    """After a stop signal or Ctrl-C: the MLflow run KILLED with its step, buffered metrics sent, and one line
-    with the step, the last checkpoint and the command that continues the run."""
+    """After a stop: the MLflow run KILLED at its step, buffered metrics sent, and one line with the step, the last
+    checkpoint and the command that continues the run."""
     module, ckpt = seen.get("module"), seen.get("ckpt")
     step = int(module.rl_step) if module is not None else int(plan.step)
     loggers = seen.get("loggers") or []
@@ -225,8 +214,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
 
 
 def _summary(logger, out_dir: Path, final: Dict[str, float]) -> str:
-    """The end-of-run block; MLflow names, the first validation's accuracy and the run's LRE looked up
-    best-effort (a failing lookup leaves them out)."""
+    """The end-of-run block; MLflow lookups best-effort (a failing one leaves its fields out)."""
     from fspo.diagnostics.metric_keys import display_key
     from fspo.tracking.run_summary import training_summary
 

@@ -1,33 +1,20 @@
-"""The rollout batch contract shared by the rollout engines, the callback and the module.
+"""`RolloutBatch`: the one structure that crosses from generation to training (B sequences, P prompt and T
+response positions), checked by `RolloutBatch.validate`:
 
-Owns: `RolloutBatch`, the one structure that crosses from generation to training, with every
-tensor's shape, dtype and mask polarity stated here and checked by `RolloutBatch.validate`.
-Leaves out: how the batch is produced (fspo/rollout, fspo/rollout/callback.py) and consumed
-(fspo/update/module.py).
-
-Layout (B sequences, P prompt positions, T response positions):
-
-- ``prompt_ids``    LongTensor [B, P]  prompt tokens, LEFT-padded with ``pad_token_id``.
-- ``prompt_mask``   LongTensor [B, P]  1 on real prompt tokens, 0 on left padding.
-- ``response_ids``  LongTensor [B, T]  generated tokens, RIGHT-padded with ``pad_token_id``.
-- ``response_mask`` LongTensor [B, T]  1 on generated tokens (the EOS token included), 0 on padding.
-  The length of completion i is ``L_i = response_mask[i].sum()``; L_i = 0 is legal.
-- ``old_log_probs`` FloatTensor [B, T] float32 log pi_old(y_t | h_t): the trainer's own forward
-  pass (``ppo.old_log_probs=recompute``) or the engine's log-probs (``=engine``); 0 where
-  ``response_mask`` is 0.
-- ``advantages``    FloatTensor [B]    one scalar advantage per completion.
-- ``rewards``       FloatTensor [B]    scalar reward per completion.
-- ``group_ids``     LongTensor [B]     index of the prompt a completion answers; the G completions of
-  a prompt share a group id and always live in the same batch (whole groups).
-- ``overlong``      BoolTensor [B]     True where generation stopped at max_new_tokens without EOS.
-- ``engine_log_probs`` optional FloatTensor [B, T] float32 log-probs of the sampled tokens reported by
-  the rollout engine, at temperature 1 (raw logits; vLLM's and HFEngine's compact decoder's), 0 on
-  padding: the train-inference gap diagnostic, and the old log-probs under ``ppo.old_log_probs=engine``.
+- ``prompt_ids`` / ``prompt_mask``     Long [B, P]  LEFT-padded with ``pad_token_id``; mask 1 on real tokens.
+- ``response_ids`` / ``response_mask`` Long [B, T]  RIGHT-padded; mask 1 on generated tokens (EOS included);
+  L_i = ``response_mask[i].sum()``, 0 legal.
+- ``old_log_probs``  float32 [B, T]  log pi_old(y_t | h_t), recomputed or the engine's (``ppo.old_log_probs``);
+  0 on padding.
+- ``advantages``, ``rewards``  float [B];  ``group_ids`` Long [B] (a prompt's G completions share one and stay
+  in one batch);  ``overlong`` Bool [B] (stopped at max_new_tokens without EOS).
+- ``engine_log_probs``  optional float32 [B, T]: the engine's log-probs of the sampled tokens at temperature 1,
+  0 on padding (the train-inference gap).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -35,7 +22,7 @@ from torch import Tensor
 
 @dataclass
 class RolloutBatch:
-    """One step's rollouts; see the module docstring for shapes and mask polarity."""
+    """One step's rollouts (module docstring)."""
 
     prompt_ids: Tensor
     prompt_mask: Tensor
@@ -68,25 +55,13 @@ class RolloutBatch:
     def validate(self) -> "RolloutBatch":
         """Check shapes and mask polarity; raise ValueError naming the field that is wrong."""
         b = self.batch_size
-        if self.prompt_ids.shape != self.prompt_mask.shape:
-            raise ValueError(
-                f"RolloutBatch.prompt_mask shape {tuple(self.prompt_mask.shape)} != prompt_ids "
-                f"shape {tuple(self.prompt_ids.shape)}"
-            )
-        if self.response_ids.shape != self.response_mask.shape:
-            raise ValueError(
-                f"RolloutBatch.response_mask shape {tuple(self.response_mask.shape)} != response_ids "
-                f"shape {tuple(self.response_ids.shape)}"
-            )
+        for f, ref in (("prompt_mask", "prompt_ids"), ("response_mask", "response_ids"),
+                       ("old_log_probs", "response_ids"), ("engine_log_probs", "response_ids")):
+            v, r = getattr(self, f), getattr(self, ref)
+            if v is not None and v.shape != r.shape:
+                raise ValueError(f"RolloutBatch.{f} shape {tuple(v.shape)} != {ref} shape {tuple(r.shape)}")
         if self.prompt_ids.shape[0] != b:
             raise ValueError(f"RolloutBatch.prompt_ids has {self.prompt_ids.shape[0]} rows, expected {b}")
-        for f in ("old_log_probs", "engine_log_probs"):
-            v = getattr(self, f)
-            if v is not None and v.shape != self.response_ids.shape:
-                raise ValueError(
-                    f"RolloutBatch.{f} shape {tuple(v.shape)} != response_ids shape "
-                    f"{tuple(self.response_ids.shape)}"
-                )
         for f in ("advantages", "rewards", "group_ids", "overlong"):
             v = getattr(self, f)
             if v is not None and tuple(v.shape) != (b,):
@@ -99,13 +74,14 @@ class RolloutBatch:
             raise ValueError("RolloutBatch.response_mask must be right-padded (1s then 0s per row)")
         return self
 
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> "RolloutBatch":
+        """Every tensor field through ``fn``, the rest as is."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in kw.items()})
+
     def select(self, index: Tensor) -> "RolloutBatch":
         """Rows ``index`` of every tensor field (a mini-batch or micro-batch view)."""
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v[index] if isinstance(v, Tensor) else v
-        return RolloutBatch(**kw)
+        return self._map(lambda v: v[index])
 
     def trim(self) -> "RolloutBatch":
         """Drop all-padding columns: prompt columns on the left, response columns on the right."""
@@ -125,8 +101,4 @@ class RolloutBatch:
         return replace(self, **kw)
 
     def to(self, device) -> "RolloutBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if isinstance(v, Tensor) else v
-        return RolloutBatch(**kw)
+        return self._map(lambda v: v.to(device))

@@ -1,7 +1,5 @@
-"""Clipping rules: one file per rule, all implementing `ClipRule` (see base.py).
-
-The names below load on first use, so that fspo.clipping.settings (the rules' settings, checked before
-anything loads) imports without torch.
+"""Clipping rules, one file per rule, all implementing `ClipRule` (base.py). The names load on first use, so the
+settings (fspo.clipping.settings, checked before anything loads) import without torch.
 """
 from importlib import import_module
 

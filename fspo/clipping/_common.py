@@ -1,16 +1,10 @@
-"""Shared pieces of the clipping rules: input checks, masked sums, verl-style ratio-space clipping.
-
-Owns: argument validation helpers (one ValueError naming the setting), `prepare` (shape checks and
-the float32 upcast every rule does first), per-sequence/per-token advantage layouts, the verl
-ratio-space clip `ratio_clip` (GRPO, RLOO and GSPO share it) and `RatioClipRule`, the base of the
-three ratio-space rules, the two gradient forms of a sequence ratio (`seq_log_ratio_per_token`),
-the float-safety cap mask and `seq_result`; for the weight-clipping token rules (CISPO, SAPO)
-`token_ratio_inputs`, `weight_clip_result` and `VALUE_FORMS`. Leaves out: the log-space FSPO band
-(fspo.py) and aggregation (losses.py).
+"""Shared pieces of the clipping rules: input checks, masked sums, verl's ratio-space clip (`ratio_clip`,
+`RatioClipRule`: GRPO, RLOO, GSPO), the two gradient forms of a sequence ratio, the float-safety cap, and the
+`ClipResult` builders of the sequence rules and the weight-clipping token rules (CISPO, SAPO).
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,8 +18,7 @@ from fspo.clipping.settings import (  # noqa: F401  (the rules import these from
     check_positive,
 )
 
-#: verl clamps token log-ratios to [-20, 20] before exp; we use the same bound as the float-safety
-#: cap everywhere (exp(20) = 4.85e8, far from float32 overflow even after summing 4M tokens).
+#: the float-safety cap on log-ratios, verl's clamp before exp (exp(20) = 4.85e8)
 MAX_LOG_RATIO = 20.0
 
 
@@ -41,11 +34,8 @@ class Prepared(NamedTuple):
 
 def prepare(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
             response_mask: Tensor) -> Prepared:
-    """Check shapes (ValueError naming both shapes on mismatch) and upcast to float32.
-
-    ``log_prob``, ``old_log_prob`` and ``response_mask`` must all be [B, T]; ``advantages`` is [B]
-    or [B, T]. Any float dtype is accepted (bf16 included); all math downstream is float32.
-    """
+    """Check that log_prob, old_log_prob, response_mask are [B, T] and advantages [B] or [B, T] (ValueError naming
+    the shapes); upcast to float32 (bf16 included)."""
     if log_prob.dim() != 2:
         raise ValueError(f"{owner}: log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
     for name, t in (("old_log_prob", old_log_prob), ("response_mask", response_mask)):
@@ -82,14 +72,9 @@ def token_advantage(advantages: Tensor, p: Prepared) -> Tensor:
 def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: Optional[float],
                clamp: Tuple[Optional[float], Optional[float]] = (-MAX_LOG_RATIO, MAX_LOG_RATIO),
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """verl's `compute_policy_loss_vanilla` surrogate, elementwise on any shape.
-
-    r = exp(clamp(log_ratio)); l1 = -A r; l2 = -A clip(r, 1 - low, 1 + high); l = max(l1, l2);
-    where A < 0 and a dual clip c is set: l = min(l, -A c).
-    Returns (loss, upper, lower, dual, in_band): upper = (l2 > l1) & (A > 0), lower = (l2 > l1) &
-    (A < 0), dual = (l > -A c) & (A < 0) - the same strict comparisons verl uses for its clip
-    fractions; in_band = 1 - low <= r <= 1 + high (the paper's acceptance event, any sign of A).
-    """
+    """verl's `compute_policy_loss_vanilla`, elementwise: r = exp(clamp(log_ratio)), l = max(-A r, -A clip(r,
+    1 - low, 1 + high)), and for A < 0 with a dual clip c: min(l, -A c). Returns (loss, upper, lower, dual,
+    in_band) with verl's strict comparisons; in_band = 1 - low <= r <= 1 + high."""
     ratio = torch.exp(torch.clamp(log_ratio, min=clamp[0], max=clamp[1]))
     neg_adv = -adv
     l1 = neg_adv * ratio
@@ -108,39 +93,21 @@ def ratio_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float, clip_c: 
 
 
 class RatioClipRule(ClipRule):
-    """Base of the ratio-space rules (GRPO, RLOO, GSPO): verl's settings and their validation.
+    """Base of the ratio-space rules: ``clip_ratio_low`` in [0, 1), ``clip_ratio_high`` >= 0, ``clip_ratio_c`` > 1
+    or None (no dual clip)."""
 
-    ``clip_ratio_low`` in [0, 1) (the ratio floor 1 - low must stay positive), ``clip_ratio_high``
-    >= 0, ``clip_ratio_c`` > 1 or None (dual clip off).
-    """
+    settings = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
                  clip_ratio_c: Optional[float]) -> None:
         super().__init__()
-        st = RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__)
-        self.clip_ratio_low, self.clip_ratio_high = st.clip_ratio_low, st.clip_ratio_high
-        self.clip_ratio_c = st.clip_ratio_c
-
-    def extra_repr(self) -> str:
-        return (f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}, "
-                f"clip_ratio_c={self.clip_ratio_c}")
-
-    def extra_metrics(self) -> Dict[str, float]:
-        return {}
-
+        self._take(RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__))
 
 
 
 def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:
-    """[B, T] float32 per-token log of a sequence-level ratio, in one of two gradient forms.
-
-    ``per_token`` (verl's convention for sequence ratios, its GSPO): sg(seq_value_i) + logp_t -
-    sg(logp_t): value seq_value_i on every token, d/dlogp_t = 1 on that token alone, so an
-    aggregation weight k_i per token gives each token of sequence i the gradient A_i s_i k_i.
-    ``length_weighted``: ``full`` (seq_value with its graph through S_i) on every token: d/dlogp_t
-    = dS_i/dlogp_t summed over the sequence's L_i copies, i.e. L_i times the per-token form under
-    token-mean (the form this project used before; kept for comparison only). Padding holds 0.
-    """
+    """[B, T] log of a sequence ratio per token (base.py): ``per_token`` sg(seq_value) + logp_t - sg(logp_t);
+    ``length_weighted`` ``full`` (with its graph through S) on every token. 0 on padding."""
     if ratio_grad == "length_weighted":
         return full.unsqueeze(-1) * p.maskf
     lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
@@ -149,8 +116,8 @@ def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, ful
 
 def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[float], high: Optional[float]
              ) -> Tensor:
-    """Where a float-safety clamp of ``log_ratio`` to [low, high] (None: unbounded) zeroes the
-    gradient and no clip of the rule binds (A != 0; a zero advantage has no gradient anyway)."""
+    """Where clamping ``log_ratio`` to [low, high] (None: unbounded) alone zeroes the gradient: no clip binds and
+    A != 0."""
     out = torch.zeros_like(binding)
     if high is not None:
         out |= log_ratio.detach() > high
@@ -159,12 +126,9 @@ def cap_mask(log_ratio: Tensor, adv: Tensor, binding: Tensor, low: Optional[floa
     return out & ~binding & (adv != 0)
 
 
-
-
 def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                        response_mask: Tensor) -> Tuple[Prepared, Tensor, Tensor, Tensor]:
-    """(`prepare`'s result, d_t, the [B, T] advantage, r_t = exp(clamp(d_t, -20, 20))): verl's token
-    ratio, as CISPO and SAPO start."""
+    """(`prepare`'s result, d_t, the [B, T] advantage, r_t = exp(clamp(d_t, -20, 20)))."""
     p = prepare(owner, log_prob, old_log_prob, advantages, response_mask)
     d = token_log_ratio(p)
     return p, d, token_advantage(advantages, p), torch.exp(d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
@@ -172,27 +136,20 @@ def token_ratio_inputs(owner: str, log_prob: Tensor, old_log_prob: Tensor, advan
 
 def weight_clip_result(token_loss: Tensor, d: Tensor, ratio: Tensor, in_band: Tensor, adv: Tensor,
                        p: Prepared) -> ClipResult:
-    """A token-level `ClipResult` for rules whose clip bounds a token's gradient weight instead of
-    zeroing it (CISPO, SAPO): binding where the ratio is out of ``in_band`` and A != 0, ``clip_upper``
-    above r = 1, ``clip_lower`` below; no dual clip, no cap. All masks False on padding."""
-    r = ratio.detach()
+    """Token-level `ClipResult` of a rule that bounds a token's gradient weight (CISPO, SAPO): binding where the
+    ratio is out of ``in_band`` and A != 0, upper above r = 1, lower below; no dual, no cap."""
+    r, zero = ratio.detach(), torch.zeros_like(p.mask)
     bind = ~in_band & p.mask & (adv != 0)
-    return ClipResult(token_loss=token_loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                      clip_upper=bind & (r > 1.0), clip_lower=bind & (r < 1.0),
-                      clip_dual=torch.zeros_like(p.mask), in_band=in_band & p.mask)
+    return seq_result(token_loss, d.sum(-1), bind & (r > 1.0), bind & (r < 1.0), zero, in_band, zero, p)
 
 
 def seq_result(token_loss: Tensor, seq_log_ratio: Tensor, upper: Tensor, lower: Tensor, dual: Tensor,
                in_band: Tensor, cap: Tensor, p: Prepared) -> ClipResult:
-    """A `ClipResult` from the per-token loss [B, T] and per-sequence decisions [B] broadcast over
-    each sequence's tokens (all masks False on padding)."""
+    """A `ClipResult` from the [B, T] loss and [B, T] decisions, or per-sequence [B] ones broadcast over tokens."""
     m = p.mask
-    return ClipResult(
-        token_loss=token_loss * p.maskf,
-        seq_log_ratio=seq_log_ratio.detach(),
-        clip_upper=upper.unsqueeze(-1) & m,
-        clip_lower=lower.unsqueeze(-1) & m,
-        clip_dual=dual.unsqueeze(-1) & m,
-        in_band=in_band.unsqueeze(-1) & m,
-        clip_cap=cap.unsqueeze(-1) & m,
-    )
+
+    def on_tokens(x: Tensor) -> Tensor:
+        return (x if x.dim() == 2 else x.unsqueeze(-1)) & m
+    return ClipResult(token_loss=token_loss * p.maskf, seq_log_ratio=seq_log_ratio.detach(),
+                      clip_upper=on_tokens(upper), clip_lower=on_tokens(lower), clip_dual=on_tokens(dual),
+                      in_band=on_tokens(in_band), clip_cap=on_tokens(cap))

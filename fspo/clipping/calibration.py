@@ -1,47 +1,13 @@
-"""Band calibrators: the std of the sequence log-ratio at each length, measured instead of assumed.
+"""Band calibrators: std(S_L) measured per length instead of assumed sigma sqrt(L), so that
+P(|S_L - mu_L| > z scale(L)) = 2 Phi(-z) at every L (Gaussian S_L, any law in L); fspo.py builds the band
+mu_L +- z scale(L) and owns z and mu.
 
-Owns: `PowerLawBand` and `PerBinBand` (running per-length-bin moments kept as a float64 buffer, so
-they land in checkpoints; their update in `observe`, exact across ranks; the scale std(S_L) the band
-is built from; their metrics) and `CALIBRATORS` (name -> class, for ``clip.band=power|per_bin``).
-Leaves out: the band, the clip and the loss (fspo.py builds mu_L +- z scale(L)), z,
-the drift mu_L (the caller passes the one in effect) and when to observe (fspo/update/module.py: once per
-optimizer step, not on on-policy mini-batches, where S = 0 exactly).
-
-Why: the paper's band mu_L +- z sigma sqrt(L) clips with probability 2 Phi(-z) at every L only if
-S_L ~ N(mu_L, sigma^2 L). Where std(S_L) grows like L^gamma with gamma > 1/2 the sqrt band clips
-more and more of the long sequences. With scale(L) = std(S_L - mu_L) measured per length,
-P(|S_L - mu_L| > z scale(L)) = 2 Phi(-z) again for every L (Gaussian S_L, any law in L).
-
-Interface (both classes; the caller owns z and mu):
-    observe(seq_log_ratio [B], lengths [B], mu [B] | None) -> None   every rank, once per step
-    scale(lengths [B]) -> float32 [B]   0 at L = 0; finite and > 0 for any L > 0 (e.g. 32,768)
-    fit() -> (sigma, gamma)             weighted power-law fit over the populated bins (tensors)
-    metrics() -> Dict[str, float]       clip/band_* scalars, MLflow-safe names
-
-Estimator choices:
-* State per length bin k (residual r = S - mu_L, sequences with L > 0 and finite r only):
-  M_k = (n_k, sum log L, sum r^2, sum r^2 / L). Sum-reduced, so one all_reduce of the batch's
-  sums makes every rank apply the identical update, equal (up to float64 summation order) to the
-  update one process computes from the whole batch.
-* Forgetting by decayed sums, M <- (1 - alpha) M + batch sums (a batch with no sequence on any rank
-  leaves M unchanged). Every estimate is a ratio of sums, i.e. a weighted mean over past
-  sequences with weight (1 - alpha)^age: it converges for stationary data (effective sample about
-  (2 - alpha) / alpha batches) and forgets a policy's batches geometrically. Unlike an EMA of
-  per-batch statistics it needs no per-batch estimate, which a bin seeing 0-5 sequences per batch
-  does not have, and n_k stays a count of (decayed) sequences, so ``min_count`` means sequences.
-* Second moment about mu_L, not the variance about the bin mean: for r ~ N(m, v) and small m,
-  P(|r| > z sqrt(v + m^2)) = 2 Phi(-z) + O(m^4), so a drift mismatch m leaves the clip fraction on
-  target to second order; with the right drift (m = 0) it is the std.
-* Geometric bins, ``bins_per_octave`` per doubling (edges ceil(2^(k / bpo)), overflow [max_len, inf)):
-  L spans 10..20,000, so equal widths would put all short sequences in one bin, and a std growing as a
-  power of L is a straight line in log L. Each bin sits at its data's mean log L; pooling a bin
-  of width factor w = 2^(1 / bpo) overstates std by sqrt(sinh(g) / g) - 1, g = gamma ln w: 0.6 % for
-  gamma = 0.8 at 2 bins per octave (clip fraction -0.003 at z = 1). Bins and labels follow
-  fspo.diagnostics.bins.LengthBins ([e_k, e_k+1), len_00016_00023), not imported: that package
-  pulls in torchmetrics (seconds per process), which fspo.clipping does not need.
-* Warm start: a bin counts once n_k >= ``min_count``. Without populated bins the scale is the
-  paper's sqrt law sigma_s sqrt(L), sigma_s = sqrt(sum r^2 / L / sum n) (the paper's fit, RMS of
-  S / sqrt(L)) once min_count sequences were seen in all, ``sigma0`` before.
+* Per geometric length bin k (``bins_per_octave``, overflow [max_len, inf)), over r = S - mu_L with L > 0 and
+  r finite: M_k = (n_k, sum log L, sum r^2, sum r^2 / L), float64, all-reduced (exact across ranks).
+* Decayed sums, M <- (1 - alpha) M + batch sums: well defined for bins seeing 0-5 sequences per batch, and n_k
+  stays a (decayed) count for ``min_count``. Second moment about mu_L: a drift mismatch m costs O(m^4).
+* Warm start: without a bin of min_count sequences, the sqrt law sigma_s sqrt(L), sigma_s^2 = sum r^2 / L /
+  sum n (``sigma0`` before min_count sequences in all).
 """
 from __future__ import annotations
 
@@ -54,8 +20,6 @@ from torch import Tensor
 
 from fspo.clipping._common import check_positive
 
-__all__ = ["PowerLawBand", "PerBinBand", "CALIBRATORS", "geometric_edges"]
-
 _N, _LOGL, _R2, _R2L = range(4)  # columns of the moments buffer
 _TINY_VAR = 1e-24  # floor on a bin's mean r^2 (std 1e-12): all-zero residuals keep log std finite
 
@@ -67,12 +31,8 @@ def geometric_edges(bins_per_octave: int = 2, max_len: int = 32768) -> list:
 
 
 class _MomentBand(torch.nn.Module):
-    """Shared state and update of the calibrators (see the module docstring).
-
-    Settings: ``alpha`` in (0, 1] (forgetting rate), ``sigma0`` > 0 (warm-start sqrt-law sigma),
-    ``min_count`` >= 1 (decayed sequences for a bin to count), ``bins_per_octave`` >= 1 and
-    ``max_len`` >= 2 (ints: the geometric bins).
-    """
+    """Shared state and update of the calibrators. Settings: ``alpha`` in (0, 1], ``sigma0`` > 0, ``min_count`` >= 1,
+    ``bins_per_octave`` >= 1 and ``max_len`` >= 2 (ints)."""
 
     gamma_min, gamma_max = 0.0, 1.5
 
@@ -96,22 +56,18 @@ class _MomentBand(torch.nn.Module):
         self.register_buffer("moments", torch.zeros(len(self.edges), 4, dtype=torch.float64))
 
     def _apply(self, fn, recurse=True):
-        """Device moves apply; dtype casts (``.to(torch.bfloat16)``) do not: the sums stay float64."""
-        keep = self.moments
+        """Device moves apply; dtype casts do not: the float64 state stays float64."""
+        keep = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float64}
         out = super()._apply(fn, recurse)
-        if self.moments.dtype != keep.dtype:
-            self.moments = keep.to(self.moments.device)
+        for k, b in keep.items():
+            if self._buffers[k].dtype != b.dtype:
+                self._buffers[k] = b.to(self._buffers[k].device)
         return out
 
     @torch.no_grad()
     def observe(self, seq_log_ratio: Tensor, lengths: Tensor, mu: Optional[Tensor] = None) -> None:
-        """M <- (1 - alpha) M + sum over the batch (all ranks) of (1, log L, r^2, r^2 / L) per bin.
-
-        r = S - mu (mu: the drift in effect, [B] or scalar; None = 0). Sequences with L < 1, a
-        non-finite L or a non-finite r are ignored (rows of zeros); a batch with none on any rank
-        leaves the state unchanged. Call on every rank (it all-reduces when torch.distributed is
-        initialised), also with an empty share.
-        """
+        """M <- (1 - alpha) M + the batch's (1, log L, r^2, r^2 / L) per bin over all ranks, r = S - mu (None: 0).
+        Rows with L < 1 or non-finite L or r are ignored; a batch with none on any rank changes nothing."""
         dev = self.moments.device
         s = torch.as_tensor(seq_log_ratio).detach().to(dev, torch.float64).reshape(-1)
         length = torch.as_tensor(lengths).detach().to(dev, torch.float64).reshape(-1)
@@ -139,14 +95,11 @@ class _MomentBand(torch.nn.Module):
             self._update_extra(extra, seen)
 
     def _extra_sums(self, r: Tensor, length: Tensor, idx: Tensor, ok: Tensor) -> Optional[Tensor]:
-        """Further per-batch sums a subclass keeps beside the moments (float64, reduced with them in
-        `observe`'s single all_reduce); ``idx`` is each sequence's length bin, ``ok`` the rows that
-        count. None: no further state."""
+        """Further per-batch sums of a subclass, reduced with the moments; None: none."""
         return None
 
     def _update_extra(self, batch: Tensor, seen: Tensor) -> None:
-        """Fold the all-reduced ``_extra_sums`` into the subclass's state (``seen``: the batch had a
-        sequence on some rank)."""
+        """Fold the reduced ``_extra_sums`` into the subclass's state (``seen``: some rank had a row)."""
 
     def _bins(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per bin: populated (n >= min_count), x = mean log L, y = log sqrt(mean r^2), n (float64)."""
@@ -157,16 +110,14 @@ class _MomentBand(torch.nn.Module):
         return n >= self.min_count, x, y, n
 
     def sigma_sqrt(self) -> Tensor:
-        """The sqrt-law sigma: sqrt(sum r^2 / L / sum n) over all bins, sigma0 before min_count."""
+        """The sqrt-law sigma: sqrt(sum r^2 / L / sum n), sigma0 before min_count."""
         tot = self.moments.sum(0)
         est = (tot[_R2L] / tot[_N].clamp(min=1.0)).clamp(min=_TINY_VAR).sqrt()
         return torch.where(tot[_N] >= self.min_count, est, torch.full_like(est, self.sigma0))
 
     def fit(self) -> Tuple[Tensor, Tensor]:
-        """(sigma, gamma) of std(S_L) = sigma L^gamma: least squares of y_k = log std_k on
-        x_k = mean log L_k over populated bins, weights n_k (var(log std_hat) ~ 1 / (2 n) for
-        Gaussian S), gamma = S_xy / S_xx clamped to [gamma_min, gamma_max], log sigma = y_bar -
-        gamma x_bar. Fewer than 2 populated bins: (sigma_sqrt(), 0.5), the paper's law."""
+        """(sigma, gamma) of std(S_L) = sigma L^gamma: least squares of log std_k on mean log L_k over populated bins,
+        weights n_k, gamma clamped to [gamma_min, gamma_max]; fewer than 2 bins: (sigma_sqrt(), 0.5)."""
         pop, x, y, n = self._bins()
         w = torch.where(pop, n, 0.0)
         sw = w.sum().clamp(min=1e-300)
@@ -182,9 +133,7 @@ class _MomentBand(torch.nn.Module):
         return torch.as_tensor(lengths).detach().to(dev, torch.float64)
 
     def metrics(self) -> Dict[str, float]:
-        """clip/band_sigma, clip/band_gamma (the power-law fit; PerBinBand: for monitoring only,
-        with the default clamp), clip/band_sigma_sqrt (paper law),
-        clip/band_count (decayed sequences), clip/band_bins (populated bins)."""
+        """clip/band_sigma, clip/band_gamma, clip/band_sigma_sqrt, clip/band_count, clip/band_bins."""
         sigma, gamma = self.fit()
         pop, _, _, n = self._bins()
         return {"clip/band_sigma": float(sigma), "clip/band_gamma": float(gamma),
@@ -197,17 +146,8 @@ class _MomentBand(torch.nn.Module):
 
 
 class PowerLawBand(_MomentBand):
-    """scale(L) = sigma L^gamma, (sigma, gamma) from `fit` on the running bins; 0 at L = 0.
-
-    gamma is clamped to [``gamma_min``, ``gamma_max``] = [0, 1.5] by default: gamma in [0, 1] spans
-    every stationary token process (1/2 independent increments, 1 all tokens moving together);
-    above 1 the per-token spread itself grows with L (seen on the tiny arithmetic task), and the clamp
-    bounds how far a noisy fit from two close bins can blow the band up when the law is
-    extrapolated beyond the observed lengths (2,000^1.5 = 9e4 already). A negative gamma
-    (longer sequences less spread) has no token-sum reading. Where the true gamma lies outside the
-    range, the clamped law pivots at the data's (n-weighted) mean log L: right there, drifting away
-    from it (less than the sqrt band where gamma > 1.5).
-    """
+    """scale(L) = sigma L^gamma from `fit` (0 at L = 0). gamma in [``gamma_min``, ``gamma_max``] = [0, 1.5]: [0, 1]
+    spans stationary token processes, and the cap bounds how far a noisy fit can blow the extrapolated band up."""
 
     def __init__(self, alpha: float = 0.05, sigma0: float = 0.03, min_count: float = 32.0,
                  bins_per_octave: int = 2, max_len: int = 32768, gamma_min: float = 0.0,
@@ -228,15 +168,8 @@ class PowerLawBand(_MomentBand):
 
 
 class PerBinBand(_MomentBand):
-    """scale(L) = std_hat(L) from the bins themselves, no law assumed inside the data.
-
-    With (x_k, y_k) = (mean log L, log std_hat) of the populated bins (n_k >= min_count), at
-    q = log L: linear interpolation in (x, y) between the neighbouring populated bins (empty or
-    thin bins inside the range are bridged, not replaced by the sqrt law, which would bring back
-    the bias this removes); beyond the end bins the sqrt law from the nearest one,
-    y = y_end + (q - x_end) / 2; no populated bin: sigma_sqrt() sqrt(L) (sigma0 before min_count
-    sequences). Noisier than `PowerLawBand` (each bin has its own sample) but right for any shape.
-    """
+    """scale(L) = the bins' own std, no law assumed: linear in (mean log L, log std) between populated bins, the
+    sqrt law from the end bins beyond them, sigma_sqrt() sqrt(L) with no populated bin."""
 
     def scale(self, lengths: Tensor) -> Tensor:
         """std_hat(L) per sequence, float32 [B] on the device of ``lengths``; 0 where L <= 0."""
@@ -260,7 +193,7 @@ class PerBinBand(_MomentBand):
         return out.to(torch.as_tensor(lengths).device, torch.float32)
 
     def metrics(self) -> Dict[str, float]:
-        """As the base, plus clip/band_std/len_XXXXX_YYYYY (std_hat) for each populated bin."""
+        """As the base, plus clip/band_std/<bin label> for each populated bin."""
         out = super().metrics()
         pop, _, y, _ = self._bins()
         for k in torch.nonzero(pop).flatten().tolist():

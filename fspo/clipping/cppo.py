@@ -1,11 +1,6 @@
 """CPPO (arXiv 2606.10968, "Beyond Uniform Token-Level Trust Region"): DPPO's divergence mask with
-position-weighted thresholds and a cumulative prefix budget.
-
-Owns: `CPPOClip` and the registry name ``cppo``. verl 0.9.1 has no CPPO; the paper states the two
-mechanisms (a linear position weight w_t from 1 at the first token to ``w_min`` at the last, the token
-threshold D_t <= delta / w_t, and a budget on the weighted prefix average of the divergence) without code
-we could read, so the equations below are our reading, pinned by hand in
-tests/test_clip_divergence_rules.py. Leaves out: aggregation (token-mean, conf/method/cppo.yaml).
+position-weighted thresholds and a cumulative prefix budget. The paper gives no code; this reading is
+pinned by hand in tests/test_clip_divergence_rules.py.
 """
 from __future__ import annotations
 
@@ -22,30 +17,22 @@ from fspo.clipping.settings import BUDGETS, CPPOSettings  # noqa: F401  (BUDGETS
 
 
 def positions(p: Prepared) -> Tuple[Tensor, Tensor]:
-    """(t, w-denominator): the 0-based index of each response token among its sequence's response tokens,
-    and max(L_i - 1, 1) per row, [B, T] and [B, 1]."""
+    """(t, max(L - 1, 1)): each response token's 0-based index among its sequence's, [B, T] and [B, 1]."""
     t = torch.cumsum(p.maskf, -1) - 1.0
     return t.clamp(min=0.0), (p.lengths - 1.0).clamp(min=1.0).unsqueeze(-1)
 
 
 class CPPOClip(DPPOClip):
-    """CPPO's token mask over DPPO (`DPPOClip`: the same binary divergence D_t, truncated IS weight and
-    gradient -A_t min(r_t, C) valid_t), with two changes (our reading of arXiv 2606.10968):
+    """CPPO's token mask over `DPPOClip` (same D_t, IS weight and gradient), our reading of arXiv 2606.10968:
 
-      position weight  w_t = 1 - (1 - w_min) t / max(L - 1, 1),  t = 0..L-1 (1 at the first token, w_min at
-                       the last); the thresholds become high / w_t and low / w_t (strict early, relaxed late);
-      prefix budget    B_t = (1 / (t + 1)) sum_{s <= t} w_s |D_s|: the weighted prefix average of the
-                       unsigned divergence; a token that moved in its advantage's direction (A > 0: p > q;
-                       A < 0: p < q) is also masked when B_t > high (A > 0) or B_t > low (A < 0).
+      position weight  w_t = 1 - (1 - w_min) t / max(L - 1, 1); the thresholds become high / w_t, low / w_t;
+      prefix budget    B_t = (1 / (t + 1)) sum_{s <= t} w_s |D_s|; a token that moved in its advantage's
+                       direction is also masked when B_t > high (A > 0) or B_t > low (A < 0).
 
-    valid_t = DPPO's test with the positional thresholds AND (budget holds or the token moved against A).
-    Tokens that moved against their advantage keep their gradient (it pulls them back), as in DPPO.
-    ``budget="none"`` drops the budget; ``w_min=1`` drops the position weight; both give DPPO exactly.
-    Settings: ``divergence`` tv | kl, ``clip_ratio_low`` / ``clip_ratio_high`` the base thresholds delta
-    (0.2, DPPO's), ``w_min`` in (0, 1] (0.8), ``clip_ratio_c`` the IS truncation (20), ``value`` as DPPO's.
-    Masks: as DPPO's (``clip_upper`` masked with A > 0, ``clip_lower`` with A < 0); ``in_band`` the
-    positional band and the budget (with the threshold of the direction the token moved).
+    ``budget="none"`` with ``w_min=1`` is DPPO exactly. ``in_band``: the positional band and the budget.
     """
+
+    settings = DPPOClip.settings + ("w_min", "budget")
 
     def __init__(self, divergence: str = CPPOSettings.divergence, clip_ratio_low: float = CPPOSettings.clip_ratio_low,
                  clip_ratio_high: float = CPPOSettings.clip_ratio_high, w_min: float = CPPOSettings.w_min,
@@ -54,8 +41,7 @@ class CPPOClip(DPPOClip):
         ClipRule.__init__(self)
         s = CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                          clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget, owner=type(self).__name__)
-        self._set(s)
-        self.w_min, self.budget = s.w_min, s.budget
+        self._take(s)
 
     def weights(self, p: Prepared) -> Tensor:
         """w_t [B, T] (1 on padding)."""
@@ -67,7 +53,7 @@ class CPPOClip(DPPOClip):
         return self.clip_ratio_high / w, self.clip_ratio_low / w
 
     def prefix_budget(self, p: Prepared, div: Tensor) -> Tensor:
-        """B_t [B, T]: (1 / (t + 1)) sum_{s <= t} w_s |D_s| over the sequence's response tokens."""
+        """B_t [B, T] over the sequence's response tokens."""
         t, _ = positions(p)
         spent = torch.cumsum(torch.where(p.mask, self.weights(p) * div.abs(), 0.0), -1)
         return spent / (t + 1.0)
@@ -82,19 +68,14 @@ class CPPOClip(DPPOClip):
         band_ok = torch.where(up, b <= self.clip_ratio_high, b <= self.clip_ratio_low)
         return valid & budget_ok, in_band & band_ok
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, w_min={self.w_min}, budget={self.budget}"
 
 
 @register_policy_loss("cppo")
 def policy_loss_cppo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
-    """CPPO: `CPPOClip(value="verl")`; verl-style ``clip_ratio*`` as DPPO's, plus ``divergence`` (tv),
-    ``w_min`` (0.8) and ``budget`` (prefix_mean); metrics as verl's DPPO."""
-    kw = _ratio_kwargs(config, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None})
-    c = kw.pop("clip_ratio_c")
+    """CPPO: `CPPOClip(value="verl")`, config as DPPO's plus ``divergence``, ``w_min``, ``budget``."""
     extra = {k: _get(config, k) for k in ("divergence", "w_min", "budget") if _get(config, k) is not None}
-    rule = CPPOClip(**kw, **extra, clip_ratio_c=20.0 if c is None else c, value="verl")
+    rule = CPPOClip(**_ratio_kwargs(config, CPPOClip), **extra, value="verl")
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                 metrics_fn=verl_mask_metrics(rule, old_log_prob, log_prob, advantages, response_mask),
                 rollout_is_weights=rollout_is_weights)

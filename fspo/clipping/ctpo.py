@@ -1,14 +1,6 @@
-"""CTPO (arXiv 2605.07331, github horizon-llm/CTPO): cumulative-prefix token ratios with a log-space clip
-that widens with the token's position.
-
-Owns: `CTPOClip` and the registry names ``ctpo`` = ``cum-token-cumprod-la`` (the CTPO repository's main loss)
-and ``cum-token-geomean-la`` (its geometric-mean variant). Leaves out: aggregation (fspo/losses.py; CTPO
-uses verl's default token-mean, conf/method/ctpo.yaml).
-
-CTPO is the published idea closest to FSPO: each token's ratio is the product of the token ratios of its
-prefix, whose log grows like a random walk, so its clip band grows like sqrt(t). FSPO clips the whole
-sequence's S_L to +-c sqrt(L); CTPO clips every prefix C_t to [-low t^p, high t^p] (p = 1/2), and token t
-loses its gradient alone. At t = L (the last token) CTPO's event is exactly FSPO's with c = high = low.
+"""CTPO (arXiv 2605.07331, github horizon-llm/CTPO): cumulative-prefix token ratios with a log-space clip that
+widens with the position: each prefix C_t is clipped to [-low t^p, high t^p] (p = 1/2), and token t loses its
+gradient alone. At t = L it is FSPO's event with c = high = low.
 """
 from __future__ import annotations
 
@@ -22,6 +14,7 @@ from fspo.clipping._common import (
     MAX_LOG_RATIO,
     cap_mask,
     prepare,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -29,43 +22,26 @@ from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.registry import _get, _run, register_policy_loss
 from fspo.clipping.settings import ACCEPTANCES, RATIO_MODES, CTPOSettings  # noqa: F401  (this rule's names)
 
-#: CTPO caps the prefix log-ratio at 10 from above before exp (its float safety; zero gradient beyond)
+#: CTPO's cap on the prefix log-ratio before exp
 CTPO_MAX_LOG_RATIO = 10.0
 
 
 class CTPOClip(ClipRule):
-    """CTPO-LA's token objective, exactly the CTPO repository's ``cum-token-cumprod-la`` (``ratio_mode="cumprod"``)
-    or ``cum-token-geomean-la`` (``"geomean"``); tests/test_clip_ctpo.py re-derives it independently.
+    """CTPO-LA, the CTPO repository's ``cum-token-cumprod-la`` (``ratio_mode="cumprod"``) or ``cum-token-geomean-la``
+    (``"geomean"``). Per response token t = 1, 2, ... with d_s = clamp(d_s, -20, 20):
 
-    Per response token t of sequence i (t = 1, 2, ... counts response tokens, padding excluded), with
-    d_s = clamp(logp_new - logp_old, -20, 20):
+        C_t = sum_{s <= t} d_s (cumprod)  or  (1 / t) sum_{s <= t} d_s (geomean)
+        log r_t = min(sg(C_t) + logp_t - sg(logp_t), 10);  lo_t = -low t^p, hi_t = high t^p, du_t = c t^p
+        loss_t = max(-A_t r_t, -A_t exp(clip(log r_t, lo_t, hi_t)));  for A_t < 0: min(loss_t, -A_t exp(du_t))
 
-        C_t   = sum_{s <= t} d_s                 (cumprod: log of the cumulative token ratio)
-              = (1 / t) sum_{s <= t} d_s         (geomean)
-        log r_t = min(sg(C_t) + logp_t - sg(logp_t), 10)      value C_t, gradient through logp_t alone
-        lo_t = -low t^p,  hi_t = high t^p,  du_t = c t^p       (log space; p = 0: t^p = 1)
-        loss_t = max(-A_t r_t, -A_t exp(clip(log r_t, lo_t, hi_t))),  and for A_t < 0:
-        loss_t = min(loss_t, -A_t exp(du_t))                   (the dual clip, growing like the band)
-
-    so d loss_t / d logp_t = -A_t r_t where nothing binds, 0 where a clip (or the cap at 10) binds. Settings
-    (the repository's names; ctpo.sh's values): ``la_clip_low`` 0.025, ``la_clip_high`` 0.05, ``la_clip_c``
-    0.05 (> 0, log space; None: no dual clip, our extension), ``la_power`` 0.5 (ctpo.sh's
-    CLIP_RATIO_LA_POWER and the paper's sqrt(t); the repository recommends -0.5 with geomean; its
-    ActorConfig field defaults to 0). As in CTPO, ``la_clip_c`` < ``la_clip_high`` is allowed (then a
-    negative-advantage token is cut before it leaves the band).
-
-    Masks, per token (A_t != 0 for binding): ``clip_upper`` A_t > 0 and C_t > hi_t; ``clip_lower`` A_t < 0
-    and C_t < lo_t; ``clip_dual`` A_t < 0 and r_t > exp(du_t) (CTPO's strict comparisons of the loss
-    branches); ``clip_cap`` C_t > 10 with none of them binding. Acceptance for a token-prefix rule (our
-    reading; the loss does not depend on it), ``acceptance``:
-      ``prefix`` (default): ``in_band[i, t]`` = lo_t <= C_t <= hi_t, the event that decides token t's
-        gradient whatever the sign of A (as GRPO's per-token band); a sequence's in-band fraction g_i is
-        then the share of its prefixes inside their bands, so ``band/out_frac`` by length says whether
-        long responses lose more of their tokens.
-      ``last``: every token of sequence i carries the decision at its last prefix, lo_L <= C_L <= hi_L:
-        for cumprod with p = 1/2 and high = low = c, FSPO's acceptance event exactly.
+    Settings (the repository's names; ctpo.sh's values): ``la_clip_low``, ``la_clip_high``, ``la_clip_c`` (None:
+    no dual, ours; < high allowed, as CTPO), ``la_power``. Masks: upper A_t > 0, C_t > hi_t; lower A_t < 0,
+    C_t < lo_t; dual A_t < 0, r_t > exp(du_t); cap C_t > 10 alone. ``acceptance`` (our reading): ``prefix``
+    lo_t <= C_t <= hi_t per token; ``last`` the last prefix's decision on every token (FSPO's event for cumprod,
+    p = 1/2, high = low).
     """
 
+    settings = ("la_clip_low", "la_clip_high", "la_clip_c", "la_power", "ratio_mode", "acceptance")
     level = "token"
 
     def __init__(self, la_clip_low: float = CTPOSettings.la_clip_low, la_clip_high: float = CTPOSettings.la_clip_high,
@@ -74,8 +50,7 @@ class CTPOClip(ClipRule):
         super().__init__()
         s = CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
                          owner=type(self).__name__)
-        self.la_clip_low, self.la_clip_high, self.la_clip_c = s.la_clip_low, s.la_clip_high, s.la_clip_c
-        self.la_power, self.ratio_mode, self.acceptance = s.la_power, s.ratio_mode, s.acceptance
+        self._take(s)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
@@ -111,20 +86,11 @@ class CTPOClip(ClipRule):
             s_l, lo_l, hi_l = ((x * last).sum(-1) for x in (stat, lo, hi))
             in_band = ((s_l >= lo_l) & (s_l <= hi_l)).unsqueeze(-1).expand_as(m)
         cap = cap_mask(stat, adv, upper | lower | dual, None, CTPO_MAX_LOG_RATIO)
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                          clip_upper=upper & m, clip_lower=lower & m, clip_dual=dual & m,
-                          in_band=in_band & m, clip_cap=cap & m)
-
-    def extra_repr(self) -> str:
-        return (f"la_clip_low={self.la_clip_low}, la_clip_high={self.la_clip_high}, la_clip_c={self.la_clip_c}, "
-                f"la_power={self.la_power}, ratio_mode={self.ratio_mode}, acceptance={self.acceptance}")
+        return seq_result(loss, d.sum(-1), upper, lower, dual, in_band, cap, p)
 
     def theory_clip_fraction(self, lengths, sigma: float):
-        """Out-of-band probability by length when the d_t are iid N(0, sigma^2): the prefix statistic at t
-        is N(0, sigma^2 t) (cumprod) or N(0, sigma^2 / t) (geomean), so position t is out with probability
-        o(t) = Phi(-high t^p / std_t) + Phi(-low t^p / std_t). ``prefix``: c(L) = (1 / L) sum_{t <= L} o(t)
-        (L rounded to an integer); ``last``: o(L). cumprod with p = 1/2: o(t) = Phi(-high / sigma) +
-        Phi(-low / sigma) for every t, flat in L like FSPO's c_fspo. L = 0 gives 0."""
+        """With iid d_t ~ N(0, sigma^2): o(t) = Phi(-high t^p / std_t) + Phi(-low t^p / std_t), std_t = sigma sqrt(t)
+        (cumprod) or sigma / sqrt(t) (geomean); c(L) = mean_{t <= L} o(t) (``prefix``) or o(L) (``last``)."""
         from scipy.special import ndtr
 
         from fspo.clipping.theory import _as_len
@@ -145,11 +111,8 @@ def _ctpo_loss(ratio_mode: str):
                               "la_clip_c": _get(config, "la_clip_c"), "la_power": _get(config, "clip_ratio_la_power")}
         rule = CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
         return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
-    fn.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})` with "
-                  "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power`` (unset: 0.025, "
-                  "0.05, 0.05, 0.5) + `aggregate` with ``loss_agg_mode`` and verl's batch info. Metrics: "
-                  "``actor/pg_clipfrac`` (upper or lower binds), ``actor/ppo_kl`` (d clamped at +-20), "
-                  "``actor/pg_clipfrac_lower`` (dual), as CTPO's first three.")
+    fn.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})`, "
+                  "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power``.")
     return fn
 
 

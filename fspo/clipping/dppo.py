@@ -1,9 +1,5 @@
-"""DPPO (arXiv 2602.04879, "Rethinking the Trust Region in LLM RL"): a divergence trust region per token.
-
-Owns: `DPPOClip`, `binary_divergence` and `dppo_weighted_loss` (CPPO, cppo.py, shares them)
-and the registry names ``dppo_tv`` / ``dppo_kl`` (verl 0.9.1's `compute_policy_loss_dppo_tv` /
-`compute_policy_loss_dppo_kl`, tests/test_verl_parity.py). Leaves out: aggregation (fspo/losses.py;
-verl's default for both is token-mean, conf/method/dppo.yaml).
+"""DPPO (arXiv 2602.04879, "Rethinking the Trust Region in LLM RL"): a divergence trust region per token;
+registry names ``dppo_tv`` / ``dppo_kl`` (verl 0.9.1's, tests/test_verl_parity.py).
 """
 from __future__ import annotations
 
@@ -15,20 +11,19 @@ from torch import Tensor
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
     Prepared,
+    seq_result,
     token_ratio_inputs,
 )
 from fspo.clipping.base import ClipResult, ClipRule
 from fspo.clipping.settings import DIVERGENCES, DPPOSettings  # noqa: F401  (DIVERGENCES: this rule's names)
 
-#: verl's epsilon inside the binary KL's second log
+#: verl's epsilon in the binary KL
 KL_EPS = 1e-8
 
 
 def binary_divergence(kind: str, log_prob: Tensor, old_log_prob: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(D_t, p_t, q_t) for the sampled token, p = e^{logp_new}, q = e^{logp_old} (detached), verl's forms:
-
-    ``tv``: D_t = p_t - q_t (signed: the two-point distribution {token, rest} has TV |p - q|);
-    ``kl``: D_t = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)) (binary KL(q || p), >= 0)."""
+    """(D_t, p_t, q_t), p = e^{logp_new}, q = e^{logp_old} (detached), verl's forms: ``tv`` D_t = p - q (signed);
+    ``kl`` D_t = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))."""
     lp, lq = log_prob.detach(), old_log_prob.detach()
     p, q = torch.exp(lp), torch.exp(lq)
     if kind == "tv":
@@ -37,8 +32,8 @@ def binary_divergence(kind: str, log_prob: Tensor, old_log_prob: Tensor) -> Tupl
 
 
 def dppo_weighted_loss(p: Prepared, adv: Tensor, ratio: Tensor, valid: Tensor, clip_c: float, value: str) -> Tensor:
-    """-A_t sg(min(r_t, C)) valid_t times logp_t (``value="verl"``) or (1 + logp_t - sg(logp_t)) (``surrogate``):
-    gradient -A_t min(r_t, C) on valid tokens, 0 on the others."""
+    """-A_t sg(min(r_t, C)) valid_t times logp_t (``verl``) or 1 + logp_t - sg(logp_t) (``surrogate``): gradient
+    -A_t min(r_t, C) on valid tokens, 0 elsewhere."""
     w = torch.clamp(ratio, max=clip_c).detach() * valid.float()
     lp = torch.where(p.mask, p.log_prob, 0.0)  # padding may hold -inf: keep grads finite
     factor = lp if value == "verl" else 1.0 + lp - lp.detach()
@@ -46,52 +41,42 @@ def dppo_weighted_loss(p: Prepared, adv: Tensor, ratio: Tensor, valid: Tensor, c
 
 
 def mask_result(loss: Tensor, d: Tensor, adv: Tensor, valid: Tensor, in_band: Tensor, p: Prepared) -> ClipResult:
-    """A token-level `ClipResult` for a masking rule: binding where a token is masked (A != 0):
-    ``clip_upper`` A > 0 (it rose past the threshold), ``clip_lower`` A < 0; no dual, no cap."""
-    off = ~valid & p.mask
-    return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1), clip_upper=off & (adv > 0),
-                      clip_lower=off & (adv < 0), clip_dual=torch.zeros_like(p.mask), in_band=in_band & p.mask)
+    """Token-level `ClipResult` of a masking rule: upper where masked with A > 0, lower with A < 0."""
+    off, zero = ~valid & p.mask, torch.zeros_like(p.mask)
+    return seq_result(loss, d.sum(-1), off & (adv > 0), off & (adv < 0), zero, in_band, zero, p)
 
 
 class DPPOClip(ClipRule):
-    """DPPO-Binary-TV / -KL, exactly verl 0.9.1's ``dppo_tv`` / ``dppo_kl``.
+    """DPPO-Binary-TV / -KL, verl 0.9.1's ``dppo_tv`` / ``dppo_kl``. With r_t = exp(clamp(d_t, -20, 20)) and D_t
+    from `binary_divergence`:
 
-    Per token: r_t = exp(clamp(d_t, -20, 20)), D_t = `binary_divergence` (p = e^{logp}, q = e^{logp_old}):
+        tv:  valid_t = (p - q <= high)             if A_t > 0, else (p - q >= -low)
+        kl:  valid_t = (D_t <= high) or (p <= q)   if A_t > 0, else (D_t <= low) or (p >= q)
+        J = sum_t sg(min(r_t, C)) valid_t A_t logp_t
 
-        tv:  valid_t = (p - q <= high)                 if A_t > 0, else (p - q >= -low)
-        kl:  valid_t = (D_t <= high) or (p <= q)       if A_t > 0, else (D_t <= low) or (p >= q)
-        J = sum_t sg(min(r_t, C)) valid_t A_t logp_t,   d loss_t / d logp_t = -A_t min(r_t, C) valid_t.
-
-    A token is masked only when it moved past the threshold in its advantage's direction; the truncated IS
-    weight min(r, C) replaces PPO's dual clip (verl: C = ``clip_ratio_c``, 20 when unset).
-    ``value="surrogate"`` (default): value -A_t min(r_t, C) valid_t (-A on-policy); ``value="verl"``: verl's
-    -A_t min(r_t, C) valid_t logp_t. Same gradient. ``clip_ratio_low`` / ``clip_ratio_high``: the divergence
-    thresholds (not ratio offsets); defaults 0.2 (verl's ``clip_ratio`` default).
-    Masks (token level): ``clip_upper`` masked with A > 0, ``clip_lower`` masked with A < 0; ``in_band`` (any
-    sign of A): tv -low <= p - q <= high; kl D_t <= (high if p > q else low).
+    A token is masked only when it moved past the threshold in its advantage's direction; min(r, C) replaces the
+    dual clip. ``value`` as in base.py; ``clip_ratio_low`` / ``clip_ratio_high`` are divergence thresholds.
+    ``in_band``: tv -low <= p - q <= high; kl D_t <= (high if p > q else low).
     """
 
+    settings = ("divergence", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "value")
     level = "token"
 
     def __init__(self, divergence: str = DPPOSettings.divergence, clip_ratio_low: float = DPPOSettings.clip_ratio_low,
                  clip_ratio_high: float = DPPOSettings.clip_ratio_high, clip_ratio_c: float = DPPOSettings.clip_ratio_c,
                  value: str = DPPOSettings.value) -> None:
         super().__init__()
-        self._set(DPPOSettings(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value,
-                               owner=type(self).__name__))
-
-    def _set(self, s: DPPOSettings) -> None:
-        self.divergence, self.clip_ratio_low, self.clip_ratio_high = s.divergence, s.clip_ratio_low, s.clip_ratio_high
-        self.clip_ratio_c, self.value = s.clip_ratio_c, s.value
+        self._take(DPPOSettings(divergence, clip_ratio_low, clip_ratio_high, clip_ratio_c, value,
+                                owner=type(self).__name__))
 
     def thresholds(self, p: Prepared) -> Tuple[Tensor, Tensor]:
-        """(upper, lower) divergence thresholds per token: here constant; CPPO makes them positional."""
+        """(upper, lower) divergence thresholds per token [B, T]."""
         ones = torch.ones_like(p.log_prob)
         return ones * self.clip_ratio_high, ones * self.clip_ratio_low
 
     def valid(self, p: Prepared, adv: Tensor, div: Tensor, prob: Tensor, old_prob: Tensor
               ) -> Tuple[Tensor, Tensor]:
-        """(valid, in_band) [B, T] bool as in the class docstring (valid uses the sign of A)."""
+        """(valid, in_band) [B, T] bool as in the class docstring."""
         hi, lo = self.thresholds(p)
         if self.divergence == "tv":
             up_ok, down_ok = div <= hi, div >= -lo
@@ -108,15 +93,12 @@ class DPPOClip(ClipRule):
         loss = dppo_weighted_loss(p, adv, ratio, valid, self.clip_ratio_c, self.value)
         return mask_result(loss, d, adv, valid, in_band, p)
 
-    def extra_repr(self) -> str:
-        return (f"divergence={self.divergence}, clip_ratio_low={self.clip_ratio_low}, "
-                f"clip_ratio_high={self.clip_ratio_high}, clip_ratio_c={self.clip_ratio_c}, value={self.value}")
 
 
 def verl_mask_metrics(rule: DPPOClip, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                       response_mask: Tensor):
-    """verl's DPPO metrics: ``actor/pg_clipfrac`` = masked token share (A = 0 tokens use the A <= 0 test, as
-    verl), ``actor/pg_clipfrac_lower`` = share of valid tokens with r > C."""
+    """verl's DPPO metrics: ``actor/pg_clipfrac`` = masked token share (A = 0 takes the A <= 0 test),
+    ``actor/pg_clipfrac_lower`` = share of valid tokens with r > C."""
     def fn(res: ClipResult, m: Tensor):
         p, _, adv, ratio = token_ratio_inputs("DPPO metrics", log_prob.detach(), old_log_prob, advantages,
                                               response_mask)
@@ -135,9 +117,7 @@ from fspo.clipping.registry import _ratio_kwargs, _run, register_policy_loss  # 
 
 def _dppo(kind: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
           rollout_is_weights=None):
-    kw = _ratio_kwargs(config, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None})
-    c = kw.pop("clip_ratio_c")
-    rule = DPPOClip(kind, **kw, clip_ratio_c=20.0 if c is None else c, value="verl")
+    rule = DPPOClip(kind, **_ratio_kwargs(config, DPPOClip), value="verl")
     return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                 metrics_fn=verl_mask_metrics(rule, old_log_prob, log_prob, advantages, response_mask),
                 rollout_is_weights=rollout_is_weights)
@@ -146,14 +126,12 @@ def _dppo(kind: str, old_log_prob, log_prob, advantages, response_mask, loss_agg
 @register_policy_loss("dppo_tv")
 def policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
-    """verl's ``dppo_tv``: `DPPOClip("tv", value="verl")`; ``clip_ratio`` / ``clip_ratio_low`` /
-    ``clip_ratio_high`` are the TV thresholds, ``clip_ratio_c`` the IS truncation (20 when absent)."""
+    """verl's ``dppo_tv``: `DPPOClip("tv", value="verl")`; ``clip_ratio*`` are the thresholds."""
     return _dppo("tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
 @register_policy_loss("dppo_kl")
 def policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
-    """verl's ``dppo_kl``: `DPPOClip("kl", value="verl")`, settings as ``dppo_tv``'s (KL thresholds)."""
+    """verl's ``dppo_kl``: `DPPOClip("kl", value="verl")`; ``clip_ratio*`` are the thresholds."""
     return _dppo("kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-

@@ -1,9 +1,4 @@
-"""GMPO (arXiv 2507.20673): the geometric mean of token-clipped ratios as the sequence ratio.
-
-Owns: `GMPOClip` and the registry names ``geo_mean`` (verl 0.9.1's `compute_policy_loss_geo_mean`,
-tests/test_verl_parity.py) and ``gmpo``. Leaves out: aggregation (fspo/losses.py; GMPO
-averages sequences, seq-mean-token-mean here, conf/method/gmpo.yaml).
-"""
+"""GMPO (arXiv 2507.20673): the geometric mean of token-clipped ratios as the sequence ratio."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,6 +10,7 @@ from fspo.clipping._common import (
     MAX_LOG_RATIO,
     prepare,
     seq_advantage,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -25,33 +21,23 @@ from fspo.losses import aggregate
 
 
 class GMPOClip(ClipRule):
-    """GMPO's objective with its per-token clip, exactly verl 0.9.1's ``geo_mean``.
+    """GMPO with its per-token clip, verl 0.9.1's ``geo_mean``. With sgn_t = sign(A_t) and the log band [-low, high]:
+    c_t = sgn_t min(sgn_t d_t, sgn_t clip(d_t, -low, high)), G_i = (1 / L_i) sum_t m_t c_t,
 
-    Per token, with d_t = logp_new - logp_old, sgn_t = sign(A_t) and the log-space band [-low, high]:
-    c_t = sgn_t min(sgn_t d_t, sgn_t clip(d_t, -low, high)) (the pessimistic token clip: A > 0 caps d
-    at high, A < 0 floors it at -low). Per sequence, G_i = (1 / L_i) sum_t m_t c_t, A_i the masked mean
-    of A_t, and
+        J_i = A_i exp(G_i)
 
-        J_i = A_i exp(G_i)   (the geometric mean of the clipped token ratios times A_i)
-
-    on every token of sequence i in the per-token form exp(sg(G_i) + c_t - sg(c_t)): value J_i, and
-    d token_loss[i, t] / d logp_t = -A_i exp(G_i) on unclipped tokens, 0 on clipped ones, so under
-    seq-mean-token-mean (k_i = 1 / (B L_i)) the gradient is GMPO's -A_i exp(G_i) / (B L_i), verl's.
-    (The exponent is a mean over L_i tokens, so this equals the full-gradient form in every mode.)
-    Settings: ``clip_ratio_low``, ``clip_ratio_high`` > 0, log space (GMPO: 0.4 each, ratio band
-    (e^-0.4, e^0.4)). Float safety (not in verl): G_i is capped at 20 (``clip_cap`` there, A_i != 0).
-    Masks (per token): ``clip_upper`` A_t > 0 and d_t > high, ``clip_lower`` A_t < 0 and d_t < -low
-    (zero gradient), no dual; ``in_band``: -low <= d_t <= high (any sign of A). The clip is per token,
-    so there is no closed-form sequence c(L) (as GRPO).
+    on every token as exp(sg(G_i) + c_t - sg(c_t)): gradient -A_i exp(G_i) on unclipped tokens, 0 on clipped ones.
+    Settings: ``clip_ratio_low``, ``clip_ratio_high`` > 0 (log space). G_i capped at 20 (``clip_cap``; not in
+    verl). Masks: upper A_t > 0, d_t > high; lower A_t < 0, d_t < -low; ``in_band`` -low <= d_t <= high.
     """
 
+    settings = ("clip_ratio_low", "clip_ratio_high")
     level = "token"
 
     def __init__(self, clip_ratio_low: float = GMPOSettings.clip_ratio_low,
                  clip_ratio_high: float = GMPOSettings.clip_ratio_high) -> None:
         super().__init__()
-        s = GMPOSettings(clip_ratio_low, clip_ratio_high, owner=type(self).__name__)
-        self.clip_ratio_low, self.clip_ratio_high = s.clip_ratio_low, s.clip_ratio_high
+        self._take(GMPOSettings(clip_ratio_low, clip_ratio_high, owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
@@ -67,27 +53,19 @@ class GMPOClip(ClipRule):
         e = torch.where(cap.unsqueeze(-1), MAX_LOG_RATIO, g.clamp(max=MAX_LOG_RATIO).unsqueeze(-1) + c - c.detach())
         dd = d.detach()
         in_band = (dd >= -self.clip_ratio_low) & (dd <= self.clip_ratio_high)
-        m = p.mask
-        return ClipResult(token_loss=-a.unsqueeze(-1) * torch.exp(e) * p.maskf, seq_log_ratio=dd.sum(-1),
-                          clip_upper=(sgn > 0) & (dd > self.clip_ratio_high) & m,
-                          clip_lower=(sgn < 0) & (dd < -self.clip_ratio_low) & m,
-                          clip_dual=torch.zeros_like(m), in_band=in_band & m,
-                          clip_cap=cap.unsqueeze(-1) & m)
+        return seq_result(-a.unsqueeze(-1) * torch.exp(e), dd.sum(-1), (sgn > 0) & (dd > self.clip_ratio_high),
+                          (sgn < 0) & (dd < -self.clip_ratio_low), torch.zeros_like(p.mask), in_band, cap, p)
 
-    def extra_repr(self) -> str:
-        return f"clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}"
 
 
 @register_policy_loss("geo_mean")
 @register_policy_loss("gmpo")
 def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask,
                      loss_agg_mode: str = "token-mean", config: Any = None):
-    """verl's ``geo_mean``: `GMPOClip` (defaults 0.4 / 0.4; ``clip_ratio`` fills unset sides), the mean
-    of J_i over all B rows (fully masked ones included), as verl 0.9.1 does: ``loss_agg_mode`` and
-    ``global_batch_info`` are ignored there, so here too. Metrics as verl's: ``actor/pg_clipfrac`` /
-    ``actor/pg_clipfrac_lower`` = token share out of the band with A_t > 0 / A_t < 0; ``actor/ppo_kl``
+    """verl's ``geo_mean``: `GMPOClip`, the mean of J_i over all B rows (``loss_agg_mode`` and ``global_batch_info``
+    ignored, as verl). Clip fractions: token share out of the band with A_t > 0 / A_t < 0; ``actor/ppo_kl``
     unclamped."""
-    rule = GMPOClip(**_ratio_kwargs(config, {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}))
+    rule = GMPOClip(**_ratio_kwargs(config, GMPOClip))
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
     loss = aggregate(res.token_loss, response_mask, "seq-mean-token-mean", total_seqs=m.shape[0]).loss

@@ -1,7 +1,4 @@
-"""GRPO's token-level clip (DAPO clip-higher + dual clip): verl's `compute_policy_loss_vanilla`.
-
-Owns: `GRPOClip`. Leaves out: aggregation (fspo/losses.py), advantages (fspo/advantages.py).
-"""
+"""GRPO's token-level clip (DAPO clip-higher + dual clip), verl's `compute_policy_loss_vanilla`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,6 +11,7 @@ from fspo.clipping._common import (
     cap_mask,
     prepare,
     ratio_clip,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -21,14 +19,9 @@ from fspo.clipping.base import ClipResult
 
 
 class GRPOClip(RatioClipRule):
-    """Token-level PPO clip in ratio space, exactly verl's vanilla policy loss.
-
-    Per token: d_t = clamp(logp_new - logp_old, -20, 20), r_t = exp(d_t),
-    loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), and for A < 0
-    loss_t = min(loss_t, -A * clip_ratio_c) (dual clip). Paper settings (Table 5): low 0.2,
-    high 0.28, dual 3.0. ``token_loss`` is 0 on padding; masks follow verl's strict comparisons.
-    ``in_band`` (per token): 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip binding.
-    """
+    """Token-level PPO clip in ratio space (paper eq. (7)), verl's vanilla: r_t = exp(clamp(d_t, -20, 20)),
+    loss_t = max(-A r_t, -A clip(r_t, 1 - low, 1 + high)), for A < 0 min(loss_t, -A clip_ratio_c). Paper
+    (Table 5): 0.2 / 0.28 / 3.0. ``in_band``: 1 - low <= r_t <= 1 + high; ``clip_cap``: |d_t| > 20, no clip."""
 
     level = "token"
 
@@ -43,7 +36,4 @@ class GRPOClip(RatioClipRule):
         adv = token_advantage(advantages, p)
         loss, up, lo, du, ok = ratio_clip(d, adv, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
         cap = cap_mask(d, adv, up | lo | du, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        m = p.mask
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=d.detach().sum(-1),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
-                          clip_cap=cap & m)
+        return seq_result(loss, d.sum(-1), up, lo, du, ok, cap, p)

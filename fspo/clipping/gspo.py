@@ -1,8 +1,5 @@
-"""GSPO's length-normalised sequence clip, in verl's token-level form.
-
-Owns: `GSPOClip`. Leaves out: aggregation (fspo/losses.py). Under seq-mean-token-mean (the GSPO
-paper's and verl's default for it, and conf/method/gspo.yaml's) every token of sequence i gets
--A_i s_i / (B L_i): the gradient of paper eq. gspo, A_i s_i (1/L_i) sum_t grad logp_t / G.
+"""GSPO's length-normalised sequence clip in verl's token-level form. Under seq-mean-token-mean (GSPO's and
+verl's default) every token of sequence i gets -A_i s_i / (B L_i): the gradient of paper eq. (10).
 """
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ from fspo.clipping._common import (
     prepare,
     ratio_clip,
     seq_log_ratio_per_token,
+    seq_result,
     token_advantage,
     token_log_ratio,
 )
@@ -24,15 +22,9 @@ GSPO_MAX_LOG_RATIO = 10.0
 
 
 class GSPOClip(RatioClipRule):
-    """GSPO (paper eq. gspo) exactly as verl's `compute_policy_loss_gspo`.
-
-    s_i = exp(S_i / L_i) (L_i clamped to >= 1), made token-level so that the gradient flows through
-    each token: log s_{i,t} = sg[S_i / L_i] + logp_t - sg[logp_t], clamped at max 10;
-    loss_{i,t} = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - low, 1 + high)); no dual clip.
-    Paper settings: low 3e-4, high 4e-4. The value of s_{i,t} is the same for every token of a
-    sequence, so the binding masks are per sequence. ``in_band``: 1 - low <= s_i <= 1 + high (the
-    paper's acceptance event); ``clip_cap``: log s_i > 10 with no clip binding (A < 0).
-    """
+    """GSPO (paper eq. (10)), verl's `compute_policy_loss_gspo`: log s_{i,t} = sg(S_i / L_i) + logp_t - sg(logp_t)
+    clamped at 10, loss = max(-A s, -A clip(s, 1 - low, 1 + high)), no dual clip. Paper: 3e-4 / 4e-4.
+    ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: log s_i > 10, no clip binding."""
 
     level = "sequence"
 
@@ -49,13 +41,9 @@ class GSPOClip(RatioClipRule):
         loss, up, lo, du, ok = ratio_clip(log_ratio, adv, self.clip_ratio_low, self.clip_ratio_high, None,
                                           clamp=(None, GSPO_MAX_LOG_RATIO))
         cap = cap_mask(log_ratio, adv, up | lo | du, None, GSPO_MAX_LOG_RATIO)
-        m = p.mask
-        return ClipResult(token_loss=loss * p.maskf, seq_log_ratio=s.detach(),
-                          clip_upper=up & m, clip_lower=lo & m, clip_dual=du & m, in_band=ok & m,
-                          clip_cap=cap & m)
+        return seq_result(loss, s, up, lo, du, ok, cap, p)
 
     def theory_clip_fraction(self, lengths, sigma: float):
-        """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. c_gspo)."""
+        """c(L) = P(S/L > log(1 + high)) + P(S/L < log(1 - low)), S ~ N(0, sigma^2 L) (eq. (2))."""
         from fspo.clipping.theory import c_gspo
         return c_gspo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)
-

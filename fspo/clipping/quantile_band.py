@@ -1,30 +1,11 @@
-"""The quantile band: FSPO's band set to the observed quantile of |S_L - mu_L| per length bin, so its
-out-of-band fraction is 2 Phi(-z) at every length whatever the law of S_L (shape and scale).
+"""The quantile band: FSPO's half-width set to the observed quantile of |S_L - mu_L| per length bin, so the
+out-of-band fraction is 2 Phi(-z) at every length whatever the law of S_L (heavier tails than Gaussian put
+less mass beyond z std, and a shape changing with L moves c(L) again).
 
-Owns: `QuantileBand` (``clip.band=quantile``): a decayed per-length-bin histogram of
-u = |S - mu_L| / sqrt(L) (float64 buffer, checkpointed; one all_reduce per update, exact across
-ranks), the bin quantile at the coverage 1 - 2 Phi(-z) = erf(z / sqrt 2), and the scale FSPOClip
-multiplies by z. Leaves out: the band and the loss (fspo.py), when to observe
-(fspo/update/module.py), the moment state and the log-L interpolation it inherits (calibration.py).
-
-Why (measured on data=arithmetic_long, Q-Q R^2 ~0.8): the per-bin std band of `PerBinBand`
-is exact for Gaussian S only; heavier tails put less mass beyond z std (0.16-0.18 out of band at
-z = 1, not 0.317), and a shape that changes with L makes c(L) move with L again. Matching the
-quantile itself removes both. Cost: a histogram per bin (128 x 31 float64, 32 KB) instead of 4
-moments, and the quantile of a bin is noisier than its std (it uses only the counts near it).
-
-Estimator:
-* u-grid: ``n_u`` log-spaced edges from ``u_min`` to ``u_max`` (u = 0, e.g. exactly on-policy S,
-  falls in the first cell; u >= u_max in the last). Resolution: adjacent edges differ by a factor
-  (u_max / u_min)^(1 / (n_u - 2)) = 1.13 at the defaults, and the quantile is interpolated
-  log-linearly inside its cell.
-* State H[k, j] <- (1 - alpha) H[k, j] + this batch's count (all ranks) of sequences in length
-  bin k with u in cell j; the same forgetting as the moments (so ``n_k`` = sum_j H[k, j]).
-* q_k = the coverage quantile of u in bin k, the half-width at the bin's mean length is
-  b_k = q_k exp(x_k / 2) (x_k = mean log L), and the scale handed to FSPOClip is b_k / z (the
-  std a Gaussian would need to be clipped at that fraction by z std), interpolated in log L between
-  populated bins and extended by the sqrt law beyond them exactly as `PerBinBand`. The warm start
-  (no populated bin) is the sqrt law of the moments (``sigma0`` first).
+State: H[k, j] <- (1 - alpha) H[k, j] + the batch's count (all ranks) in length bin k with u = |S - mu_L| /
+sqrt(L) in cell j of ``n_u`` log-spaced edges from ``u_min`` to ``u_max`` (cell 0 from 0, the last to inf).
+q_k, the erf(z / sqrt 2) quantile of u in bin k (log-linear inside its cell), gives the half-width
+b_k = q_k exp(x_k / 2) at the bin's mean log length x_k; the scale is b_k / z, interpolated as `PerBinBand`.
 """
 from __future__ import annotations
 
@@ -37,15 +18,10 @@ from torch import Tensor
 from fspo.clipping._common import check_positive
 from fspo.clipping.calibration import PerBinBand
 
-__all__ = ["QuantileBand"]
-
 
 class QuantileBand(PerBinBand):
-    """scale(L) = (coverage quantile of |S_L - mu_L|) / z, per length bin (see the module docstring).
-
-    Settings as `PerBinBand` plus ``z`` > 0 (FSPOClip's, passed by it: the coverage is
-    erf(z / sqrt 2)), ``u_min`` < ``u_max`` (> 0, the u-grid's range) and ``n_u`` >= 8 cells.
-    """
+    """scale(L) = (coverage quantile of |S_L - mu_L|) / z per length bin. Settings as `PerBinBand` plus ``z`` > 0
+    (FSPOClip's), ``u_min`` < ``u_max`` (> 0) and ``n_u`` >= 8 cells."""
 
     needs_z = True  # FSPOClip passes its z (the coverage and the scale depend on it)
 
@@ -66,18 +42,8 @@ class QuantileBand(PerBinBand):
         self.register_buffer("u_edges", torch.cat([torch.zeros(1, dtype=torch.float64), inner]), persistent=False)
         self.register_buffer("hist", torch.zeros(len(self.edges), n_u, dtype=torch.float64))
 
-    def _apply(self, fn, recurse=True):
-        """As the base: device moves apply, dtype casts leave the float64 state alone."""
-        keep = (self.hist, self.u_edges)
-        out = super()._apply(fn, recurse)
-        if self.hist.dtype != keep[0].dtype:
-            self.hist = keep[0].to(self.hist.device)
-            self.u_edges = keep[1].to(self.hist.device)
-        return out
-
     def _extra_sums(self, r: Tensor, length: Tensor, idx: Tensor, ok: Tensor) -> Tensor:
-        """This batch's histogram of u = |S - mu| / sqrt(L) per length bin (rows that count only);
-        `observe` all-reduces it with the moments."""
+        """This batch's histogram of u per length bin (rows that count only)."""
         u = torch.where(ok, r.abs() / torch.where(ok, length, 1.0).sqrt(), 0.0)
         j = (torch.bucketize(u, self.u_edges, right=True) - 1).clamp(0, self.hist.shape[1] - 1)
         flat = torch.where(ok, idx * self.hist.shape[1] + j, 0)
@@ -85,13 +51,12 @@ class QuantileBand(PerBinBand):
         return batch.index_add_(0, flat, ok.double()).view_as(self.hist)
 
     def _update_extra(self, batch: Tensor, seen: Tensor) -> None:
-        """H <- (1 - alpha) H + the batch's histogram (all ranks); unchanged when no rank had a sequence."""
+        """H <- (1 - alpha) H + the batch's histogram; unchanged when no rank had a sequence."""
         self.hist.copy_(torch.where(seen, (1.0 - self.alpha) * self.hist + batch, self.hist))
 
     def quantiles(self) -> Tensor:
-        """The coverage quantile of u per length bin [K] (float64; 0 for an empty bin): the cell
-        where the cumulative count crosses coverage * n_k, log-linear inside it (linear in the first
-        cell [0, u_min); the last cell [u_max, inf) returns u_max)."""
+        """The coverage quantile of u per length bin [K] (float64; 0 for an empty bin), log-linear inside its cell
+        (linear in [0, u_min); u_max in the last cell)."""
         n = self.hist.sum(1, keepdim=True)
         cum = self.hist.cumsum(1)
         target = self.coverage * n
@@ -107,14 +72,13 @@ class QuantileBand(PerBinBand):
         return torch.where(n > 0, q, torch.zeros_like(q)).squeeze(1)
 
     def _bins(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """As the base, with y = log(b_k / z), b_k = q_k exp(x_k / 2) the half-width at the bin's
-        mean length: `PerBinBand.scale` then interpolates the quantile band instead of the std."""
+        """As the base with y = log(b_k / z), so `PerBinBand.scale` interpolates the quantile band."""
         pop, x, _, n = super()._bins()
         q = self.quantiles().clamp(min=1e-12)
         return pop, x, q.log() + 0.5 * x - math.log(self.z), n
 
     def metrics(self) -> Dict[str, float]:
-        """As `PerBinBand` (clip/band_std/<bin> is b_k / z here) plus clip/band_coverage."""
+        """As `PerBinBand` (clip/band_std/<bin> is b_k / z) plus clip/band_coverage."""
         out = super().metrics()
         out["clip/band_coverage"] = self.coverage
         return out

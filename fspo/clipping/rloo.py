@@ -1,8 +1,4 @@
-"""RLOO's sequence-level clip: the PPO clip applied to the whole-sequence ratio exp(S_i).
-
-Owns: `RLOOClip`. Leaves out: the leave-one-out advantage (fspo/advantages.py `rloo`) and
-aggregation (fspo/losses.py).
-"""
+"""RLOO's sequence-level clip: the PPO clip on the whole-sequence ratio exp(S_i)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -26,22 +22,12 @@ from fspo.clipping.base import ClipResult
 
 
 class RLOOClip(RatioClipRule):
-    """Sequence-level PPO clip in ratio space (paper eq. rloo, TRL's RLOO trainer).
+    """Sequence-level PPO clip in ratio space (paper eq. (8), TRL's RLOO): s_i = exp(clamp(S_i, -20, 20)),
+    loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high)), for A_i < 0 min(loss_i, -A_i clip_ratio_c), on
+    every token in the gradient form ``ratio_grad`` (base.py). Paper: 0.4 / 0.667 / 3.0. [B, T] advantages: A_i
+    is their masked mean. ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: |S_i| > 20, no clip binding."""
 
-    S_i = sum_t m_t (logp_new - logp_old) (float32), s_i = exp(clamp(S_i, -20, 20)),
-    loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high)); for A_i < 0 also
-    loss_i = min(loss_i, -A_i * clip_ratio_c). Paper settings: low 0.4, high 0.667, dual 3.0.
-    With [B, T] advantages, A_i is their masked token mean.
-
-    ``ratio_grad="per_token"`` (default; verl's form of a sequence ratio, see base.py):
-    token t of sequence i carries loss_i with log s_{i,t} = sg(S_i) + logp_t - sg(logp_t), so where
-    no clip binds d token_loss[i, t] / d logp_{i,t} = -A_i s_i, and "token-mean" gives every token
-    of every sequence -A_i s_i / sum L: paper eq. rloo's gradient A_i s_i / G up to the constant
-    G / sum L. ``ratio_grad="length_weighted"``: loss_i with its full gradient through S_i on each
-    of its L_i tokens (L_i times the paper's weight under token-mean; for comparison only).
-    Acceptance (``in_band``): 1 - low <= s_i <= 1 + high. ``clip_cap``: |S_i| > 20 with no clip binding.
-    """
-
+    settings = RatioClipRule.settings + ("ratio_grad",)
     level = "sequence"
 
     def __init__(self, clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.667,
@@ -62,10 +48,7 @@ class RLOOClip(RatioClipRule):
         cap = cap_mask(s, a, up | lo | du, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         return seq_result(loss, s, up, lo, du, ok, cap, p)
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", ratio_grad={self.ratio_grad}"
-
     def theory_clip_fraction(self, lengths, sigma: float):
-        """c(L) = P(S > log(1 + high)) + P(S < log(1 - low)), S ~ N(0, sigma^2 L) (paper eq. c_rloo)."""
+        """c(L) = P(S > log(1 + high)) + P(S < log(1 - low)), S ~ N(0, sigma^2 L) (eq. (1))."""
         from fspo.clipping.theory import c_rloo
         return c_rloo(lengths, sigma, self.clip_ratio_high, self.clip_ratio_low)

@@ -1,10 +1,4 @@
-"""Length-fairness diagnostics (paper section "Length-Fairness Diagnostics"; docs/metrics.md).
-
-Owns: length bins, torchmetrics metrics with sum-reduced states (binding-clip and out-of-band
-fractions by length, the paper's LRE from acceptance and the binding-clip LRE,
-log-ratio statistics, rollout lengths), closed-form theory curves and figures. Leaves out: the
-clip decisions (fspo/clipping) and logging (the training module). Entry point: `FairnessMetrics`.
-"""
+"""Length-fairness diagnostics (paper section "Length-Fairness Diagnostics"; docs/metrics.md): `FairnessMetrics`."""
 from fspo.clipping.theory import (
     c_fspo,
     c_fspo_symmetric,

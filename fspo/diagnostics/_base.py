@@ -1,9 +1,6 @@
-"""Base class of the diagnostics metrics: states keep the dtype they were declared with.
-
-Owns: `DiagnosticMetric`. Why: torchmetrics guards ``.half()/.float()/.double()`` but not
-``module.to(dtype)``, and Lightning's ``precision="bf16-true"`` converts the whole LightningModule
-with ``module.to(dtype=torch.bfloat16)``; float64 sum states would silently become bf16 (8 bits of
-mantissa: counts and sums stop being exact after 256). Device moves still apply as usual.
+"""`DiagnosticMetric`: states keep their declared dtype. torchmetrics guards ``.half()/.float()`` but not
+``module.to(dtype)``, which Lightning's ``bf16-true`` applies to the whole module: float64 sums would become
+bf16 (inexact past 256). Device moves still apply.
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ class DiagnosticMetric(Metric):
     higher_is_better = None
 
     def add_state(self, name: str, default, dist_reduce_fx=None, persistent: bool = False) -> None:
-        """As `Metric.add_state`, and remember the state's dtype."""
+        """As `Metric.add_state`, remembering the state's dtype."""
         super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
         if not hasattr(self, "_state_dtypes"):
             self._state_dtypes: Dict[str, torch.dtype] = {}

@@ -1,26 +1,14 @@
-"""Autocorrelation of the per-token log-ratios along a response: why std(S_L) does or does not grow like sqrt(L).
-
-Owns: `TokenLogRatioACF`, a torchmetrics `Metric` over d_t = log pi_new(y_t) - log pi_old(y_t) of the
-response tokens. Leaves out: the sequence sums S_L and their length law (log_ratio.py).
-
-The paper's central limit (section "Distribution of Sequence-Level Log Ratio") needs S_L = sum_t d_t to
-be a sum of comparable, weakly dependent terms. For a stationary d_t with variance v and lag-k
-autocorrelation rho_k,
+"""Autocorrelation of the per-token log-ratios d_t along a response: why std(S_L) does or does not grow like
+sqrt(L) (paper section "Distribution of Sequence-Level Log Ratio"). For stationary d_t with variance v and
+lag-k autocorrelation rho_k,
 
     Var(S_L) = L v (1 + 2 sum_{k=1}^{L-1} (1 - k/L) rho_k)
 
-so std(S_L) ~ sqrt(L) when the integrated autocorrelation tau = 1 + 2 sum_k rho_k converges well below
-L, and grows faster (exponent up to 1) when the rho_k stay positive over the lengths seen. States
-(sum-reduced, exact for any split over micro-batches and ranks), per lag k in ``lags`` (0 included):
-n_k pairs (t, t+k) inside one response, sum d_t d_{t+k}, sum d_t, sum d_{t+k}. Then
-
-    cov_k = sum d_t d_{t+k} / n_k - (sum d_t / n_k)(sum d_{t+k} / n_k),    rho_k = cov_k / cov_0
-
-(each lag with its own pair means). Keys: ``logratio/acf/lag_<k>`` (k >= 1), ``logratio/acf_tau`` the
-two-sided area under rho over |k| <= the largest lag, by the trapezoid between the logged lags (for lags
-0, 1, ..., K exactly 1 + 2 sum_{k<K} rho_k + rho_K; ~1 for independent terms), ``logratio/tok_std``
-sqrt(cov_0). Evenness along the response: ``logratio/tok_std/<position bin>`` the std of d_t over tokens
-at positions t in that bin (a flat profile: comparable terms). Keys with no pairs are omitted.
+so std(S_L) ~ sqrt(L) when tau = 1 + 2 sum_k rho_k converges well below L. Sum-reduced states per lag k
+(0 included): pairs n_k, sum d_t d_{t+k}, sum d_t, sum d_{t+k}; cov_k with each lag's own pair means,
+rho_k = cov_k / cov_0. Keys: ``logratio/acf/lag_<k>``, ``logratio/acf_tau`` (two-sided trapezoid area of rho
+over the logged lags), ``logratio/tok_std`` and ``logratio/tok_std/<position bin>`` (a flat profile:
+comparable terms). Keys with no pairs are omitted.
 """
 from __future__ import annotations
 
@@ -36,10 +24,8 @@ DEFAULT_LAGS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class TokenLogRatioACF(DiagnosticMetric):
-    """Lag autocorrelations and the position profile of per-token log-ratios (module docstring).
-
-    ``update(token_log_ratio [B, T], response_mask [B, T])``; ``positions``: a `LengthBins` over the
-    token's position t (0-based) in its response."""
+    """``update(token_log_ratio [B, T], response_mask [B, T])``; ``positions``: `LengthBins` over the token's
+    0-based position."""
 
     def __init__(self, positions: LengthBins, lags: Sequence[int] = DEFAULT_LAGS, **kwargs) -> None:
         super().__init__(**kwargs)

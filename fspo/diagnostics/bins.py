@@ -1,13 +1,6 @@
-"""Length bins for the length-fairness diagnostics, plus the input checks the metrics share.
-
-Owns: `LengthBins` (lengths -> bin index, MLflow-safe bin labels) and `check_finite` /
-`check_lengths` (one clear ValueError for bad metric inputs). Leaves out: what is counted per
-bin (clip_fraction.py, log_ratio.py).
-
-Bins are half-open intervals ``[e_k, e_{k+1})`` over the edges, plus one final overflow bin
-``[e_last, inf)``; ``n_bins == len(edges)``. A length below ``edges[0]`` and every ``L = 0``
-(an empty completion has no clip fraction and no per-token ratio) maps to index -1: it is counted
-in no bin.
+"""Length bins for the diagnostics, and the input checks the metrics share. Bins are half-open
+``[e_k, e_{k+1})`` plus the overflow ``[e_last, inf)`` (``n_bins == len(edges)``); L = 0 and L < edges[0]
+map to -1, no bin.
 """
 from __future__ import annotations
 
@@ -22,14 +15,8 @@ _LABEL_RE = re.compile(r"^len_(\d+)_(\d+|inf)$")
 
 
 class LengthBins:
-    """Length bins: ``LengthBins(width=200, max_len=32768)`` or ``LengthBins(edges=[...])``.
-
-    With ``width``/``max_len`` the edges are ``0, w, 2w, ..., max_len`` (``max_len`` appended if it
-    is not a multiple of ``w``). Explicit ``edges`` must be non-negative integers in strictly
-    increasing order. Bin k (k < len(edges)-1) is ``[edges[k], edges[k+1])``; the last bin is the
-    overflow ``[edges[-1], inf)``. Labels are ``len_{lo:05d}_{hi:05d}`` (overflow:
-    ``len_{lo:05d}_inf``), e.g. ``len_00200_00400``: letters, digits and ``_`` only (MLflow-safe).
-    """
+    """``LengthBins(width=200, max_len=32768)`` (edges 0, w, 2w, ..., max_len) or ``LengthBins(edges=[...])``
+    (non-negative integers, strictly increasing). Labels ``len_00200_00400`` / ``len_32768_inf`` (MLflow-safe)."""
 
     def __init__(self, width: int = 200, max_len: int = 32768,
                  edges: Optional[Sequence[int]] = None) -> None:
@@ -60,7 +47,7 @@ class LengthBins:
 
     @property
     def n_bins(self) -> int:
-        """Number of bins, the overflow bin included (``len(edges)``)."""
+        """Number of bins, the overflow bin included."""
         return len(self.edges)
 
     @property
@@ -75,15 +62,12 @@ class LengthBins:
 
     @property
     def labels(self) -> List[str]:
-        """MLflow-safe label of each bin, ``len_00200_00400`` / ``len_32768_inf``."""
+        """MLflow-safe label of each bin."""
         out = [f"len_{lo:05d}_{hi:05d}" for lo, hi in zip(self.edges[:-1], self.edges[1:])]
         return out + [f"len_{self.edges[-1]:05d}_inf"]
 
     def index(self, lengths: Tensor) -> Tensor:
-        """Bin index of each length, LongTensor like ``lengths``; -1 for L <= 0 or L < edges[0].
-
-        ``index = k`` such that ``edges[k] <= L < edges[k+1]`` (overflow: ``L >= edges[-1]``).
-        """
+        """Bin index of each length (LongTensor like ``lengths``); -1 for L <= 0 or L < edges[0]."""
         lengths = torch.as_tensor(lengths)
         edges = self._edges_t.to(lengths.device)
         idx = torch.bucketize(lengths.long(), edges, right=True) - 1
@@ -104,7 +88,7 @@ def label_edges(label: str) -> Tuple[float, float]:
 
 
 def bin_midpoint(label: str) -> float:
-    """Where a bin is drawn: the midpoint of ``label``'s edges; the overflow bin (``..._inf``) at its lower edge."""
+    """Where a bin is drawn: its midpoint; the overflow bin at its lower edge."""
     lo, hi = label_edges(label)
     return lo if math.isinf(hi) else (lo + hi) / 2
 

@@ -1,62 +1,14 @@
-"""Clip fractions and the paper's acceptance rate by response length, and the LRE, as a torchmetrics
-`Metric` with sum-reduced states.
-
-Owns: `ClipFractionByLength`. Leaves out: the clip decisions themselves (fspo/clipping: binding
-masks, ``in_band`` and ``clip_cap`` in `ClipResult`) and the LRE formulas (lre.py).
-
-Two different events are counted per sequence (docs/metrics.md):
-
-- acceptance (the paper's section "Length Fairness and LRE"): the ratio lies inside the rule's
-  band, whatever the advantage's sign (``ClipResult.in_band``: FSPO lo_L <= S <= hi_L; RLOO
-  exp(S) in [1 - eps_low, 1 + eps_high]; GSPO exp(S/L) likewise; GRPO per token). Its rate q(L)
-  gives the paper's LRE, and c(L) = 1 - q(L) is the clip probability of the paper's closed forms
-  (theory.py). Reported as ``band/*`` and ``fairness/*``.
-- binding clip: the clipped branch is the one the pessimistic min selects and differs from the
-  unclipped one (depends on sign(A), includes the dual clip): what the optimizer sees. Reported as
-  ``clip/*`` and ``fairness/binding_*``. The float-safety cap (|log ratio| > 20, no rule clip
-  binding) is counted apart, as ``clip/seq_frac_cap``, and is not in ``any``.
-
-Per bin b (see bins.py) it keeps only sums, reduced across ranks with ``sum``, so values are exact
-for any split over ranks and micro-batches:
-
-    n_seq[b]            sequences with L_i in b (L_i = sum_t m_it > 0; L = 0 rows are in no bin)
-    n_tok[b]            sum_i L_i
-    len_sum[b]          sum_i L_i (float64, for plotting at the bin's mean length)
-    frac_<k>[b]         sum_i f_ik,  f_ik = (sum_t clip_k[i,t] m_it) / L_i, k in upper/lower/dual/any/cap
-    tok_<k>[b]          sum_i sum_t clip_k[i,t] m_it
-    abs_adv[b]          sum_i |A_i|      (LRE_w's gradient-norm proxy: ||g_L|| ~ mean_{i in b} |A_i|)
-    band_n_seq[b], band_n_tok[b], band_abs_adv[b]
-                        n_seq, n_tok, abs_adv over the sequences counted for acceptance
-    band_in[b]          sum_i g_i,  g_i = (sum_t in_band[i,t] m_it) / L_i  (the in-band fraction)
-    band_in_tok[b]      sum_i sum_t in_band[i,t] m_it
-
-f_ik and g_i are exactly 0 or 1 for sequence-level rules (their decision is broadcast over tokens)
-and fractional for token-level rules (GRPO). ``any = upper | lower | dual`` per token.
-
-Which batches count for acceptance: every `update` with ``in_band`` given and ``acceptance=True``.
-`FairnessMetrics` passes ``acceptance=False`` for the exactly on-policy mini-batch of each step
-(S = 0, always in band) unless built with ``acceptance_on_policy=True``; the binding-clip states
-count every batch. So ``band/*`` and ``fairness/*`` may cover fewer sequences than ``clip/*``.
-
-`compute()` returns floats (per-bin keys only for non-empty bins; never NaN):
-
-    band/out_frac/<label>          1 - band_in[b] / band_n_seq[b]: the paper's c(L) = 1 - q(L),
-                                   fraction of sequences outside the band (sequence level)
-    band/n_seq/<label>             band_n_seq[b]: sequences counted for acceptance in the bin (which
-                                   bins are populated enough to judge flatness)
-    band/out_frac, band/tok_out_frac, band/n_seq
-                                   out-of-band fraction over all bins (sequences; tokens), and the
-                                   number of sequences counted for acceptance (omitted when 0)
-    fairness/lre, fairness/lre_w, fairness/q_bar, fairness/n_bins
-                                   the paper's LRE: lre.length_fairness over bins with upper edge
-                                   > lre_min_len, q_b = band_in[b] / band_n_seq[b]
-    clip/seq_frac/<label>          frac_any[b] / n_seq[b]      (sequence-level binding-clip fraction)
-    clip/tok_frac/<label>          tok_any[b] / n_tok[b]       (token-level binding-clip fraction)
-    clip/seq_frac_{upper,lower,dual,cap}/<label>
-    clip/seq_frac, clip/tok_frac, clip/seq_frac_{upper,lower,dual,cap}, clip/tok_frac_{upper,lower,dual,cap}
-                                   the same over all bins (omitted when no sequence was seen)
-    fairness/binding_lre, fairness/binding_lre_w, fairness/binding_q_bar, fairness/binding_n_bins
-                                   the same LRE formulas on the binding clips, q_b = 1 - frac_any/n_seq
+"""Clip fractions, the paper's acceptance rate and the LRE by response length, as a torchmetrics `Metric` with
+sum-reduced states (exact for any split over ranks and micro-batches). Two events per sequence (base.py):
+acceptance (``in_band``, rate q(L); c(L) = 1 - q(L) as in theory.py) gives ``band/*`` and ``fairness/*``;
+binding clips give ``clip/*`` and ``fairness/binding_*``; the float-safety cap is counted apart
+(``clip/seq_frac_cap``), not in ``any = upper | lower | dual``. Per bin, a sequence counts its share of tokens
+f_ik = (sum_t clip_k[i, t] m_it) / L_i (0 or 1 for sequence rules) and g_i in band. The acceptance states
+count only batches updated with ``acceptance=True`` (`FairnessMetrics` skips on-policy mini-batches), so
+``band/*`` may cover fewer sequences than ``clip/*``. `compute()` (per-bin keys for non-empty bins; never NaN):
+``band/out_frac[/<bin>]``, ``band/tok_out_frac``, ``band/n_seq[/<bin>]``, ``fairness/{lre, lre_w, q_bar,
+n_bins}`` (bins with upper edge > lre_min_len), ``clip/seq_frac[_{upper,lower,dual,cap}][/<bin>]``,
+``clip/tok_frac[/<bin>]``, ``clip/tok_frac_{upper,lower,dual,cap}``, ``fairness/binding_*``.
 """
 from __future__ import annotations
 
@@ -81,15 +33,12 @@ def _check_mask(name: str, x: Tensor, shape, device) -> Tensor:
 
 
 class ClipFractionByLength(DiagnosticMetric):
-    """Binding-clip fractions and the paper's acceptance per length bin, LRE / LRE_w (module docstring).
+    """Binding-clip fractions and acceptance per length bin, LRE / LRE_w (module docstring).
 
-    ``update(lengths, response_mask, clip_upper, clip_lower, clip_dual, advantages, in_band=None,
-    clip_cap=None, acceptance=True)``: ``lengths`` [B] (or None: taken as ``response_mask.sum(-1)``;
-    if given it must equal it), ``response_mask`` [B, T] 0/1, masks [B, T] bool (ANDed with the
-    mask), ``advantages`` [B] or [B, T] (token-broadcast; per-sequence |A_i| is then the masked
-    token mean of |A|). ``in_band`` None or ``acceptance=False`` leaves the acceptance states
-    (``band/*``, ``fairness/*``) untouched; ``clip_cap`` None counts no cap. B = 0 is a no-op.
-    LRE_w uses sum |A_i| per bin as the gradient-norm proxy (see lre.py).
+    ``update(lengths, response_mask, clip_upper, clip_lower, clip_dual, advantages, in_band=None, clip_cap=None,
+    acceptance=True)``: ``lengths`` [B] equal to ``response_mask.sum(-1)`` (None: derived), masks [B, T] (ANDed
+    with the mask), ``advantages`` [B] or [B, T] (then |A_i| is the masked mean of |A|). ``in_band`` None or
+    ``acceptance=False`` leaves the acceptance states alone. B = 0 is a no-op.
     """
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0, **kwargs) -> None:
@@ -101,24 +50,18 @@ class ClipFractionByLength(DiagnosticMetric):
         self.bins = bins
         self.lre_min_len = lre_min_len
         self.last_per_bin: Optional[Dict[str, np.ndarray]] = None
-        nb = bins.n_bins
-        self.add_state("n_seq", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("n_tok", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("len_sum", torch.zeros(nb, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("abs_adv", torch.zeros(nb, dtype=torch.float64), dist_reduce_fx="sum")
-        for k in KINDS:
-            self.add_state(f"frac_{k}", torch.zeros(nb, dtype=torch.float64), dist_reduce_fx="sum")
-            self.add_state(f"tok_{k}", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("band_n_seq", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("band_n_tok", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("band_abs_adv", torch.zeros(nb, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("band_in", torch.zeros(nb, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("band_in_tok", torch.zeros(nb, dtype=torch.long), dist_reduce_fx="sum")
+        i64, f64 = torch.long, torch.float64
+        states = [("n_seq", i64), ("n_tok", i64), ("len_sum", f64), ("abs_adv", f64)]
+        states += [s for k in KINDS for s in ((f"frac_{k}", f64), (f"tok_{k}", i64))]
+        states += [("band_n_seq", i64), ("band_n_tok", i64), ("band_abs_adv", f64), ("band_in", f64),
+                   ("band_in_tok", i64)]
+        for name, dtype in states:
+            self.add_state(name, torch.zeros(bins.n_bins, dtype=dtype), dist_reduce_fx="sum")
 
     def update(self, lengths: Optional[Tensor], response_mask: Tensor, clip_upper: Tensor,
                clip_lower: Tensor, clip_dual: Tensor, advantages: Tensor, in_band: Optional[Tensor] = None,
                clip_cap: Optional[Tensor] = None, acceptance: bool = True) -> None:
-        """Add one (micro-)batch; see the class docstring for shapes."""
+        """Add one (micro-)batch; shapes in the class docstring."""
         dev = self.n_seq.device
         m = torch.as_tensor(response_mask).to(dev)
         if m.dim() != 2:
@@ -132,11 +75,8 @@ class ClipFractionByLength(DiagnosticMetric):
             raise ValueError(f"lengths has {lengths.shape[0]} rows but response_mask has {m.shape[0]}")
         if lengths.numel() and not torch.equal(lengths, mask_len.long()):
             raise ValueError("lengths must equal response_mask.sum(-1); pass lengths=None to derive them")
-        masks = {
-            "upper": _check_mask("clip_upper", clip_upper, m.shape, dev) & mb,
-            "lower": _check_mask("clip_lower", clip_lower, m.shape, dev) & mb,
-            "dual": _check_mask("clip_dual", clip_dual, m.shape, dev) & mb,
-        }
+        masks = {k: _check_mask(f"clip_{k}", v, m.shape, dev) & mb
+                 for k, v in (("upper", clip_upper), ("lower", clip_lower), ("dual", clip_dual))}
         masks["any"] = masks["upper"] | masks["lower"] | masks["dual"]
         masks["cap"] = (torch.zeros_like(mb) if clip_cap is None
                         else _check_mask("clip_cap", clip_cap, m.shape, dev) & mb)
@@ -209,19 +149,14 @@ class ClipFractionByLength(DiagnosticMetric):
         return out
 
     def reset(self) -> None:
-        """Zero every state and forget the per-bin arrays cached by the last `compute()`."""
+        """Zero every state and forget the cached per-bin arrays."""
         super().reset()
         self.last_per_bin = None
 
     def per_bin(self) -> Dict[str, np.ndarray]:
-        """Per-bin arrays of the current states (NaN where a bin is empty).
-
-        Binding clips over every counted sequence: ``count``, ``mean_len``, ``seq_frac``,
-        ``tok_frac``. Acceptance over the sequences counted for it: ``band_count``,
-        ``band_mean_len``, ``out_frac`` (the paper's c(L) = 1 - q(L)).
-        Called by `compute()` (synced across ranks) and cached as ``last_per_bin`` for plots, so
-        plotting needs no collective call.
-        """
+        """Per-bin arrays (NaN where empty): ``count``, ``mean_len``, ``seq_frac``, ``tok_frac`` (binding clips);
+        ``band_count``, ``band_mean_len``, ``out_frac`` (acceptance). Cached as ``last_per_bin`` by `compute()`
+        (synced), so plotting needs no collective."""
         n = self.n_seq.double().cpu().numpy()
         nb = self.band_n_seq.double().cpu().numpy()
         with np.errstate(invalid="ignore", divide="ignore"):

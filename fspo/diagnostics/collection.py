@@ -1,18 +1,10 @@
-"""`FairnessMetrics`: the one object the training module holds for length-fairness diagnostics.
-
-Owns: bundling `ClipFractionByLength`, `LogRatioStats` and `RolloutLengthStats` as registered
-submodules (Lightning moves their states to the device; torchmetrics syncs them across ranks on
-`compute()`), the flat MLflow-safe metric dict, and the figures. Leaves out: logging (the caller
-hands the dict to ``self.log_dict`` / MLflow and the figures to ``log_figure``).
-
-Usage in a LightningModule (all ranks call compute(): it is a collective under DDP/FSDP):
+"""`FairnessMetrics`: the one object the training module holds for length-fairness diagnostics; the caller logs
+its flat MLflow-safe dict and figures. ``compute()`` is a collective under DDP/FSDP: call it on all ranks.
 
     self.fairness = FairnessMetrics(LengthBins(width=200, max_len=18000), lre_min_len=1000)
-    # on each rollout batch:       self.fairness.update_rollout(batch.lengths, batch.overlong)
-    # on each (micro-)batch step:  res = self.clip_rule(logp, old_logp, adv, mask)
-    #                              self.fairness.update_clip(res, batch.lengths, mask, adv,
-    #                                                        log_ratio=not on_policy)
-    # at the logging interval:     self.log_dict(self.fairness.compute()); self.fairness.reset()
+    self.fairness.update_rollout(batch.lengths, batch.overlong)          # each rollout batch
+    self.fairness.update_clip(res, batch.lengths, mask, adv, log_ratio=not on_policy)   # each mini-batch
+    self.log_dict(self.fairness.compute()); self.fairness.reset()        # each logging interval
 """
 from __future__ import annotations
 
@@ -41,29 +33,20 @@ FIGURE_NOTE = ("The flat theory line assumes std(S_L) = sigma sqrt(L); at tens o
 
 
 def check_metric_names(metrics: Mapping[str, float]) -> None:
-    """Raise ValueError naming the first key that is not MLflow-safe (``^[A-Za-z0-9_\\-./: ]+$``)."""
+    """Raise ValueError naming the first key that is not MLflow-safe (``METRIC_NAME_RE``)."""
     for k in metrics:
         if not METRIC_NAME_RE.match(k):
             raise ValueError(f"metric name {k!r} is not MLflow-safe: use letters, digits and _ - . / : space")
 
 
 class FairnessMetrics(torch.nn.Module):
-    """Length-fairness diagnostics for one training run (see the module docstring for usage).
+    """Length-fairness diagnostics of one run: submodules ``clip`` (`ClipFractionByLength`), ``log_ratio``
+    (`LogRatioStats`), ``rollout`` (`RolloutLengthStats`), ``acf`` (`TokenLogRatioACF`); ``metric_kwargs`` go to
+    each (``process_group``, ``sync_on_compute``).
 
-    Submodules: ``clip`` (ClipFractionByLength: ``band/*``, ``fairness/*`` from the paper's
-    acceptance event, ``clip/*`` and ``fairness/binding_*`` from the binding clips), ``log_ratio``
-    (LogRatioStats: ``logratio/*``), ``rollout`` (RolloutLengthStats: ``rollout/*``), ``acf``
-    (TokenLogRatioACF: ``logratio/acf*``, ``logratio/tok_std*``, when given per-token log-ratios).
-    ``metric_kwargs`` go to every torchmetrics Metric (e.g. ``process_group``, ``sync_on_compute``).
-
-    On-policy convention: the first mini-batch of each step is trained before any update, so with
-    recomputed old log-probs (or the engine's, sampled by the same weights) its S = 0 and it is always in the
-    band (a stale batch, rollout.overlap, is not on-policy: the training step counts it like any other). Like the
-    log-ratio statistics (the paper's Figure 1 count, 217,454 ~ 3/4 of 144 x 128 x 16, leaves it out) the acceptance
-    counts (``band/*``, ``fairness/lre``, ...) skip it by default (``acceptance_on_policy=False``); the binding-clip
-    fractions (``clip/*``, ``fairness/binding_*``) always count it: that is what the optimizer sees. With
-    ``acceptance_on_policy=True`` on-policy batches count for acceptance too (q is pulled towards 1 by a quarter of the
-    sequences with the paper's 4 mini-batches per step).
+    The first mini-batch of a step is on-policy (S = 0, always in band): the log-ratio statistics and, unless
+    ``acceptance_on_policy``, the acceptance counts leave it out (as the paper's Figure 1 count); the binding
+    clips always count it.
     """
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0, reservoir_size: int = 4096,
@@ -83,17 +66,9 @@ class FairnessMetrics(torch.nn.Module):
     def update_clip(self, result: ClipResult, lengths: Optional[Tensor], response_mask: Tensor,
                     advantages: Tensor, log_ratio: bool = True, on_policy: Optional[bool] = None,
                     token_log_ratio: Optional[Tensor] = None) -> None:
-        """Count one (micro-)batch's binding masks, acceptance event and sequence log-ratios.
-
-        ``result``: the clip rule's ClipResult; ``lengths`` [B] (or None: ``response_mask.sum(-1)``);
-        ``response_mask`` [B, T]; ``advantages`` [B] or [B, T]. Call it once per batch you want
-        counted (with several PPO epochs, each pass over a batch counts again).
-        ``on_policy``: the batch is exactly on-policy (S = 0); None means ``not log_ratio`` (the
-        training step passes ``log_ratio=False`` for its on-policy mini-batch). An on-policy batch
-        is left out of the log-ratio statistics, and of the acceptance counts unless
-        ``acceptance_on_policy`` (class docstring); the binding clips always count it.
-        ``token_log_ratio`` [B, T] (optional): the per-token d_t, for their autocorrelation (autocorr.py).
-        """
+        """Count one (micro-)batch's `ClipResult`: ``lengths`` [B] (None: from the mask), ``response_mask`` [B, T],
+        ``advantages`` [B] or [B, T], ``token_log_ratio`` [B, T] (optional, for the autocorrelation).
+        ``on_policy`` (None: ``not log_ratio``) as in the class docstring."""
         if lengths is None:
             lengths = torch.as_tensor(response_mask).sum(-1)
         if on_policy is None:
@@ -112,13 +87,8 @@ class FairnessMetrics(torch.nn.Module):
         self.rollout.update(lengths, overlong)
 
     def compute(self) -> Dict[str, float]:
-        """Flat ``{name: float}`` of every metric, synced across ranks (collective: call on all ranks).
-
-        Keys: ``band/*``, ``clip/*``, ``fairness/*``, ``logratio/*``, ``rollout/*`` (see each metric's
-        docstring; ``fairness/lre`` is the paper's, from ``in_band``; ``fairness/binding_lre`` is
-        that of the binding clips). Names are checked against ``^[A-Za-z0-9_\\-./: ]+$``. Keys with nothing to report
-        are absent; no value is NaN.
-        """
+        """Flat ``{name: float}`` of every metric, synced across ranks; names MLflow-safe, keys with nothing to report
+        absent, no NaN."""
         out: Dict[str, float] = {}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
@@ -133,14 +103,8 @@ class FairnessMetrics(torch.nn.Module):
         return out
 
     def figures(self, theory: Union[None, Callable, Mapping[str, object]] = None) -> Dict[str, Figure]:
-        """Figures of the state as of the last `compute()` (which is called first if there was none).
-
-        ``theory``: a callable c(L), ``(L, c)`` arrays, or ``{name: either}`` drawn beside the
-        observed out-of-band fraction c(L) = 1 - q(L) (``band/out_frac/*``, the quantity the closed
-        forms describe; e.g. ``{"RLOO": lambda L: c_rloo(L, 0.03, 0.667, 0.4)}``); the binding-clip
-        fraction (``clip/seq_frac/*``) is drawn as a second, dotted curve.
-        Returns ``{"clip_fraction_by_length", "logratio_qq", "logratio_std_vs_len"}`` -> Figure.
-        """
+        """``clip_fraction_by_length``, ``logratio_qq``, ``logratio_std_vs_len`` of the last `compute()` (run first if
+        none). ``theory``: c(L) curves beside the observed out-of-band fraction (plots.py)."""
         if self._last is None or self.clip.last_per_bin is None or self.log_ratio.last_per_bin is None:
             self.compute()
         cp, lp = self.clip.last_per_bin, self.log_ratio.last_per_bin
@@ -163,7 +127,7 @@ class FairnessMetrics(torch.nn.Module):
         }
 
     def reset(self) -> None:
-        """Zero every metric state (call after each logging interval)."""
+        """Zero every metric state (after each logging interval)."""
         for m in (self.clip, self.log_ratio, self.rollout, self.acf):
             m.reset()
         self._last = None

@@ -1,19 +1,12 @@
-"""Bands on the sequence log-ratio S, judged on the same sequences: the length law's out-of-band tests.
+"""Bands on the sequence log-ratio S judged on the same sequences: the length law's out-of-band tests.
+Out of band: S < lo or S > hi, with
 
-Owns: the bands as limits in S space (`SqrtBand` FSPO, `RatioBand` RLOO, `TokenRatioBand` GSPO, and the
-calibrated `AffineBand` / `BinQuantileBand` fit on data), `matched_bands` (every band equal to FSPO's at the
-median length), `judge` (c(L) per bin with Wilson CIs, homogeneity p, LRE and its noise floor, the Gaussian
-prediction) and `out_of_sample` (fit on steps before t, judged at step t). Leaves out: the statistics
-(law_stats.py) and the records (ledger.py).
+  FSPO     -c sqrt(L), +c sqrt(L)                 RLOO   log(1 - low), log(1 + high)
+  GSPO     L log(1 - low), L log(1 + high)        affine mu_L -+ z sqrt(tau^2 + sigma^2 L), mu_L = m L
+  quantile mu_L -+ q_b(L), q_b the erf(z / sqrt 2) quantile of |S - mu_L| in L's bin
 
-Band limits (S = sum_t log pi_new / pi_old over the L response tokens; out of band: S < lo or S > hi):
-  FSPO   lo, hi = -c sqrt(L), +c sqrt(L)                    (the paper's band, mu_L = 0)
-  RLOO   lo, hi = log(1 - low), log(1 + high)               (a fixed band on S)
-  GSPO   lo, hi = L log(1 - low), L log(1 + high)           (a fixed band on S / L)
-  affine lo, hi = mu_L -+ z sqrt(tau^2 + sigma^2 L)          (mu_L = m L; m, tau^2, sigma^2 fit on data)
-  quantile lo, hi = mu_L -+ q_b(L)                           (q_b the erf(z / sqrt 2) quantile of |S - mu_L| in L's bin)
-Matched at L_med (the rule of the length-law sweep): RLOO's xi = c sqrt(L_med), GSPO's xi / L_med, so at
-L_med every band is the same interval of S and they differ only in how it moves with L.
+`matched_bands` makes every band the same interval of S at the median length L_med (RLOO's xi = c sqrt(L_med),
+GSPO's xi / L_med); `judge` tests one band; `out_of_sample` fits a band on earlier steps and judges step t.
 """
 from __future__ import annotations
 
@@ -56,9 +49,8 @@ class TokenRatioBand(RatioBand):
 
 
 class AffineBand:
-    """mu_L -+ z sqrt(tau^2 + sigma^2 L), fit by `fit(L, S)`: mu_L = m L (least squares through 0), then the
-    affine variance fit of the residuals over geometric bins (law_stats.affine_variance); tau^2 < 0 is
-    clamped to 0 and sigma^2 to a tiny positive value."""
+    """mu_L -+ z sqrt(tau^2 + sigma^2 L): m by least squares through 0, then `law_stats.affine_variance` of the
+    residuals (tau^2 >= 0, sigma^2 > 0)."""
 
     def __init__(self, z: float = 1.0, per_octave: int = 2, min_count: int = 10):
         self.z, self.per_octave, self.min_count = float(z), per_octave, min_count
@@ -82,8 +74,8 @@ class AffineBand:
 
 
 class BinQuantileBand(AffineBand):
-    """mu_L -+ q_b: the erf(z / sqrt 2) quantile of |S - mu_L| in L's geometric bin (the affine band where a
-    bin has fewer than ``min_count`` sequences). Exact coverage for any shape of S_L, at the cost of noise."""
+    """mu_L -+ q_b (the affine band in bins with fewer than ``min_count`` sequences): exact coverage for any shape of
+    S_L, at the cost of noise."""
 
     def fit(self, L, S) -> "BinQuantileBand":
         super().fit(L, S)
@@ -106,20 +98,17 @@ class BinQuantileBand(AffineBand):
 
 
 def matched_bands(c: float, l_med: float) -> Dict[str, object]:
-    """FSPO's c sqrt(L) band and the RLOO / GSPO bands equal to it at ``l_med`` (module docstring)."""
+    """FSPO's c sqrt(L) band and the RLOO / GSPO bands equal to it at ``l_med``."""
     xi = c * math.sqrt(l_med)
     return {"fspo": SqrtBand(c), "rloo": RatioBand(1 - math.exp(-xi), math.exp(xi) - 1),
             "gspo": TokenRatioBand(1 - math.exp(-xi / l_med), math.exp(xi / l_med) - 1)}
 
 
 def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0, clusters=None) -> Dict[str, object]:
-    """The out-of-band test of one band on sequences (L, S) with flags ``outside``, over ``edges``:
-    per populated bin n, k, c = k / n and its Wilson CI; ``p_homogeneity`` (chi-square across bins);
-    ``ratio_last_first``; ``lre`` and ``lre_floor`` (mean and p95 of an exactly flat band's LRE at these
-    counts); ``span`` (last bin's mean L / first's); with ``limits`` (lo, hi per sequence) the Gaussian
-    prediction of c per bin from each bin's mean and std of S (``c_gauss``). With ``clusters`` (each sequence's
-    prompt: (step, group)) also ``design_effect`` and ``p_homogeneity_clustered``, the chi-square test corrected
-    for the correlation of a group's verdicts (Rao-Scott; law_stats.design_effect)."""
+    """Out-of-band test of one band over ``edges`` (bins with >= ``min_count``): n, k, c = k / n with Wilson CIs,
+    ``p_homogeneity``, ``lre`` and ``lre_floor``, ``span``, ``ratio_last_first`` / ``ratio_first_last``, ``out_rate``;
+    with ``limits`` the Gaussian prediction ``c_gauss``; with ``clusters`` ``design_effect`` and
+    ``p_homogeneity_clustered``."""
     L, S, out = np.asarray(L, float), np.asarray(S, float), np.asarray(outside, bool)
     idx = st.bin_index(L, edges)
     nb = len(edges) - 1
@@ -136,7 +125,7 @@ def judge(L, S, outside, edges, min_count: int = 50, limits=None, seed: int = 0,
     if clusters is not None:
         sel = np.isin(idx, keep)
         res["design_effect"] = st.design_effect(out[sel], np.asarray(clusters)[sel], idx[sel])
-        res["p_homogeneity_clustered"] = st.homogeneity_p_clustered(k, nn, res["design_effect"])
+        res["p_homogeneity_clustered"] = st.homogeneity_p(k, nn, res["design_effect"])
     res["span"] = float(mean_l[-1] / mean_l[0]) if len(keep) >= 2 else None
     res["ratio_last_first"] = _ratio(c[-1], c[0]) if len(keep) >= 2 else None
     res["ratio_first_last"] = _ratio(c[0], c[-1]) if len(keep) >= 2 else None
@@ -163,11 +152,9 @@ def _ratio(a: float, b: float) -> Optional[float]:
 
 def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_update: bool = True,
                   min_history: int = 64, window: Optional[int] = None) -> Dict[str, np.ndarray]:
-    """Fit ``make_band()`` on the sequences of steps t - ``window`` .. t - 1 (all earlier steps when None; of
-    the same mini-batch index ``update`` when ``by_update``: later mini-batches see a policy moved further)
-    and judge step t's sequences with it. A window follows a policy whose scale changes as it trains.
-    Returns ``judged`` (rows with >= ``min_history`` sequences to fit on) and ``outside`` (their flags), and
-    the limits per row (NaN where not judged)."""
+    """Fit ``make_band()`` on steps t - ``window`` .. t - 1 (all earlier when None; the same mini-batch index when
+    ``by_update``) and judge step t with it, where >= ``min_history`` sequences fit. Returns ``judged``,
+    ``outside``, ``lo``, ``hi`` per row (NaN where not judged)."""
     L, S = np.asarray(L, float), np.asarray(S, float)
     step, update = np.asarray(step), np.asarray(update)
     judged, outside = np.zeros(len(L), bool), np.zeros(len(L), bool)
@@ -187,8 +174,7 @@ def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_up
 
 
 def cluster_ids(rec) -> np.ndarray:
-    """One id per (step, prompt group) of a record set (ledger.py): the bootstrap and the
-    clustered test resample or pool whole groups."""
+    """One id per (step, prompt group) of a record set."""
     return np.asarray(rec["step"]) * 1e6 + np.asarray(rec["group"])
 
 
@@ -196,8 +182,3 @@ def outside_of(band, L, S) -> np.ndarray:
     """Flags S < lo(L) or S > hi(L) for a band with ``limits``."""
     lo, hi = band.limits(L)
     return (np.asarray(S) < lo) | (np.asarray(S) > hi)
-
-
-def median_length(L) -> Optional[float]:
-    L = np.asarray(L, float)
-    return float(np.median(L)) if len(L) else None

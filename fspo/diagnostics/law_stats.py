@@ -1,21 +1,10 @@
-"""Statistics of the length law on per-sequence records: pure numpy / scipy functions.
-
-Owns: geometric length bins, the std(S_L) ~ L^gamma fit with a bootstrap CI over prompts, the affine
-variance fit Var(S_L) = tau^2 + sigma^2 L (crossover L* = tau^2 / sigma^2), the variance inflation
-Var(S_L) / E[sum_t d_t^2], and the out-of-band tests: c(L) per bin with Wilson CIs, the chi-square
-homogeneity test across bins, the LRE with its noise floor, and the Gaussian prediction of a band's c(L)
-from each bin's mean and std. Leaves out: where the records come from (ledger.py), the bands
-(law_bands.py) and logging.
-
-Why these (docs/length_law.md): the sqrt(L) law says Var(S_L) = sigma^2 L. Two things break it in practice:
-a length-independent variance tau^2 (e.g. sequences correlated with the update that moved the policy), which
-flattens std(S_L) below L* = tau^2 / sigma^2, and per-token terms that are not comparable along the response
-(Var(d_t) falling with position), which bends the exponent below 1/2 at every L. For martingale increments
-(d_t with zero conditional mean, the first-order effect of an update on a sequence it was not trained on)
-Var(S_L) = E[sum_t d_t^2]: the inflation is 1, and values above 1 mean correlated terms.
-
-Conventions: bins are half-open [e_k, e_k+1); a statistic over bins uses the bins with at least
-``min_count`` sequences; no function returns NaN where it can return None (no data) instead.
+"""Statistics of the length law on per-sequence records (numpy / scipy): the std(S_L) ~ L^gamma fit with a
+bootstrap CI over prompts, the affine variance fit Var(S_L) = tau^2 + sigma^2 L (L* = tau^2 / sigma^2), the
+variance inflation Var(S_L) / E[sum_t d_t^2] (1 for martingale terms, above 1 for correlated ones), and the
+out-of-band tests (Wilson CIs, chi-square homogeneity, LRE and its noise floor, the Gaussian prediction).
+Why (docs/length_law.md): a length-independent variance tau^2 flattens std(S_L) below L*, and per-token terms
+not comparable along the response bend the exponent below 1/2. Bins are half-open; statistics over bins use
+bins with >= ``min_count`` sequences; None (not NaN) where there is no data.
 """
 from __future__ import annotations
 
@@ -94,8 +83,8 @@ def std_exponent(m: BinMoments, min_count: int = 20) -> Dict[str, Optional[float
 
 def bootstrap_exponent(lengths, s, clusters, edges, min_count: int = 20, n_boot: int = 400,
                        seed: int = 0, level: float = 0.95) -> Optional[tuple]:
-    """Percentile CI of the std exponent, resampling whole clusters (prompts: a group's sequences share
-    their prompt and are not independent) with replacement. None with fewer than 2 clusters."""
+    """Percentile CI of the std exponent, resampling whole clusters (prompts) with replacement; None with fewer than
+    2 clusters."""
     L, S, c = np.asarray(lengths, float), np.asarray(s, float), np.asarray(clusters)
     uniq, inv = np.unique(c, return_inverse=True)
     if len(uniq) < 2:
@@ -114,8 +103,8 @@ def bootstrap_exponent(lengths, s, clusters, edges, min_count: int = 20, n_boot:
 
 
 def affine_variance(m: BinMoments, min_count: int = 20) -> Dict[str, Optional[float]]:
-    """Weighted least squares of var_b = tau^2 + sigma^2 mean-L_b (weights (n_b - 1) / var_b^2, the inverse
-    variance of a Gaussian sample variance); L* = tau^2 / sigma^2 (None unless both are > 0)."""
+    """Weighted least squares of var_b = tau^2 + sigma^2 mean-L_b, weights (n_b - 1) / var_b^2; L* = tau^2 / sigma^2
+    (None unless both > 0)."""
     ok = m.populated(min_count) & (m.var_s > 0)
     if ok.sum() < 2:
         return {"tau2": None, "sigma2": None, "l_star": None}
@@ -151,22 +140,25 @@ def wilson(k: np.ndarray, n: np.ndarray, level: float = 0.95):
     return np.clip(lo, 0, 1), np.clip(hi, 0, 1)
 
 
-def homogeneity_p(k: np.ndarray, n: np.ndarray) -> Optional[float]:
-    """p-value of Pearson's chi-square test that every bin has the same out-of-band rate (a 2 x bins table).
-    1.0 when no bin (or every bin) is out of band; None with fewer than 2 bins."""
+def homogeneity_p(k: np.ndarray, n: np.ndarray, deff: float = 1.0) -> Optional[float]:
+    """p-value of Pearson's chi-square test that every bin has the same out-of-band rate (2 x bins table), X^2
+    divided by the design effect ``deff`` (Rao-Scott's first-order correction for clustered sequences; below 1
+    taken as 1). 1.0 when no bin (or every bin) is out of band; None with fewer than 2 bins."""
     k, n = np.asarray(k, float), np.asarray(n, float)
     if len(n) < 2:
         return None
     if k.sum() == 0 or (n - k).sum() == 0:
         return 1.0
-    return float(stats.chi2_contingency(np.stack([k, n - k]), correction=False)[1])
+    chi2, _, dof, _ = stats.chi2_contingency(np.stack([k, n - k]), correction=False)
+    return float(stats.chi2.sf(chi2 / max(1.0, deff), dof))
+
+
+homogeneity_p_clustered = homogeneity_p
 
 
 def design_effect(outside, clusters, bins) -> float:
-    """Rao-Scott design effect of the out-of-band rate: the variance of each bin's rate with whole clusters
-    (prompts: a group's sequences share their prompt, so their verdicts are correlated) over its binomial
-    variance, averaged over the bins weighted by their sequences; >= 1 in expectation, 1 for independent
-    sequences. ``bins`` is each sequence's bin (-1: none), ``clusters`` its cluster id."""
+    """Rao-Scott design effect of the out-of-band rate: each bin's variance with whole clusters (prompt groups)
+    over its binomial variance, averaged with the bins' sequence counts; 1 for independent sequences."""
     out, cl, b = np.asarray(outside, float), np.asarray(clusters), np.asarray(bins)
     num = den = 0.0
     for k in np.unique(b[b >= 0]):
@@ -185,20 +177,8 @@ def design_effect(outside, clusters, bins) -> float:
     return float(num / den) if den else 1.0
 
 
-def homogeneity_p_clustered(k, n, deff: float) -> Optional[float]:
-    """`homogeneity_p` with Pearson's X^2 divided by the design effect (Rao-Scott's first-order correction):
-    the test for clustered sequences. ``deff`` below 1 is taken as 1 (never more liberal than the plain test)."""
-    k, n = np.asarray(k, float), np.asarray(n, float)
-    if len(n) < 2:
-        return None
-    if k.sum() == 0 or (n - k).sum() == 0:
-        return 1.0
-    chi2, _, dof, _ = stats.chi2_contingency(np.stack([k, n - k]), correction=False)
-    return float(stats.chi2.sf(chi2 / max(1.0, deff), dof))
-
-
 def lre_from_counts(k: np.ndarray, n: np.ndarray) -> Optional[float]:
-    """The paper's LRE with q_b = 1 - k_b / n_b: 0.5 sum_b n_b |q_b / q_bar - 1| / sum_b n_b (0 if q_bar = 0)."""
+    """The paper's LRE with q_b = 1 - k_b / n_b (0 if q_bar = 0; None without sequences)."""
     k, n = np.asarray(k, float), np.asarray(n, float)
     if n.sum() <= 0:
         return None
@@ -208,8 +188,7 @@ def lre_from_counts(k: np.ndarray, n: np.ndarray) -> Optional[float]:
 
 
 def lre_noise_floor(n: np.ndarray, out_rate: float, n_sim: int = 2000, seed: int = 0) -> Dict[str, float]:
-    """The LRE of an exactly flat band at the same bin counts: k_b ~ Binomial(n_b, out_rate); its mean and
-    95th percentile over ``n_sim`` draws. An observed LRE near the mean is indistinguishable from fair."""
+    """Mean and 95th percentile of the LRE of an exactly flat band at these counts (k_b ~ Binomial(n_b, out_rate))."""
     n = np.asarray(n, int)
     rng = np.random.default_rng(seed)
     k = rng.binomial(n[None, :], out_rate, size=(n_sim, len(n)))

@@ -1,24 +1,13 @@
-"""The length law of one run, from its sequence records: the numbers a user reads to answer "is clipping fair
-across lengths in my run?".
+"""The length law of one run from its sequence records: flat ``law/*`` scalars answering "is clipping fair
+across lengths in my run?" (logged as ``run/law/*``). Bins are geometric, ``per_octave`` per doubling; a
+statistic over bins uses bins with >= ``min_count`` sequences:
 
-Owns: `law_summary` (records -> flat ``law/*`` scalars, MLflow-safe) and `law_table` (the same as text
-lines). Leaves out: the statistics (law_stats.py), the bands (law_bands.py), the records (ledger.py) and
-logging (fspo/tracking/artifacts.py logs the scalars as ``run/law/*`` and the records as
-``diagnostics/sequences.csv``).
-
-What is computed (bins: geometric, ``per_octave`` per doubling from the shortest to the longest response;
-a statistic over bins uses bins with >= ``min_count`` sequences):
-  law/std_exponent (+ _ci_lo, _ci_hi: bootstrap over (step, prompt) clusters; _r2)   theory 1/2
-  law/tau2, law/sigma2, law/l_star          Var(S_L) = tau^2 + sigma^2 L; below L* the constant part rules
-  law/var_inflation                         Var(S_L) / E[sum_t d_t^2] (1: martingale terms)
-  law/own/{p_homogeneity, p_homogeneity_clustered, design_effect, lre, lre_floor, out_rate}   the run's own band
-      (its acceptance event); the clustered p divides the chi-square by the design effect of prompt groups
-  law/bands/<b>/{p_homogeneity, lre, lre_floor, ratio_last_first, out_rate}   for b in fspo, rloo, gspo (matched
-      at the median length to FSPO's c = sigma_hat, i.e. z = 1) and the calibrated affine / quantile bands fit
-      out of sample (steps before t, judged at t): every band on the same sequences
-  law/span                                  last populated bin's mean L / the first's
-  law/gate/std_exponent (+ _ci_lo, _ci_hi, _r2)   the same fit for a random parameter direction (the probe's gate)
-  law/n_seq                                 records
+  law/std_exponent (+ _ci_lo, _ci_hi over (step, prompt) clusters; _r2)   theory 1/2
+  law/tau2, law/sigma2, law/l_star, law/var_inflation
+  law/own/{p_homogeneity, p_homogeneity_clustered, design_effect, lre, lre_floor, out_rate}  the run's band
+  law/bands/<b>/{p_homogeneity, lre, lre_floor, ratio_last_first, out_rate}  b in fspo, rloo, gspo (matched
+      at the median length, c = sigma_hat) and affine / quantile (fit out of sample): one set of sequences
+  law/span, law/n_seq, law/gate/std_exponent (+ _ci_lo, _ci_hi, _r2: a random parameter direction)
 """
 from __future__ import annotations
 
@@ -36,7 +25,7 @@ def _edges(L: np.ndarray, per_octave: int) -> List[int]:
 
 
 def band_results(rec: Dict[str, np.ndarray], edges, min_count: int, seed: int = 0) -> Dict[str, dict]:
-    """`law_bands.judge` of every panel band on the records (see the module docstring)."""
+    """`law_bands.judge` of every panel band on the records."""
     L, S = rec["length"], rec["s"]
     sigma = math.sqrt(float(np.mean(S ** 2 / np.maximum(L, 1))))
     out = {}
@@ -54,19 +43,22 @@ def band_results(rec: Dict[str, np.ndarray], edges, min_count: int, seed: int = 
 
 def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int = 50, n_boot: int = 200,
                 seed: int = 0, panel: bool = True) -> Dict[str, float]:
-    """Flat ``{law/...: float}`` of one run's records (module docstring); {} with no records. Records with
-    ``update == -1`` are the random-direction gate's (fspo/update/direction_probe.py): ``law/gate/*``."""
+    """Flat ``{law/...: float}`` of one run's records; {} with none. Records with ``update == -1`` are the
+    random-direction gate's (``law/gate/*``)."""
     gate = (rec["update"] == -1) & (rec["length"] > 0)
     out: Dict[str, float] = {}
+
+    def exponent(prefix: str, r: Dict[str, np.ndarray], edges, m: st.BinMoments) -> None:
+        fit = st.std_exponent(m, min_count)
+        if fit["exponent"] is not None:
+            out[f"{prefix}std_exponent"], out[f"{prefix}std_exponent_r2"] = fit["exponent"], fit["r2"]
+            ci = st.bootstrap_exponent(r["length"], r["s"], lb.cluster_ids(r), edges, min_count, n_boot, seed)
+            if ci is not None:
+                out[f"{prefix}std_exponent_ci_lo"], out[f"{prefix}std_exponent_ci_hi"] = ci
     if gate.sum() >= 2:
         g = {k: v[gate] for k, v in rec.items()}
         edges = _edges(g["length"], per_octave)
-        fit = st.std_exponent(st.bin_moments(g["length"], g["s"], edges), min_count)
-        if fit["exponent"] is not None:
-            out["law/gate/std_exponent"], out["law/gate/std_exponent_r2"] = fit["exponent"], fit["r2"]
-            ci = st.bootstrap_exponent(g["length"], g["s"], lb.cluster_ids(g), edges, min_count, n_boot, seed)
-            if ci is not None:
-                out["law/gate/std_exponent_ci_lo"], out["law/gate/std_exponent_ci_hi"] = ci
+        exponent("law/gate/", g, edges, st.bin_moments(g["length"], g["s"], edges))
     keep = (rec["update"] >= 0) & (rec["length"] > 0)
     rec = {k: v[keep] for k, v in rec.items()}
     L, S = rec["length"], rec["s"]
@@ -75,12 +67,7 @@ def law_summary(rec: Dict[str, np.ndarray], per_octave: int = 2, min_count: int 
     edges = _edges(L, per_octave)
     m = st.bin_moments(L, S, edges, rec["d2"])
     out["law/n_seq"] = float(len(L))
-    fit = st.std_exponent(m, min_count)
-    if fit["exponent"] is not None:
-        out["law/std_exponent"], out["law/std_exponent_r2"] = fit["exponent"], fit["r2"]
-        ci = st.bootstrap_exponent(L, S, lb.cluster_ids(rec), edges, min_count, n_boot, seed)
-        if ci is not None:
-            out["law/std_exponent_ci_lo"], out["law/std_exponent_ci_hi"] = ci
+    exponent("law/", rec, edges, m)
     for k, v in st.affine_variance(m, min_count).items():
         if v is not None:
             out[f"law/{k}"] = v
@@ -106,5 +93,5 @@ def _put(out: Dict[str, float], prefix: str, res: dict) -> None:
 
 
 def law_table(summary: Dict[str, float]) -> List[str]:
-    """The summary as aligned text lines (for the console and the probe)."""
+    """The summary as aligned text lines."""
     return [f"{k:<40s} {v:.4g}" for k, v in sorted(summary.items())]

@@ -1,22 +1,11 @@
-"""`SequenceLedger`: one record per measured sequence of a run, for the length-law statistics.
+"""`SequenceLedger`: one record per measured sequence (a torchmetrics Metric with ``cat`` states: joined across
+ranks on `compute()`, saved in checkpoints), for the tests that need sequences rather than binned sums
+(other bands, cluster bootstraps, out-of-sample fits). Columns (float64):
 
-Owns: the per-sequence records (a torchmetrics Metric with ``cat`` states, so the records of every rank
-are joined on `compute()` and, like every metric state, saved in resumable checkpoints) and
-`ledger_arrays` / `write_csv`. Leaves out: the statistics (law_stats.py, law_bands.py) and when records
-are added (fspo/update/module.py: every mini-batch that is not on-policy, once per optimizer update).
-
-Columns (float64; one row per sequence):
-    step     RL step of the rollout batch
-    update   index of the mini-batch in the step (0 = the on-policy one, never recorded)
-    group    prompt index within the step's global batch (a group's sequences share a prompt: the
-             bootstrap resamples (step, group) clusters)
-    length   L, response tokens
-    s        S = sum_t d_t, d_t = log pi_current - log pi_old (the policy before this update)
-    d2       sum_t d_t^2 (Var(S) / E[d2] is the variance inflation; 1 for martingale terms)
-    adv      the sequence's advantage
-    out      the run's own rule: fraction of the sequence's tokens outside its band (0/1 for sequence rules)
-Why records and not only binned sums: bands other than the run's own, cluster bootstraps, out-of-sample
-fits and tests need the sequences themselves. A run of 3,000 measured sequences holds 200 kB.
+    step, update   RL step; mini-batch index in it (0, the on-policy one, is never recorded; -1 the gate's)
+    group          prompt index in the step's batch (the bootstrap resamples (step, group) clusters)
+    length, s, d2  L; S = sum_t d_t, d_t = log pi_current - log pi_old; sum_t d_t^2
+    adv, out       the advantage; the share of tokens outside the run's own band
 """
 from __future__ import annotations
 
@@ -49,8 +38,8 @@ class SequenceLedger(DiagnosticMetric):
     @torch.no_grad()
     def update(self, step: int, update: int, group_ids: Tensor, lengths: Tensor, token_log_ratio: Tensor,
                response_mask: Tensor, advantages: Tensor, in_band: Tensor) -> None:
-        """Record a micro-batch: ``token_log_ratio`` [B, T] (d_t, 0 on padding), ``response_mask`` [B, T],
-        ``advantages`` [B] or [B, T], ``in_band`` [B, T] bool (the rule's acceptance event)."""
+        """Record a micro-batch: ``token_log_ratio`` [B, T] (0 on padding), ``response_mask`` [B, T], ``advantages``
+        [B] or [B, T], ``in_band`` [B, T] bool."""
         m = response_mask.to(torch.float64)
         d = token_log_ratio.to(torch.float64) * m
         L = m.sum(-1)

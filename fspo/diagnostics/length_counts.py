@@ -1,20 +1,7 @@
-"""Per-length-bin counts of one loss call, for trainers we do not own (verl, TRL).
-
-Owns: `length_counts` (a `ClipResult` and its mask -> a [3, n_bins] tensor of sums) and
-`count_metrics` / `fractions` (those sums as flat metric dicts). Leaves out: the running,
-checkpointed per-run metrics of our own trainer (clip_fraction.py) and where the adapters put the
-numbers (fspo/integrations).
-
-Sums, not fractions, because the host trainers average metrics over micro-batches: sums averaged
-over any number of calls keep their ratios, so fraction = clipped / sequences is exact after the
-host's averaging as long as every sum went through the same averaging. Rows (``ROWS``), per bin b
-(bins.py; L = 0 rows are in no bin):
-
-    seq    number of sequences with L_i in b
-    clip   sum_i f_i,  f_i = sum_t clipped[i, t] m_it / L_i   (binding clip: upper | lower | dual)
-    out    sum_i (1 - g_i),  g_i = sum_t in_band[i, t] m_it / L_i   (out of the band: the paper's c(L))
-
-f_i and g_i are 0 or 1 for sequence-level rules such as FSPO, fractional for token-level rules.
+"""Per-length-bin counts of one loss call, for host trainers (verl, TRL). Sums, not fractions: hosts average
+metrics over micro-batches, and averaged sums keep their ratios. Rows per bin (``ROWS``): ``seq`` sequences,
+``clip`` sum_i f_i (f_i the sequence's binding-clip share of tokens), ``out`` sum_i (1 - g_i) (g_i its
+in-band share: the paper's c(L)).
 """
 from __future__ import annotations
 
@@ -45,8 +32,8 @@ def length_counts(result: ClipResult, response_mask: Tensor, bins: LengthBins) -
 
 
 def count_metrics(sums: Tensor, bins: LengthBins, prefix: str) -> Dict[str, float]:
-    """``{prefix}/n_{row}/{label}: sums[row, b]`` for every row and EVERY bin (a fixed key set, so a
-    host that averages key by key over micro-batches and ranks sees each key every call)."""
+    """``{prefix}/n_{row}/{label}`` for every row and every bin (a fixed key set, so a host averaging key by key
+    sees each key every call)."""
     values = sums.detach().cpu().tolist()
     return {f"{prefix}/n_{row}/{label}": float(values[r][b])
             for r, row in enumerate(ROWS) for b, label in enumerate(bins.labels)}

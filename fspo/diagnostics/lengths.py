@@ -1,8 +1,4 @@
-"""Rollout length statistics (paper: "overlong rate" and "mean length excluding overlong").
-
-Owns: `RolloutLengthStats`, a torchmetrics `Metric` with count/sum states (and one max state),
-exact across ranks and micro-batches. Leaves out: rewards, KL and entropy (the training module).
-"""
+"""Rollout length statistics (paper: overlong rate and mean length excluding overlong), exact across ranks."""
 from __future__ import annotations
 
 from typing import Dict
@@ -15,20 +11,9 @@ from fspo.diagnostics.bins import check_lengths
 
 
 class RolloutLengthStats(DiagnosticMetric):
-    """Overlong rate and response-length means over every completion seen (L = 0 included).
-
-    ``update(lengths [B], overlong [B] bool)`` (overlong: stopped at max_new_tokens without EOS).
-    ``compute()``:
-
-        rollout/overlong_rate                   = n_overlong / n
-        rollout/response_len_mean               = sum L / n
-        rollout/response_len_mean_excl_overlong = sum_{not overlong} L / n_not_overlong
-        rollout/response_len_max                = max L
-        rollout/n_responses                     = n
-
-    Keys whose denominator is 0 are omitted (no NaN). States: n, n_overlong, len_sum,
-    len_sum_not_overlong (sum-reduced, int64) and len_max (max-reduced).
-    """
+    """Over every completion seen (L = 0 included), ``update(lengths [B], overlong [B] bool)``; ``compute()``:
+    ``rollout/overlong_rate``, ``rollout/response_len_mean``, ``rollout/response_len_mean_excl_overlong``,
+    ``rollout/response_len_max``, ``rollout/n_responses``; keys with a zero denominator omitted."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -55,7 +40,7 @@ class RolloutLengthStats(DiagnosticMetric):
         self.len_max = torch.maximum(self.len_max, lengths.max())
 
     def compute(self) -> Dict[str, float]:
-        """``rollout/*`` floats (see the class docstring)."""
+        """``rollout/*`` floats (class docstring)."""
         n = int(self.n)
         if n == 0:
             return {}

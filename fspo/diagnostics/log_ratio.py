@@ -1,35 +1,19 @@
 """Statistics of the sequence log-ratio S_L (paper section "Distribution of Sequence-Level Log Ratio").
 
-Owns: `LogRatioStats`, a torchmetrics `Metric`. Leaves out: the clip decisions (fspo/clipping).
-
-Exact part (sum-reduced states, identical for any split over ranks and micro-batches). Per bin b:
-n_b, sum S, sum S^2, sum S/L, sum S^2/L, sum 1/L, sum L. With mu_b = sum_b S / n_b (the paper's
-per-bin mean mu_hat_L) the paper's estimator is
+Exact part (sum-reduced per bin b: n_b, sum S, S^2, S/L, S^2/L, 1/L, L). With mu_b = sum_b S / n_b:
 
     sigma_hat^2 = (1/N) sum_i (S_i - mu_b(i))^2 / L_i
-                = (1/N) sum_b [ sum S^2/L - 2 mu_b sum S/L + mu_b^2 sum 1/L ]        (expand the square)
+                = (1/N) sum_b [sum S^2/L - 2 mu_b sum S/L + mu_b^2 sum 1/L]
 
-i.e. the mean square of (S - mu_hat_L)/sqrt(L) (its mean is ~0, so this is the paper's "std of
-all values"). Removing mu_b costs a degree of freedom per bin; if S_i ~ N(mu_b, sigma^2 L_i)
-independently, E[sum_{i in b} (S_i - mu_b)^2 / L_i] = sigma^2 (n_b - 2 + (sum L)(sum 1/L) / n_b^2)
-(= n_b - 1 for equal L), which gives the unbiased ``sigma_hat_unbiased`` too. Per bin:
-mean mu_b and sample std sqrt((sum S^2 - n mu_b^2)/(n_b - 1)) (bins with n_b >= 2).
-``std_exponent`` is the least-squares slope gamma of log std_b on log mean-L_b over bins with n_b >= 2
-and std_b > 0 (theory: 0.5, std(S_L) = sigma sqrt(L)), with ``std_prefactor`` c (std_b ~ c L^gamma),
-``std_exponent_r2`` the R^2 of that log-log fit and ``std_exponent_bins`` the number of bins in it.
+and ``sigma_hat_unbiased`` divides by sum_b (n_b - 2 + (sum L)(sum 1/L) / n_b^2), its expectation for
+S_i ~ N(mu_b, sigma^2 L_i). Per bin: mean and sample std (n_b >= 2); ``std_exponent`` gamma, ``std_prefactor``,
+``std_exponent_r2``, ``std_exponent_bins`` from the log-log fit of std_b on mean L_b (theory 0.5).
 
-Sampled part: a reservoir of ``reservoir_size`` (S, L) pairs drawn uniformly from every sequence
-seen by this rank (Algorithm R; the random draw for the n-th sequence is a hash of (seed, n), so
-k updates give the same reservoir as one update on their concatenation). States are fixed-size
-tensors; under distribution the per-rank reservoirs are concatenated (at most world_size*size
-entries; equal weight per rank). The Q-Q statistics are therefore SAMPLED, unlike the exact sums:
-Z = (S - mu_b)/(sqrt(L) sigma_hat) sorted against normal quantiles Phi^{-1}((i - 3/8)/(n + 1/4))
-(Blom), fitted by least squares: ``qq_slope``, ``qq_intercept``, ``qq_r2`` (squared correlation): the
-paper's standardisation, which assumes the sqrt(L) law. ``qq_r2_per_bin`` standardises each bin by its
-own sample std instead, Z_b = (S - mu_b) / std_b: it tests the shape (Gaussian within a length) apart
-from the length law, so qq_r2 << qq_r2_per_bin says the sqrt(L) scaling, not the shape, is what fails.
-
-Rows with L = 0 (or L below the first edge) are ignored. Keys with an empty denominator are omitted.
+Sampled part: a reservoir of ``reservoir_size`` (S, L) pairs per rank (Algorithm R, the draw for the n-th
+sequence a hash of (seed, n), so k updates equal one on their concatenation; ranks concatenated). Q-Q of
+Z = (S - mu_b) / (sqrt(L) sigma_hat) against Blom quantiles: ``qq_slope``, ``qq_intercept``, ``qq_r2``;
+``qq_r2_per_bin`` standardises by each bin's own std (shape apart from the sqrt(L) law).
+Rows with L = 0 are ignored; keys with an empty denominator are omitted.
 """
 from __future__ import annotations
 
@@ -62,12 +46,7 @@ def _hash_uniform(n: Tensor, seed: int) -> Tensor:
 
 
 class LogRatioStats(DiagnosticMetric):
-    """Exact per-bin moments of S_L, sigma_hat, std exponent, and sampled Q-Q stats (module docstring).
-
-    ``update(seq_log_ratio [B] float, lengths [B])``; NaN/inf in ``seq_log_ratio`` raise
-    ValueError("seq_log_ratio contains NaN at k positions; check log-probs upstream").
-    Use ``update``/``compute`` (not ``forward``).
-    """
+    """``update(seq_log_ratio [B], lengths [B])`` then ``compute()`` (module docstring); not ``forward``."""
 
     def __init__(self, bins: LengthBins, reservoir_size: int = 4096, seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -91,7 +70,7 @@ class LogRatioStats(DiagnosticMetric):
         raise NotImplementedError("LogRatioStats: call update() then compute(), not forward()")
 
     def update(self, seq_log_ratio: Tensor, lengths: Tensor) -> None:
-        """Add one (micro-)batch of sequence log-ratios S_i [B] and lengths L_i [B]."""
+        """Add one (micro-)batch of S_i [B] and L_i [B]; ValueError on NaN/inf."""
         s = torch.as_tensor(seq_log_ratio).to(self.count.device)
         if s.dim() != 1:
             raise ValueError(f"seq_log_ratio must have shape [B], got {tuple(s.shape)}")
@@ -132,7 +111,7 @@ class LogRatioStats(DiagnosticMetric):
         self.res_len[slot[last]] = L[last]
 
     def compute(self) -> Dict[str, float]:
-        """``logratio/*`` floats: sigma_hat(_unbiased), mean/<label>, std/<label>, std_exponent, qq_*."""
+        """``logratio/*`` floats (module docstring)."""
         out: Dict[str, float] = {}
         n = self.count.double()
         has = n > 0
@@ -178,15 +157,13 @@ class LogRatioStats(DiagnosticMetric):
         return out
 
     def reset(self) -> None:
-        """Zero every state and drop the arrays cached by the last `compute()` for plotting."""
+        """Zero every state and drop the cached arrays."""
         super().reset()
         self.last_per_bin, self.last_z = None, None
 
 
 def _power_fit(length: Tensor, std: Tensor) -> Dict[str, float]:
-    """Least squares of log std_b = log c + gamma log L_b over the bins given (>= 2):
-    ``std_exponent`` gamma, ``std_prefactor`` c, ``std_exponent_r2`` (R^2 of the log-log fit; 1 when the
-    bins' std is exactly c L^gamma; 0 when gamma explains nothing), ``std_exponent_bins`` the count."""
+    """Least squares of log std_b = log c + gamma log L_b: gamma, c, R^2, the bin count."""
     x, y = length.double().log(), std.double().log()
     xc, yc = x - x.mean(), y - y.mean()
     vx, vy = (xc * xc).sum(), (yc * yc).sum()

@@ -1,35 +1,13 @@
-"""Length Reweighting Error (paper section "Length Fairness and LRE" and the appendix), pure functions.
+"""Length Reweighting Error (paper section "Length Fairness and LRE" and appendix), from per-bin sums:
 
-Owns: acceptance rates per length bin and LRE / LRE_w from per-bin sums. Leaves out: collecting
-the sums (clip_fraction.py) and which event counts as "rejected" (the caller passes C_b).
+    q_b    = 1 - C_b / n_b        C_b = the bin's sum of per-sequence rejected fractions
+    q_bar  = sum_b n_b q_b / sum_b n_b
+    LRE    = 0.5 sum_b n_b |q_b / q_bar - 1| / sum_b n_b
+    LRE_w  = 0.5 sum_b a_b |q_b / q_bar - 1| / sum_b a_b,   a_b = sum_{i in b} |A_i|
 
-Definitions implemented (bins b stand for lengths L; the paper's appendix justifies binning):
-
-    q_b    = 1 - C_b / n_b            acceptance of bin b; C_b = sum over its sequences of the
-                                      per-sequence rejected fraction (0/1 for sequence-level rules)
-    q_bar  = sum_b n_b q_b / sum_b n_b = E_L[q(L)], sample-count weighted (paper: q_bar = E[q(L)])
-    LRE    = 0.5 * sum_b n_b |q_b / q_bar - 1| / sum_b n_b       = 0.5 E_L |q(L)/q_bar - 1|
-
-    LRE_w  = 0.5 E_L[ |q(L)/q_bar - 1| * ||g_L|| / E_L||g_L|| ]  (paper appendix, "Weighted-LRE")
-
-For LRE_w we use the proxy ||g_L|| ~ mean_{i in b} |A_i| = a_b / n_b with a_b = sum_{i in b} |A_i|.
-With E_L taken over the sample distribution (p_b = n_b / N) the n_b cancel:
-
-    LRE_w  = 0.5 * sum_b a_b |q_b / q_bar - 1| / sum_b a_b,   q_bar still count-weighted as above.
-
-So `lre(q, weights=a, q_bar_weights=n)` is exactly the appendix formula under this proxy. The proxy
-ignores the norm of the score function grad log pi(y), which grows with L; it is a cheap stand-in
-(the exact per-bin gradient norm would need one backward pass per bin).
-
-The paper's LRE (``fairness/lre``) takes C_b = sequences whose ratio lies outside the band (the
-paper's acceptance event A_L, whatever the advantage's sign: ``ClipResult.in_band``); the binding
-LRE (``fairness/binding_lre``) takes C_b = binding clips (depend on sign(A), count the dual clip).
-Both go through `length_fairness`, with different ``prefix``.
-
-Conventions (no NaN ever): bins with zero weight contribute nothing (so empty bins drop out);
-with no weight at all, or q_bar = 0 (everything clipped, no direction to compare), LRE := 0.
-``min_len`` excludes bins whose upper edge is <= min_len (the paper excludes L < 1000: with
-200-token bins, ``min_len=1000`` keeps [1000, 1200) and drops [800, 1000)).
+LRE_w is the appendix's weighted LRE with the proxy ||g_L|| ~ mean |A_i| (the n_b cancel); it ignores the
+norm of grad log pi, which grows with L. Never NaN: zero-weight bins drop out, and no weight or q_bar = 0
+gives 0. ``min_len`` drops bins whose upper edge is <= min_len (the paper excludes L < 1000).
 """
 from __future__ import annotations
 
@@ -42,11 +20,7 @@ from fspo.diagnostics.bins import LengthBins
 
 
 def acceptance(counts: Tensor, clipped: Tensor) -> Tensor:
-    """Per-bin acceptance ``q_b = 1 - clipped_b / counts_b`` (float64; 1.0 where counts_b == 0).
-
-    ``clipped`` is the per-bin sum of per-sequence clip fractions (a count for sequence rules).
-    Empty bins get q = 1 (no evidence of clipping); give them zero weight in `lre`.
-    """
+    """Per-bin ``q_b = 1 - clipped_b / counts_b`` (float64; 1 for an empty bin, to be given zero weight)."""
     counts = torch.as_tensor(counts).double()
     clipped = torch.as_tensor(clipped, device=counts.device).double()
     safe = counts.clamp_min(1.0)
@@ -62,12 +36,8 @@ def q_bar(q: Tensor, weights: Tensor) -> Tensor:
 
 
 def lre(q: Tensor, weights: Tensor, q_bar_weights: Optional[Tensor] = None) -> Tensor:
-    """``0.5 * sum_b w_b |q_b/q_bar - 1| / sum_b w_b`` with ``q_bar = q_bar(q, q_bar_weights or weights)``.
-
-    LRE: ``weights = q_bar_weights = n_b``. LRE_w (appendix, proxy ||g_L|| = mean |A|):
-    ``weights = sum_b |A|``, ``q_bar_weights = n_b``. Returns a 0-dim float64 tensor; 0 when
-    ``sum w == 0`` or ``q_bar == 0`` (documented convention, never NaN).
-    """
+    """``0.5 sum_b w_b |q_b / q_bar - 1| / sum_b w_b``, q_bar weighted by ``q_bar_weights`` (default ``weights``):
+    LRE with w = n_b, LRE_w with w = a_b and q_bar_weights = n_b. 0-dim float64."""
     q = torch.as_tensor(q).double()
     w = torch.as_tensor(weights, device=q.device).double()
     if (w < 0).any():
@@ -89,14 +59,8 @@ def min_len_mask(bins: LengthBins, min_len: float = 0) -> Tensor:
 
 def length_fairness(counts: Tensor, clipped: Tensor, abs_adv: Tensor, bins: LengthBins,
                     min_len: float = 0, prefix: str = "fairness/") -> Dict[str, float]:
-    """``<prefix>lre``, ``<prefix>lre_w``, ``<prefix>q_bar``, ``<prefix>n_bins`` from per-bin sums.
-
-    ``counts`` n_b, ``clipped`` C_b (per-bin sum of per-sequence rejected fractions, so
-    q_b = 1 - C_b / n_b), ``abs_adv`` a_b = sum_{i in b} |A_i| (LRE_w's proxy). ``prefix``
-    ``"fairness/"`` for the paper's acceptance, ``"fairness/binding_"`` for binding clips.
-    Bins with upper edge <= ``min_len`` and empty bins are excluded. Returns {} when no sequence
-    is left (nothing to report rather than NaN).
-    """
+    """``<prefix>lre``, ``lre_w``, ``q_bar``, ``n_bins`` from per-bin counts n_b, rejected sums C_b and |A| sums a_b,
+    over non-empty bins with upper edge > ``min_len``; {} when none."""
     counts = torch.as_tensor(counts).double()
     keep = min_len_mask(bins, min_len).to(counts.device) & (counts > 0)
     if not bool(keep.any()):

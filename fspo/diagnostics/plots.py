@@ -1,9 +1,5 @@
-"""Diagnostic figures (paper Fig. qL and Fig. seq_ratio_qqplot), matplotlib without a display.
-
-Owns: three functions that each return a `matplotlib.figure.Figure` built with the object API
-(``Figure()`` rendered by the Agg canvas; pyplot is never imported, so no global figure state and
-no display). The training system logs them to MLflow as artifacts. Leaves out: the numbers
-(collection.py computes them) and logging.
+"""Diagnostic figures (paper Fig. qL and Fig. seq_ratio_qqplot): matplotlib's object API on the Agg canvas, never
+pyplot, so no global state and no display.
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ Curve = Union[Callable[[np.ndarray], np.ndarray], XY]
 
 
 def _new_figure(size=(6.4, 4.4)) -> Tuple[Figure, Axes]:
-    """A Figure attached to the Agg canvas (explicitly: no backend switch, never a display)."""
+    """A Figure attached to the Agg canvas."""
     fig = Figure(figsize=size, dpi=100)
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot(1, 1, 1)
@@ -41,16 +37,13 @@ def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str, loc: st
 
 def _label_xy(d: Mapping[str, float]) -> Tuple[np.ndarray, np.ndarray]:
     """Bin labels -> (bin midpoint, value); the overflow bin is placed at its lower edge."""
-    pts = []
-    for k, v in d.items():
-        pts.append((bin_midpoint(k), float(v)))
-    pts.sort()
+    pts = sorted((bin_midpoint(k), float(v)) for k, v in d.items())
     arr = np.asarray(pts, dtype=np.float64).reshape(-1, 2)
     return arr[:, 0], arr[:, 1]
 
 
 def _series(observed) -> dict:
-    """Normalise ``observed`` to {name: (x, y)}."""
+    """``observed`` as {name: (x, y)}."""
     if isinstance(observed, tuple) and len(observed) == 2:
         return {"observed": (np.asarray(observed[0], float), np.asarray(observed[1], float))}
     if isinstance(observed, Mapping):
@@ -66,19 +59,11 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
                                  ylabel: str = "fraction of sequences", binding=None,
                                  counts: Optional[Mapping[str, Sequence[float]]] = None,
                                  note: Optional[str] = None) -> Figure:
-    """Observed out-of-band fraction c_hat(L) per length bin beside theoretical c(L) curves, and
-    optionally the binding-clip fraction as a second, dotted curve.
-
-    ``observed``: the paper's c(L) = 1 - q(L) (``band/out_frac/*``: ratio outside the band, any
-    sign of A), the quantity the closed forms in theory.py describe: ``{"len_00200_00400": 0.12,
-    ...}`` (plotted at bin midpoints), ``(lengths, fracs)``, or ``{series name: either}``.
-    ``theory_curve``: a callable ``c(L)`` (evaluated on a grid over the observed range, e.g.
-    ``lambda L: theory.c_rloo(L, 0.03, 0.667, 0.4)``), ``(L, c)`` arrays, or ``{name: either}``
-    (dashed). ``binding``: the binding-clip fraction (``clip/seq_frac/*``: depends on sign(A), counts
-    the dual clip; not what the closed forms give), same formats as ``observed``; a series named
-    ``observed`` is labelled "binding clip". ``counts``: ``{series name: sequences per point}``, aligned
-    with that series' points, written as ``n=..`` beside each point (a fraction over 3 sequences is not
-    one over 3,000); ``note``: a caption under the axes. Returns a Figure.
+    """Observed out-of-band fraction c(L) = 1 - q(L) per length bin beside theory curves, optionally the
+    binding-clip fraction dotted. ``observed`` / ``binding``: ``{bin label: frac}`` (at bin midpoints),
+    ``(lengths, fracs)``, or ``{series name: either}``; ``theory_curve``: a callable c(L), ``(L, c)`` arrays, or
+    ``{name: either}`` (dashed); ``counts``: ``{series name: sequences per point}`` written as ``n=..``; ``note``: a
+    caption.
     """
     fig, ax = _new_figure()
     series = _series(observed)
@@ -111,7 +96,7 @@ def plot_clip_fraction_by_length(observed, theory_curve: Union[None, Curve, Mapp
 
 
 def _side_of_theory(series, curves) -> Optional[str]:
-    """A caption sentence when every measured point lies on one side of the (first) theory curve, else None."""
+    """A caption when every measured point lies on one side of the first theory curve, else None."""
     cur = next(iter(curves.values()))
     pts = [(xi, yi) for x, y in series.values() for xi, yi in zip(x, y) if np.isfinite(yi)]
     if not pts or not callable(cur):
@@ -128,9 +113,8 @@ def _side_of_theory(series, curves) -> Optional[str]:
 
 
 def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_L") -> Figure:
-    """Sorted Z = (S - mu_hat_L)/(sqrt(L) sigma_hat) against normal quantiles Phi^{-1}((i-3/8)/(n+1/4)),
-    with the least-squares line (slope m, intercept b, R^2 in the legend) and the y = x reference.
-    """
+    """Sorted Z = (S - mu_hat_L) / (sqrt(L) sigma_hat) against Blom quantiles, with the least-squares line (slope,
+    intercept, R^2) and y = x."""
     fig, ax = _new_figure((5.0, 5.0))
     z = np.sort(np.asarray(z_sample, dtype=np.float64).ravel())
     z = z[np.isfinite(z)]
@@ -151,12 +135,8 @@ def plot_qq(z_sample: Sequence[float], title: str = "Q-Q plot of standardised S_
 def plot_std_vs_sqrt_len(bin_mean_len: Sequence[float], bin_std: Sequence[float],
                          sigma: Optional[float] = None,
                          title: str = "std(S_L) vs sqrt(L)") -> Figure:
-    """Per-bin std(S_L) against sqrt(mean L); theory is a line through 0 with slope sigma.
-
-    Bins with non-finite or non-positive values are skipped. With ``sigma`` the reference
-    ``sigma sqrt(L)`` is drawn (straight on this sqrt(L) axis); the legend gives the fitted exponent b of
-    std ~ L^b (a log-log fit against L, theory 0.5), rounded to 2 decimals.
-    """
+    """Per-bin std(S_L) against sqrt(mean L) (non-finite or non-positive bins skipped); with ``sigma`` the line
+    sigma sqrt(L); the legend gives the log-log exponent b of std ~ L^b (theory 0.5)."""
     fig, ax = _new_figure()
     x = np.asarray(bin_mean_len, dtype=np.float64).ravel()
     y = np.asarray(bin_std, dtype=np.float64).ravel()

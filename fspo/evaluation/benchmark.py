@@ -1,21 +1,9 @@
-"""Benchmark evaluation: sample k completions per problem, verify them, and reduce to Avg@k.
+"""Benchmark evaluation: sample k completions per problem, verify them, reduce. With problems p = 1..P, k_p
+samples each, c_p correct (the reward's ``correct`` component is 1, else score > 0):
 
-Owns: `avg_at_k`, `ProblemResult` / `BenchmarkResult` (per-problem rows and benchmark metrics),
-`evaluate_benchmark` (one benchmark with any `RolloutEngine` and any `RewardFn`), `check_fits_context`
-(the same prompt-length and context rules, checked for every benchmark before anything runs).
-Leaves out: finding and loading a run's checkpoints and config (fspo/runtime/checkpoints/files.py), best/last summaries
-and MLflow logging (summary.py), and the command line (experiments/evaluate.py).
+    avg_at_k  = (1/P) sum_p c_p / k_p   (the paper's Avg@8 / Avg@32)     pass_at_k = (1/P) sum_p 1[c_p > 0]
 
-Metrics of one benchmark with problems p = 1..P, k_p samples each, c_p of them correct::
-
-    avg_at_k          = (1/P) sum_p c_p / k_p         (the paper's Avg@8 / Avg@32)
-    pass_at_k         = (1/P) sum_p 1[c_p > 0]
-    overlong_rate     = fraction of all samples that hit max_new_tokens without EOS
-    response_len_mean = mean response length in tokens over all samples (EOS included)
-    answered_rate     = fraction of samples with an extractable final answer (reward "format")
-
-A sample is correct when the reward's ``correct`` component is 1 (fspo/rewards/math_verify_reward.py);
-a reward without that component counts ``score > 0`` as correct.
+plus ``overlong_rate``, ``response_len_mean`` and ``answered_rate`` (an extractable answer) over all samples.
 """
 from __future__ import annotations
 
@@ -30,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def avg_at_k(n_correct: Sequence[int], k: Sequence[int] | int) -> float:
-    """Avg@k = mean over problems of ``n_correct[p] / k[p]`` (``k`` an int or one per problem)."""
+    """Mean over problems of ``n_correct[p] / k[p]`` (``k`` an int or one per problem)."""
     ks = [k] * len(n_correct) if isinstance(k, int) else list(k)
     if len(ks) != len(n_correct) or not n_correct:
         raise ValueError(f"avg_at_k needs one k per problem and >= 1 problem (got {len(n_correct)} / {len(ks)})")
@@ -63,7 +51,7 @@ class BenchmarkResult:
     completions: List[dict] = field(default_factory=list)  # filled when keep_completions=True
 
     def metrics(self) -> Dict[str, float]:
-        """``{avg_at_k, pass_at_k, overlong_rate, response_len_mean, answered_rate, ...}`` (module docstring)."""
+        """The logged scalars (module docstring)."""
         ps = self.problems
         n = sum(p.k for p in ps)
         tokens = sum(p.mean_response_len * p.k for p in ps)
@@ -77,14 +65,13 @@ class BenchmarkResult:
                 "seconds": self.seconds, "tokens_per_s": tokens / max(self.seconds, 1e-9)}
 
     def table(self) -> Dict[str, list]:
-        """The per-problem rows as columns (``{"problem_id": [...], "n_correct": [...], ...}``)."""
+        """The per-problem rows as columns."""
         rows = [asdict(p) for p in self.problems]
         return {key: [r[key] for r in rows] for key in rows[0]} if rows else {}
 
 
 def context_length(policy, engine) -> Optional[int]:
-    """Longest prompt + completion the model/engine accepts (min of max_position_embeddings and the
-    engine's max_model_len when it has one); None when neither is known."""
+    """Longest prompt + completion the model and engine accept; None when neither is known."""
     limits = [getattr(getattr(policy, "config", None), "max_position_embeddings", None),
               getattr(engine, "max_model_len", None)]
     limits = [int(x) for x in limits if x]
@@ -105,15 +92,9 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
                        context_len: Optional[int] = None, max_prompt_len: Optional[int] = None,
                        on_long_prompt: str = "raise", fit_context: bool = True, prompts_per_call: Optional[int] = 64,
                        seed: int = 0, keep_completions: bool = False, label: str = "") -> BenchmarkResult:
-    """Sample ``k`` completions for every prompt of ``source`` with ``engine`` (already set up and
-    synced) and score them with ``reward_fn``.
-
-    Prompts longer than ``max_prompt_len`` tokens raise (``on_long_prompt='raise'``) or are
-    dropped and counted (``'skip'``). If the longest prompt + ``sampling.max_new_tokens`` exceeds
-    ``context_len``, ``fit_context`` lowers max_new_tokens to fit (with a warning), else it raises.
-    Engine call j samples with seed ``seed + j``, so two policies see the same random streams.
-    After each engine call one progress line: ``<label> <name>: <done>/<total> problems x k, <elapsed>, ETA <rest>``.
-    """
+    """Sample ``k`` completions for every prompt of ``source`` with ``engine`` and score them with ``reward_fn``.
+    Prompts over ``max_prompt_len`` raise or are skipped (``on_long_prompt``); a budget over ``context_len`` is
+    lowered (``fit_context``) or raises. Engine call j uses seed ``seed + j``. One progress line per call."""
     if k < 1:
         raise ValueError(f"samples per prompt (k) must be >= 1 for {name}, got {k}")
     samples, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
@@ -156,10 +137,8 @@ def evaluate_benchmark(name: str, source, k: int, engine, tokenizer, reward_fn, 
 def check_fits_context(name: str, source, tokenizer, max_new_tokens: int, context_len: Optional[int], *,
                        max_prompt_len: Optional[int] = None, on_long_prompt: str = "raise",
                        fit_context: bool = True) -> int:
-    """Raise ValueError, before anything is sampled, if benchmark ``name`` cannot run: a prompt over
-    ``max_prompt_len`` (with ``on_long_prompt='raise'``), a longest kept prompt that leaves no room for
-    one new token in ``context_len``, or (``fit_context=False``) prompt + ``max_new_tokens`` over it.
-    Returns the new-token budget `evaluate_benchmark` will use."""
+    """Raise ValueError, before anything is sampled, when benchmark ``name`` cannot run (the rules of
+    `evaluate_benchmark`); return the new-token budget it will use."""
     _, ids = _kept_prompts(name, source, tokenizer, max_prompt_len, on_long_prompt)
     return _fit_new_tokens(name, max(len(x) for x in ids), max_new_tokens, context_len, fit_context, warn=False)
 

@@ -1,9 +1,5 @@
-"""The paper's best/last rule for a run's checkpoints (or a metric's logged history), defined once.
-
-Owns: `best_last`. Given values in step order: **best** is the highest value (ties: the earliest
-step), **last** the value at the largest step. Used by the evaluation summary
-(summary.py, per benchmark over checkpoints) and by the sweep report
-(fspo/evaluation/report/collect.py, over a metric's logged history).
+"""The paper's best/last rule, defined once: of values in step order, **best** is the highest (ties: the
+earliest), **last** the value at the largest step.
 """
 from __future__ import annotations
 

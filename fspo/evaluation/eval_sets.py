@@ -1,15 +1,7 @@
-"""Which benchmarks an evaluation runs, built from the evaluator's config and the training run's.
-
-Owns: `Benchmark` (one benchmark's prompt source, k, own scorer and new-token budget),
-`uses_builtin_task` (did the training run train on fspo/data/arithmetic.py?), `select_eval_data`
-(the built-in task's evaluation set, conf/eval_data/arithmetic.yaml, in place of the default math
-benchmarks when the run used the built-in task and no eval_data was asked for; its settings taken
-from the run so it stays disjoint from the run's train and validation splits) and `build_benchmarks`.
-Leaves out: sampling and scoring (benchmark.py), the command line (experiments/evaluate.py).
-
-An ``eval_data.<name>`` node holds ``source`` (instantiated), ``samples_per_prompt`` and optionally
-``reward`` (that benchmark's scorer; default: the evaluator's ``reward``), ``max_new_tokens`` (default:
-``sampling.max_new_tokens``) and ``from_run`` (the built-in set: copy the training run's data settings).
+"""Which benchmarks an evaluation runs. An ``eval_data.<name>`` node holds ``source`` (instantiated),
+``samples_per_prompt`` and optionally ``reward`` (default: the evaluator's), ``max_new_tokens`` (default:
+``sampling.max_new_tokens``) and ``from_run`` (copy the training run's data settings, so the built-in set
+stays disjoint from the run's train and validation splits).
 """
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ EVAL_DATA_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval_data"
 
 @dataclass
 class Benchmark:
-    """One benchmark ready to run: its prompts, samples per prompt, and optional own scorer / budget."""
+    """One benchmark ready to run: prompts, samples per prompt, optional own scorer / budget."""
 
     source: Any
     k: int
@@ -44,9 +36,8 @@ def uses_builtin_task(run_cfg: Optional[DictConfig]) -> bool:
 
 
 def select_eval_data(cfg: DictConfig, run_cfg: Optional[DictConfig]) -> None:
-    """Settle ``cfg.eval_data`` in place: with ``cfg.eval_data_auto`` and a built-in-task run, the
-    built-in evaluation set replaces the configured benchmarks; every ``from_run`` node then takes the
-    run's data settings (seed, operand range, train and validation sizes, the validation budget)."""
+    """Settle ``cfg.eval_data`` in place: with ``eval_data_auto`` and a built-in-task run, the built-in set replaces
+    the configured benchmarks; every ``from_run`` node takes the run's data settings."""
     with open_dict(cfg):
         if cfg.get("eval_data_auto", False) and uses_builtin_task(run_cfg):
             node = OmegaConf.load(EVAL_DATA_DIR / f"{BUILTIN_EVAL_SET}.yaml")
@@ -74,8 +65,7 @@ def _match_run(bench: DictConfig, run_cfg: DictConfig) -> None:
 
 
 def build_benchmarks(cfg: DictConfig) -> Dict[str, Benchmark]:
-    """name -> `Benchmark`, with the global ``limit`` / ``k`` overrides applied (``limit`` keeps the first
-    N problems: passed to sources that take it, else the built source is cut)."""
+    """name -> `Benchmark`, with the global ``limit`` (first N problems) and ``k`` overrides."""
     from hydra.utils import instantiate
 
     from fspo.data.base import ListSource

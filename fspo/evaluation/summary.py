@@ -1,16 +1,7 @@
-"""Summarizing an evaluation of a training run's checkpoints: the best/last summary, and MLflow logging.
-
-Owns: `summarize` / `summary_markdown` (best and last
-checkpoint per benchmark, as in the paper's results table) and `MlflowRecorder` (metrics,
-per-problem tables, tags and the summary of one evaluation, into a new MLflow run or into the
-training run). Leaves out: finding checkpoints and reading them (fspo/runtime/checkpoints/files.py), sampling
-and scoring (benchmark.py) and the command line (experiments/evaluate.py).
-
-Summary conventions (paper, "Main Results"): per benchmark, **best** is the checkpoint with the
-highest Avg@k (ties: the earliest step) and **last** the checkpoint with the largest step; the
-**Average** row is the mean over benchmarks of the per-benchmark best (resp. last) values, which is
-how the paper's "Average (Best/Last)" column is computed (8B FSPO: (90.20+34.48+24.69)/3 = 49.79).
-The base model (``base=True`` entry) is reported beside them and never counts as best or last.
+"""The best/last summary of an evaluation's checkpoints and its MLflow logging. Per benchmark (paper, "Main
+Results") best and last follow best_last.py; the **Average** row is the mean over benchmarks of the best
+(resp. last) values, as the paper's "Average (Best/Last)" column. The base model is reported beside them and
+never counts as best or last.
 """
 from __future__ import annotations
 
@@ -27,13 +18,8 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------- summary
 def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[str, Any]:
-    """Best/last summary of evaluated checkpoints.
-
-    ``entries``: one dict per evaluated model, ``{"checkpoint": str|None, "step": int|None,
-    "base": bool, "metrics": {benchmark: {metric: value, ...}}}``. Returns ``{"metric", "benchmarks":
-    {name: {"best": {value, step, checkpoint}, "last": {...}, "base": value|None}}, "average": {...},
-    "checkpoints": [entries sorted by step]}`` (conventions in the module docstring).
-    """
+    """Best/last summary of ``entries`` (``{"checkpoint", "step", "base", "metrics": {benchmark: {metric: value}}}``):
+    ``{"metric", "benchmarks": {name: {"best", "last", "base"}}, "average", "checkpoints"}``."""
     ckpts = [e for e in entries if not e.get("base")]
     base = next((e for e in entries if e.get("base")), None)
     if not ckpts:
@@ -61,8 +47,7 @@ def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[s
 
 
 def summary_markdown(summary: Dict[str, Any]) -> str:
-    """The summary as Markdown: a Best/Last table and one row per checkpoint, as fractions correct (0-1, 4
-    decimals): the unit of the MLflow metrics and the console (the paper's tables are these x 100)."""
+    """The summary as Markdown tables, in fractions correct (0-1, 4 decimals)."""
     pct = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     m, benches = summary["metric"], summary["benchmarks"]
     lines = [f"## {m}: best / last checkpoint (fraction correct, 0-1)", "",
@@ -85,8 +70,8 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------- MLflow
 class MlflowRecorder:
-    """One evaluation's MLflow sink: a new run in ``experiment_name``, or ``run_id``'s existing run
-    (e.g. the training run) when given. Every artifact is also written under ``out_dir``."""
+    """One evaluation's MLflow sink: a new run in ``experiment_name``, or the existing run ``run_id``. Every artifact
+    is also written under ``out_dir``."""
 
     def __init__(self, tracking_uri: str, out_dir, experiment_name: str = "fspo-eval", run_id: Optional[str] = None,
                  run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
@@ -108,7 +93,7 @@ class MlflowRecorder:
             self.attached = False
 
     def log_params(self, params: Dict[str, Any]) -> None:
-        """Run parameters (new runs only: an attached run keeps the training parameters)."""
+        """Run parameters (new runs only)."""
         if not self.attached:
             from mlflow.entities import Param
 
@@ -126,12 +111,11 @@ class MlflowRecorder:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, int(step)) for k, v in metrics.items()])
 
     def log_json(self, obj: Any, artifact_file: str) -> Path:
-        """Write ``obj`` as JSON to ``out_dir/artifact_file`` and log it at the same artifact path."""
+        """``obj`` as JSON at ``artifact_file``."""
         return self._log_text(json.dumps(obj, indent=1, default=str), artifact_file)
 
     def _local(self, artifact_file: str) -> Path:
-        """Where an artifact's local copy goes: its artifact path without the leading ``eval/`` (the output
-        folder is the evaluation's own: ``<run>/eval/<date_time>/summary.md``, not ``.../eval/summary.md``)."""
+        """The local copy's path: the artifact path without its leading ``eval/``."""
         return self.out_dir / (artifact_file[len("eval/"):] if artifact_file.startswith("eval/") else artifact_file)
 
     def _log_text(self, text: str, artifact_file: str) -> Path:
@@ -143,9 +127,8 @@ class MlflowRecorder:
         return local
 
     def log_benchmark(self, result, step: Optional[int], checkpoint: Optional[str], folder: str) -> Dict[str, float]:
-        """``eval/<name>/<metric>`` at ``step`` (0 when unknown), the per-problem table as
-        ``<folder>/per_problem.json`` (MLflow table format: ``{"columns": [...], "data": [[...]]}``),
-        completions when kept, and tags ``eval/checkpoint`` / ``eval/step``. Returns the metrics."""
+        """``eval/<name>/<metric>`` at ``step`` (0 when unknown), ``<folder>/per_problem.json`` (MLflow's table format),
+        completions when kept, tags ``eval/checkpoint`` / ``eval/step``. Returns the metrics."""
         metrics = result.metrics()
         self.log_metrics({f"eval/{result.name}/{k}": v for k, v in metrics.items()}, step or 0)
         table, artifact = result.table(), f"{folder}/per_problem.json"
@@ -160,8 +143,7 @@ class MlflowRecorder:
         return metrics
 
     def log_summary(self, summary: Dict[str, Any]) -> None:
-        """``eval/summary.json``, ``eval/summary.md`` and ``summary/<benchmark>/{best,last}_<metric>``
-        (plus ``best_step``) metrics."""
+        """``eval/summary.{json,md}`` and ``summary/<benchmark>/{best,last}_<metric>`` metrics."""
         m = summary["metric"]
         flat = {f"summary/average/{k}_{m}": v for k, v in summary["average"].items() if v is not None}
         for b, v in summary["benchmarks"].items():
@@ -173,6 +155,6 @@ class MlflowRecorder:
         self._log_text(summary_markdown(summary), "eval/summary.md")
 
     def close(self, ok: bool = True, status: Optional[str] = None) -> None:
-        """End a run this recorder created (``status``, else FINISHED or FAILED); an attached run is left as it was."""
+        """End a run this recorder created; an attached run is left as it was."""
         if not self.attached:
             self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))

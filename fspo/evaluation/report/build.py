@@ -1,23 +1,16 @@
-"""Build the report folder from MLflow runs and log it to a ``report`` run.
-
-Owns: `make_report` — load runs (collect.py), group them, write ``table1.{md,csv}``,
-``by_length.md`` (c(L) per bin with counts and flatness), ``sl_band.csv`` and ``figures/sl_scatter.png`` (Figure 1
-left, scatter.py), ``law.{md,csv}`` (the length law's targets, law.py), ``fairness.csv``, ``runs.csv``, ``report.md``,
-``figures/*.png`` and the runs' Q-Q plots (``qq/*.png`` + ``figures/logratio_qq_grid.png``), then log the folder as
-artifacts of a new run named ``report`` (tag ``fspo.role = report``) in the runs' experiment. Leaves out: the command
-line (experiments/report.py).
+"""`make_report`: the report folder (tables, by-length and length-law views, figures, the runs' Q-Q plots) from
+MLflow runs, logged as artifacts of a run tagged ``fspo.role = report`` in its own experiment.
 """
 from __future__ import annotations
 
 import logging
 import re
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 from fspo.evaluation.report import figures as F
 from fspo.evaluation.report.by_length import MIN_COUNT, by_length_markdown, by_length_rows
-from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs
+from fspo.evaluation.report.collect import ROLE_TAG, RunRecord, load_runs, read_artifact
 from fspo.evaluation.report.law import law_markdown, law_rows
 from fspo.evaluation.report.law_lab import download_records, lab_figure, lab_markdown, lab_rows, own_band, targets
 from fspo.evaluation.report.scatter import write_scatter
@@ -46,23 +39,15 @@ def metric_key(s: str) -> str:
 
 
 def _download_qq(tracking_uri: str, runs: Dict[str, List[RunRecord]], out: Path) -> Dict[str, Path]:
-    """Fetch each run's Q-Q plot artifact into ``out``; runs without one are skipped (logged)."""
-    from mlflow.artifacts import download_artifacts
-
+    """Fetch each run's Q-Q plot into ``out``; runs without one are skipped (logged)."""
     out.mkdir(parents=True, exist_ok=True)
     got: Dict[str, Path] = {}
     for g, rs in runs.items():
         for r in rs:
-            name = f"{F.safe_name(g)}_seed{r.value('seed')}_{r.run_id[:8]}"
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    p = Path(download_artifacts(run_id=r.run_id, artifact_path=QQ_ARTIFACT, dst_path=tmp,
-                                                tracking_uri=tracking_uri))
-                    dst = out / f"{name}.png"
-                    dst.write_bytes(p.read_bytes())
+            dst = out / f"{F.safe_name(g)}_seed{r.value('seed')}_{r.run_id[:8]}.png"
+            copy = lambda p, dst=dst: dst.write_bytes(p.read_bytes())  # noqa: E731
+            if read_artifact(tracking_uri, r, QQ_ARTIFACT, copy) is not None:
                 got[f"{g} seed {r.value('seed')}"] = dst
-            except Exception as e:  # noqa: BLE001 - a missing artifact must not sink the report
-                log.warning("run %s has no %s (%s)", r.run_id, QQ_ARTIFACT, type(e).__name__)
     return got
 
 
@@ -92,12 +77,9 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
                 group_by: Sequence[str] = ("method",), statuses: Sequence[str] = ("FINISHED",),
                 log_to_mlflow: bool = True, title: str = "FSPO report",
                 min_bin_count: float = MIN_COUNT) -> Dict[str, object]:
-    """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out``.
-
-    ``min_bin_count``: sequences per run a length bin needs to count for flatness (by_length.py).
-    Returns ``{"out", "n_runs", "groups", "table1", "fairness", "by_length", "report_run_id"}`` (rows as dicts).
-    Raises ValueError when no run matches (saying what was searched).
-    """
+    """Write the report for the runs matching ``experiments`` / ``filter_string`` into ``out`` (``min_bin_count``:
+    sequences per run a length bin needs to count for flatness). Returns ``{"out", "n_runs", "groups", "table1",
+    "fairness", "by_length", "report_run_id"}``; ValueError, saying what was searched, when no run matches."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -1,16 +1,7 @@
-"""The report's by-length view: out-of-band fraction c(L) = 1 - q(L) per length bin and group, the
-sequences behind each cell, and how flat each group's curve is over its populated bins.
-
-Owns: `by_length_rows` (per group and bin: c(L) as the mean over runs of each run's run-level
-``run/band/out_frac/<bin>``, and the mean per run of ``run/band/n_seq/<bin>``, the sequences
-counted for acceptance there), `flatness` (max - min of c(L) over the populated bins: a bin
-counts when its mean count per run is >= ``min_count``; the target is "flat within 0.05"), and the
-Markdown table. Leaves out: reading MLflow (collect.py), figures (figures.py).
-
-Why counts: a bin with 3 sequences shows 0.00 or 0.67 by chance; the LRE already weighs bins by
-their counts, and a flatness read off thin bins says nothing. Runs logged before
-``band/n_seq/<bin>`` existed have no counts: their bins are all treated as populated (and the
-table says "n=?").
+"""The report's by-length view: c(L) = 1 - q(L) per length bin and group (mean over runs of
+``run/band/out_frac/<bin>``), the sequences per run behind each cell (``run/band/n_seq/<bin>``), and the
+flatness (max - min over bins whose mean count per run is >= ``min_count``; target: within 0.05). A thin bin
+shows 0.00 or 0.67 by chance, so it does not count; older runs without counts count every bin ("n=?").
 """
 from __future__ import annotations
 
@@ -46,33 +37,23 @@ def group_by_length(runs: Sequence[RunRecord]) -> Dict[str, Cell]:
 
 
 def flatness(cells: Mapping[str, Cell], min_count: float = MIN_COUNT) -> Tuple[Optional[float], int]:
-    """(max - min of c(L) over the populated bins, number of populated bins); (None, n) under 2 bins.
-    A bin is populated when its mean count per run is >= ``min_count`` (or has no count logged)."""
+    """(max - min of c(L) over the populated bins, their number); (None, n) under 2 bins."""
     ys = [c for c, n in cells.values() if n is None or n >= min_count]
     return (max(ys) - min(ys) if len(ys) >= 2 else None), len(ys)
 
 
 def sampling_se(cells: Mapping[str, Cell], n_runs: int, min_count: float = MIN_COUNT) -> Optional[float]:
-    """Largest binomial standard error sqrt(c (1 - c) / N) over the populated bins, N = the bin's
-    sequences over all ``n_runs`` runs: the noise floor of a max - min read off those bins (for a
-    truly flat c, max - min over k bins is about 2-3 se for k ~ 10). None without counts."""
+    """Largest binomial standard error sqrt(c (1 - c) / N) over the populated bins (N over all ``n_runs`` runs): the
+    noise floor of a max - min. None without counts."""
     se = [math.sqrt(c * (1 - c) / (n * n_runs)) for c, n in cells.values()
           if n is not None and n >= min_count and n > 0]
     return max(se) if se else None
 
 
 def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[float]]:
-    """(LRE of the runs pooled, its sampling noise floor); (None, None) without per-bin counts.
-
-    Bins as the run-level LRE: upper edge > the runs' ``diagnostics/lre_min_len`` param (0 if absent).
-    Pooled: per bin, q_b = 1 - sum_r n_br c_br / n_b with n_b = sum_r n_br, then the paper's LRE
-    = 0.5 sum_b (n_b / N) |q_b / q_bar - 1|, q_bar = sum_b n_b q_b / N (fspo/diagnostics/lre.py's
-    formula on the summed counts: the acceptance curve the seeds estimate together). Noise floor:
-    the LRE a perfectly flat curve (q_b = q_bar everywhere) shows in expectation with these counts,
-    0.5 sum_b (n_b / N) sqrt(2 / pi) sqrt(q_bar (1 - q_bar) / n_b) / q_bar (each bin's binomial
-    error, half-normal mean; the error of q_bar itself ignored). LRE is |.|-based, so noise only
-    adds: a run-level LRE near its floor cannot be told from a flat curve.
-    """
+    """(LRE of the runs pooled, its noise floor); (None, None) without counts. Bins as the run-level LRE (upper edge
+    > ``diagnostics/lre_min_len``); q_b = 1 - sum_r n_br c_br / n_b, then lre.py's formula. Floor: the expected
+    LRE of a flat curve at these counts, 0.5 sum_b (n_b / N) sqrt(2 / pi) sqrt(q_bar (1 - q_bar) / n_b) / q_bar."""
     n: Dict[str, float] = {}
     out: Dict[str, float] = {}
     for r in runs:
@@ -98,8 +79,8 @@ def pooled_lre(runs: Sequence[RunRecord]) -> Tuple[Optional[float], Optional[flo
 
 
 def by_length_rows(groups: Mapping[str, Sequence[RunRecord]], min_count: float = MIN_COUNT) -> List[dict]:
-    """Per group: ``{"group", "n_runs", "cells": {bin: (c, n)}, "flatness", "n_populated", "max_se",
-    "pooled_lre", "lre_floor"}``."""
+    """Per group: ``{"group", "n_runs", "cells": {bin: (c, n)}, "flatness", "n_populated", "max_se", "pooled_lre",
+    "lre_floor"}``."""
     rows = []
     for g, runs in groups.items():
         cells = group_by_length(runs)
@@ -116,8 +97,8 @@ def _label(b: str) -> str:
 
 
 def by_length_markdown(rows: Sequence[dict], min_count: float = MIN_COUNT) -> str:
-    """Groups as rows, length bins as columns; each cell ``c(L)`` with its mean count per run below
-    (``n=``); thin cells (count < ``min_count``) in parentheses; last column the flatness."""
+    """Groups as rows, bins as columns; cells ``c(L)`` with ``n=`` (mean count per run) below, thin ones in
+    parentheses; last column the flatness."""
     bins = sorted({b for r in rows for b in r["cells"]})
     head = (["Method", "n"] + [_label(b) for b in bins]
             + [f"max - min (bins with n >= {min_count:g}; largest se)", "pooled LRE (noise floor)"])

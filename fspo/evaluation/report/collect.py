@@ -1,14 +1,12 @@
-"""Read training runs back from MLflow for the report.
-
-Owns: `RunRecord` (one job's tags, params, latest metrics and the histories the report needs) and
-`load_runs` (search by experiment names and/or a filter string, drop sweep parents and report runs,
-fetch histories). Leaves out: the numbers (table.py) and figures (figures.py).
-"""
+"""Read training runs back from MLflow for the report (sweep parents and report runs left out)."""
 from __future__ import annotations
 
+import logging
 import re
+import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fspo.diagnostics.metric_keys import canonical_key
 from fspo.evaluation.best_last import best_last
@@ -22,12 +20,13 @@ RUN_BAND_PREFIX = "run/band/out_frac/len_"  # out-of-band fraction by length: th
 STEP_BAND_PREFIX = "band/out_frac/len_"
 BY_LENGTH = ((RUN_CLIP_PREFIX, STEP_CLIP_PREFIX), (RUN_BAND_PREFIX, STEP_BAND_PREFIX))
 History = List[Tuple[int, float]]
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunRecord:
-    """One training run: ``metrics`` are MLflow's latest values, ``history[key]`` is [(step, value)]
-    sorted by step (ties by logging time, so the last entry is the final value)."""
+    """One training run: ``metrics`` MLflow's latest values, ``history[key]`` [(step, value)] by step (ties by
+    logging time)."""
 
     run_id: str
     name: str
@@ -39,11 +38,11 @@ class RunRecord:
     history: Dict[str, History] = field(default_factory=dict)
 
     def value(self, key: str, default: str = "?") -> str:
-        """A tag, else a param (``clip/c_upper``), else ``default``: what runs are grouped by."""
+        """A tag, else a param, else ``default``: what runs are grouped by."""
         return self.tags.get(key, self.params.get(key, default))
 
     def group(self, keys: Sequence[str]) -> str:
-        """Group label: the values of ``keys`` (``method``) or ``k=v`` joined by ``,`` for several keys."""
+        """Group label: the value of one key, or ``k=v`` joined by ``,``."""
         if len(keys) == 1:
             return self.value(keys[0])
         return ",".join(f"{k}={self.value(k)}" for k in keys)
@@ -53,19 +52,18 @@ class RunRecord:
         return sorted(k for k in self.metrics if BENCH_RE.match(k))
 
     def best(self, key: str) -> Optional[float]:
-        """The best value of the logged history of ``key`` (`best_last`: the max; None if never logged)."""
+        """The best value of ``key``'s history (`best_last`); None if never logged."""
         h = self.history.get(key)
         return h[best_last([v for _, v in h])[0]][1] if h else None
 
     def last(self, key: str) -> Optional[float]:
-        """Value at the largest step (`best_last`; the last one logged there)."""
+        """The value at the largest step (`best_last`)."""
         h = self.history.get(key)
         return h[best_last([v for _, v in h])[1]][1] if h else None
 
     def _by_length(self, run_prefix: str, step_prefix: str) -> Dict[str, float]:
-        """``{len_XXXXX_YYYYY: value}`` from the run-level ``<run_prefix>*`` metrics, else the mean over
-        steps of ``<step_prefix>*`` (an unweighted mean of per-step fractions: an approximation when
-        bin counts vary)."""
+        """``{len_XXXXX_YYYYY: value}`` from the run-level ``<run_prefix>*`` metrics, else the unweighted mean
+        over steps of ``<step_prefix>*``."""
         cut = len(run_prefix) - len("len_")
         run = {k[cut:]: v for k, v in self.metrics.items() if k.startswith(run_prefix)}
         if run:
@@ -75,13 +73,11 @@ class RunRecord:
                 if k.startswith(step_prefix) and h}
 
     def clip_by_length(self) -> Dict[str, float]:
-        """Sequence binding-clip fraction per length bin (``run/clip/seq_frac/len_*``, else the mean
-        over steps of ``clip/seq_frac/len_*``)."""
+        """Sequence binding-clip fraction per length bin."""
         return self._by_length(RUN_CLIP_PREFIX, STEP_CLIP_PREFIX)
 
     def out_of_band_by_length(self) -> Dict[str, float]:
-        """Out-of-band fraction per length bin, the paper's c(L) = 1 - q(L) (``run/band/out_frac/len_*``,
-        else the mean over steps of ``band/out_frac/len_*``); empty for runs that predate these keys."""
+        """Out-of-band fraction c(L) = 1 - q(L) per length bin (empty for older runs)."""
         return self._by_length(RUN_BAND_PREFIX, STEP_BAND_PREFIX)
 
 
@@ -91,7 +87,7 @@ def _history(client, run_id: str, key: str) -> History:
 
 
 def experiment_ids(client, names: Sequence[str]) -> List[str]:
-    """Ids of the named experiments (ValueError naming the missing ones); all experiments if none named."""
+    """Ids of the named experiments (ValueError naming the missing ones); all when none named."""
     if not names:
         return [e.experiment_id for e in client.search_experiments()]
     ids, missing = [], []
@@ -106,11 +102,9 @@ def experiment_ids(client, names: Sequence[str]) -> List[str]:
 
 def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
               statuses: Sequence[str] = ("FINISHED",)) -> List[RunRecord]:
-    """Training runs matching ``experiments`` (names) and ``filter_string`` (MLflow search syntax,
-    e.g. ``tags.sweep = 'methods'``) with a status in ``statuses``; sweep parents and report runs
-    (tag ``fspo.role``) are left out. Histories are fetched for the benchmarks, learning curves
-    and, when a run has no run-level clip (resp. out-of-band) metrics by length, its per-step ones.
-    """
+    """Training runs in ``experiments`` matching ``filter_string`` (MLflow search syntax) with a status in
+    ``statuses``, with the histories of the benchmarks, learning curves and, without run-level by-length
+    metrics, the per-step ones."""
     from mlflow.entities import ViewType
 
     ids = experiment_ids(client, experiments)
@@ -136,3 +130,18 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
         rec.history = {k: _history(client, rec.run_id, stored.get(k, k)) for k in sorted(keys)}
         out.append(rec)
     return out
+
+
+def read_artifact(tracking_uri: str, run: RunRecord, path: str, read: Callable[[Path], Any],
+                  dst: Optional[Path] = None) -> Any:
+    """``read`` of ``run``'s artifact ``path``, downloaded to ``dst`` (None: a temporary folder); None, with a
+    warning, when the run has none (a run without it must not sink the report)."""
+    from mlflow.artifacts import download_artifacts
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return read(Path(download_artifacts(run_id=run.run_id, artifact_path=path, dst_path=str(dst or tmp),
+                                                tracking_uri=tracking_uri)))
+    except Exception as e:  # noqa: BLE001
+        log.warning("run %s has no %s (%s)", run.run_id, path, type(e).__name__)
+        return None

@@ -1,17 +1,10 @@
-"""The paper's Figure 4 from an evaluate run: per benchmark problem, ordered by difficulty, the overlong rate
-and the mean response length excluding overlong samples.
+"""The paper's Figure 4 from an evaluate run: per problem, ordered by difficulty, the overlong rate and the mean
+length excluding overlong samples. Per problem p with k_p samples, n_p overlong (length exactly M =
+max_new_tokens), mean length lbar_p:
 
-Owns: `eval_tables` (an evaluate run's ``eval/<benchmark>[/step_N]/per_problem.json`` artifacts and each
-benchmark's ``eval/<benchmark>/max_new_tokens``, from MLflow), `difficulty_rows` (the per-problem numbers)
-and `difficulty_figure`. experiments/report.py calls them with ``--eval-run``. Leaves out: running the
-evaluation (experiments/evaluate.py) and the training-run report (build.py).
+    rank: accuracy, easiest first (ties by id)    o_p = n_p / k_p    len_excl = (k_p lbar_p - n_p M) / (k_p - n_p)
 
-Per problem p with k_p samples, n_p of them overlong (hit max_new_tokens M without EOS, so each has length
-exactly M), a_p correct and mean length lbar_p over all k_p samples (per_problem.json's columns):
-
-    difficulty rank: problems sorted by accuracy a_p / k_p, easiest first (ties by problem id)
-    overlong rate   o_p = n_p / k_p
-    mean length excluding overlong  = (k_p lbar_p - n_p M) / (k_p - n_p)   (undefined, NaN, when n_p = k_p)
+(NaN when n_p = k_p).
 """
 from __future__ import annotations
 
@@ -28,8 +21,8 @@ Table = Dict[str, list]
 
 
 def difficulty_rows(table: Table, max_new_tokens: float) -> List[Dict[str, float]]:
-    """Rows (``rank``, ``problem_id``, ``accuracy``, ``overlong_rate``, ``mean_len_excl_overlong``, ``k``) sorted
-    easiest first, from a per-problem table (columns of fspo/evaluation/benchmark.py's ``ProblemResult``)."""
+    """Rows (``rank``, ``problem_id``, ``accuracy``, ``overlong_rate``, ``mean_len_excl_overlong``, ``k``), easiest
+    first, from a per-problem table."""
     need = ("problem_id", "k", "n_correct", "mean_response_len", "n_overlong")
     missing = [c for c in need if c not in table]
     if missing:
@@ -49,8 +42,8 @@ def difficulty_rows(table: Table, max_new_tokens: float) -> List[Dict[str, float
 
 
 def eval_tables(client, run_id: str) -> Dict[str, Tuple[Table, float]]:
-    """``{"<benchmark>[ step N]": (per-problem table, max_new_tokens)}`` of evaluate run ``run_id``.
-    Raises ValueError when the run holds no per_problem.json (not an evaluate run)."""
+    """``{"<benchmark>[ step N]": (per-problem table, max_new_tokens)}`` of evaluate run ``run_id``; ValueError when it
+    holds no per_problem.json."""
     from mlflow.artifacts import download_artifacts
 
     found: List[str] = []
@@ -85,8 +78,7 @@ def eval_tables(client, run_id: str) -> Dict[str, Tuple[Table, float]]:
 
 
 def difficulty_figure(rows_by_name: Mapping[str, Sequence[Mapping[str, float]]]) -> Figure:
-    """Figure 4: one column per benchmark; top the overlong rate, bottom the mean length excluding overlong,
-    each against the problem's difficulty rank (easiest first)."""
+    """Figure 4: per benchmark, overlong rate (top) and length excluding overlong (bottom) by rank."""
     n = max(len(rows_by_name), 1)
     fig = Figure(figsize=(4.2 * n, 6.0), layout="constrained")
     FigureCanvasAgg(fig)
@@ -105,8 +97,7 @@ def difficulty_figure(rows_by_name: Mapping[str, Sequence[Mapping[str, float]]])
 
 
 def write_difficulty(tracking_uri: str, run_ids: Sequence[str], out: Path) -> Path:
-    """``out/difficulty.csv`` (one row per problem and benchmark) and ``out/figures/difficulty.png`` for the
-    evaluate runs ``run_ids``; returns the figure's path."""
+    """``out/difficulty.csv`` and ``out/figures/difficulty.png`` for ``run_ids``; returns the figure's path."""
     import csv
 
     from mlflow.tracking import MlflowClient

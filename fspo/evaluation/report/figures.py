@@ -1,14 +1,6 @@
-"""The report's figures, as matplotlib Figures on the Agg canvas (pyplot is never imported).
-
-Owns: observed out-of-band fraction by length per group (the paper's c(L) = 1 - q(L)) with the
-Gaussian theory curve of its clip rule and the binding-clip fraction dotted (`clip_by_length_figures`;
-`clip_by_length_grid`: one panel per group, thin bins hollow), std(S_L) against sqrt(L)
-(`std_vs_sqrt_len_figure`), LRE bars (`lre_figure`), learning curves (`learning_curves_figure`),
-overlong rate (`overlong_figure`), and a grid of per-run PNGs (`image_grid_figure`, for the Q-Q
-plots the runs logged). Theory: the clip rule is rebuilt from the run's ``clip/*`` params and its
-``theory_clip_fraction(L, sigma)`` is drawn with sigma = the group's mean ``run/logratio/sigma_hat``;
-for FSPO's EMA band (``clip/band = ema``) it is the stationary 2 Phi(-z). Leaves out: the numbers
-(table.py) and MLflow I/O.
+"""The report's figures (matplotlib on the Agg canvas). Theory curves rebuild the clip rule from the run's
+``clip/*`` params and draw its ``theory_clip_fraction(L, sigma)`` with sigma the group's mean
+``run/logratio/sigma_hat`` (FSPO's EMA band: the stationary 2 Phi(-z)).
 """
 from __future__ import annotations
 
@@ -54,8 +46,7 @@ def _parse(v: str):
 
 
 def theory_curve(params: Mapping[str, str], sigma: Optional[float]) -> Optional[Callable]:
-    """c(L) under S_L ~ N(0, sigma^2 L) for the clip rule in ``params`` (flattened ``clip/*``), or None
-    (token-level rule, no sigma, or a rule that cannot be rebuilt)."""
+    """c(L) for the rule in ``params`` (flattened ``clip/*``), or None (no closed form, no sigma)."""
     from fspo.clipping.theory import c_fspo
 
     clip = {k[5:]: _parse(v) for k, v in params.items() if k.startswith("clip/") and k.count("/") == 1}
@@ -77,9 +68,8 @@ def theory_curve(params: Mapping[str, str], sigma: Optional[float]) -> Optional[
 
 
 def group_clip_by_length(runs: Sequence[RunRecord], out_of_band: bool = False) -> Dict[str, float]:
-    """Per length bin, the mean over runs of each run's sequence binding-clip fraction, or with
-    ``out_of_band`` its out-of-band fraction c(L) = 1 - q(L) (runs lacking a bin are left out of
-    that bin's mean)."""
+    """Per length bin, the mean over runs of the binding-clip fraction, or with ``out_of_band`` of c(L) (runs lacking
+    a bin left out of its mean)."""
     per_bin: Dict[str, List[float]] = {}
     for r in runs:
         for k, v in (r.out_of_band_by_length() if out_of_band else r.clip_by_length()).items():
@@ -88,15 +78,13 @@ def group_clip_by_length(runs: Sequence[RunRecord], out_of_band: bool = False) -
 
 
 def group_sigma(runs: Sequence[RunRecord]) -> Optional[float]:
-    """Mean over runs of the run-level sigma_hat (``run/logratio/sigma_hat``, else the last step's)."""
+    """Mean over runs of ``run/logratio/sigma_hat`` (else the last step's)."""
     return mean_std([r.metrics.get("run/logratio/sigma_hat", r.metrics.get("logratio/sigma_hat")) for r in runs])[0]
 
 
 def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
-    """``clip_fraction_by_length`` (every group's observed out-of-band fraction c(L) = 1 - q(L) and
-    its theory) and one figure per group that adds the binding-clip fraction (dotted). Runs logged
-    before the out-of-band keys existed show only their binding curve, never beside the theory as
-    if it were c(L)."""
+    """``clip_fraction_by_length`` (every group's c(L) and theory) and one figure per group adding the binding-clip
+    fraction (dotted); runs without the out-of-band keys show only their binding curve."""
     observed, theory, out = {}, {}, {}
     for g, runs in groups.items():
         obs = group_clip_by_length(runs, out_of_band=True)
@@ -120,10 +108,8 @@ def clip_by_length_figures(groups: Groups) -> Dict[str, Figure]:
 
 
 def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
-    """One panel per group, shared axes (the figure to read flat vs rising vs falling): the observed
-    c(L) (filled: bins with >= ``min_count`` sequences per run; hollow: thinner bins), its theory
-    curve (dashed) and the binding-clip fraction (dotted); the title gives the group's LRE and the
-    max - min of c(L) over its populated bins."""
+    """One panel per group, shared axes: c(L) (hollow: bins under ``min_count`` sequences per run), theory (dashed),
+    binding clips (dotted); titled with the group's LRE and max - min of c(L)."""
     n = max(len(groups), 1)
     ncols = min(4, n)
     nrows = (n + ncols - 1) // ncols
@@ -174,9 +160,8 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
 
 
 def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
-    """std(S_L) per length bin against sqrt(L) (``run/logratio/std/<bin>``, mean over a group's runs),
-    one line per group, with the paper's law sigma sqrt(L) for the mean sigma_hat of all runs (dashed)
-    and each group's log-log slope (the law's exponent; 0.5 under the paper's Gaussian model)."""
+    """std(S_L) per bin against sqrt(L), one line per group with its log-log exponent, and sigma sqrt(L) for the
+    mean sigma_hat (dashed)."""
     fig, (ax,) = _figure()
     sig = []
     for i, (g, runs) in enumerate(groups.items()):
@@ -207,7 +192,7 @@ def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
 
 
 def _match_colors(fig: Figure, groups: Sequence[str]) -> None:
-    """Give each group's observed line and its theory line (label ``<group> theory ...``) one colour."""
+    """One colour per group for its observed and theory lines."""
     ax = fig.axes[0]
     for line in ax.get_lines():
         label = line.get_label()
@@ -219,8 +204,7 @@ def _match_colors(fig: Figure, groups: Sequence[str]) -> None:
 
 
 def lre_figure(groups: Groups) -> Figure:
-    """Bars: mean ``run/fairness/lre`` and ``run/fairness/lre_w`` per group, std over runs as error
-    bars, each run as a dot."""
+    """Bars of mean ``run/fairness/lre`` and ``lre_w`` per group, std over runs, runs as dots."""
     fig, (ax,) = _figure(size=(max(5.0, 1.3 * len(groups) + 2), 4.2))
     x = np.arange(len(groups))
     for j, (key, lab) in enumerate((("run/fairness/lre", "LRE"), ("run/fairness/lre_w", "LRE_w"))):
@@ -262,8 +246,7 @@ def _plot_mean_curves(ax, groups: Groups, key: str, ylabel: str) -> None:
 
 
 def learning_curves_figure(groups: Groups) -> Figure:
-    """Three panels: ``reward/mean``, ``rollout/response_len_mean`` and ``val/accuracy`` against the
-    step (thin: runs, thick: mean over runs at each step)."""
+    """``reward/mean``, ``rollout/response_len_mean``, ``val/accuracy`` by step (thin: runs, thick: mean)."""
     fig, axes = _figure(3, size=(5.0, 4.0))
     curves = (("reward/mean", "mean reward"), ("rollout/response_len_mean", "mean response length"),
               ("val/accuracy", "validation accuracy"))
@@ -275,7 +258,7 @@ def learning_curves_figure(groups: Groups) -> Figure:
 
 
 def overlong_figure(groups: Groups) -> Figure:
-    """``rollout/overlong_rate`` (responses hitting max_new_tokens) against the step, per group."""
+    """``rollout/overlong_rate`` by step, per group."""
     fig, (ax,) = _figure()
     _plot_mean_curves(ax, groups, "rollout/overlong_rate", "overlong rate")
     ax.set_title("Overlong rate")
@@ -284,7 +267,7 @@ def overlong_figure(groups: Groups) -> Figure:
 
 
 def image_grid_figure(images: Mapping[str, Path], title: str, ncols: int = 4) -> Figure:
-    """Tile PNG files (e.g. each run's ``plots/logratio_qq.png``) in a grid titled by their keys."""
+    """Tile PNG files in a grid titled by their keys."""
     import matplotlib.image as mpimg
 
     n = max(len(images), 1)

@@ -1,17 +1,8 @@
-"""The length law's targets checked on a sweep's runs: one row per method.
-
-Owns: `law_rows` (per run group: the std(S_L) ~ c L^gamma fit, the Q-Q R^2, the span of the length bins,
-the out-of-band fraction's shape over the bins, the run LRE and the token log-ratio autocorrelation) and
-`law_markdown`. Leaves out: reading MLflow (collect.py) and the figures (figures.py, by_length.py).
-
-Per group (the runs' values averaged; each run's own numbers come from its run-level metrics):
-  - ``std_exponent``, ``std_exponent_r2``, ``qq_r2``, ``qq_r2_per_bin``: run/logratio/* (log_ratio.py);
-  - ``bins_lo``/``bins_hi``: the smallest lower and largest upper edge of the bins holding at least
-    ``min_count`` sequences counted for acceptance (run/band/n_seq/*), ``span`` = bins_hi / bins_lo;
-  - ``oob_first``/``oob_last``/``oob_max_min``: c(L) = run/band/out_frac/* in the first and last such bin and
-    max / min over them (flat: <= 1.5; RLOO rising: last / first >= 3; GSPO falling: first / last >= 3);
-  - ``lre``: run/fairness/lre; ``acf_1``, ``acf_tau``: run/logratio/acf/lag_0001 and run/logratio/acf_tau.
-A value is None where no run logged it (or a ratio's denominator is 0).
+"""The length law's targets on a sweep's runs, one row per group (means over its runs; None where no run logged
+a value or a ratio's denominator is 0): ``std_exponent``, ``std_exponent_r2``, ``qq_r2``, ``qq_r2_per_bin``;
+``bins_lo`` / ``bins_hi`` / ``span`` of the bins with >= ``min_count`` sequences counted for acceptance;
+``oob_first`` / ``oob_last`` / ``oob_max_min`` of c(L) over them (flat: <= 1.5; RLOO rising: last / first >= 3;
+GSPO falling: first / last >= 3); ``lre``; ``acf_1``, ``acf_tau``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""The length-law lab's report: every arm's sequence records judged with CIs and tests, and the targets.
-
-Owns: `download_records` (each run's ``diagnostics/sequences.csv`` from MLflow), `lab_rows` (per group: the
-std exponent with its bootstrap CI, tau^2 / sigma^2 / L*, the variance inflation, c(L) of its own band per
-geometric bin with Wilson CIs, the homogeneity p, the LRE beside its noise floor, the span, and for RLOO / GSPO
-the Gaussian prediction from each bin's std; for the measure-only arm every band on the same sequences),
-`targets` (the sweep's pass / fail list), `lab_markdown` and `lab_figure`. Leaves out: the statistics
-(fspo/diagnostics/law_stats.py, law_bands.py, law_summary.py) and the rest of the report (build.py).
-
-Groups are named by the report's ``--group-by`` (``method,bands`` for the length-law sweep: e.g.
-``method=fspo,bands=law``); a group's runs (seeds) are pooled. The knock-out arm is the group whose name
-contains ``knock``; the measure-only arm the group whose method is ``measure``.
+"""The length-law lab's report: every arm's sequence records judged with CIs and tests (fspo/diagnostics
+law_*.py), and the sweep's targets. Groups follow ``--group-by`` (``method,bands`` for the length-law sweep);
+a group's runs are pooled; the knock-out arm's name contains ``knock``, the measure-only arm's method is
+``measure`` (every band judged on its sequences).
 """
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -24,25 +15,17 @@ from fspo.diagnostics import law_bands as lb
 from fspo.diagnostics import law_stats as st
 from fspo.diagnostics.law_summary import band_results
 from fspo.diagnostics.ledger import read_csv
+from fspo.evaluation.report.collect import read_artifact
 
-log = logging.getLogger(__name__)
 ARTIFACT = "diagnostics/sequences.csv"
 
 
 def download_records(tracking_uri: str, groups, folder: Path) -> Dict[str, Dict[str, np.ndarray]]:
     """{group: pooled records} of the runs that logged ``diagnostics/sequences.csv`` (others are skipped)."""
-    import mlflow
-
     out = {}
     for g, runs in groups.items():
-        parts = []
-        for r in runs:
-            try:
-                p = mlflow.artifacts.download_artifacts(run_id=r.run_id, artifact_path=ARTIFACT,
-                                                        dst_path=str(folder / r.run_id), tracking_uri=tracking_uri)
-                parts.append(read_csv(Path(p)))
-            except Exception as e:  # noqa: BLE001 - a run without records must not sink the report
-                log.warning("run %s has no %s (%s)", r.run_id, ARTIFACT, type(e).__name__)
+        parts = [read_artifact(tracking_uri, r, ARTIFACT, read_csv, folder / r.run_id) for r in runs]
+        parts = [p for p in parts if p is not None]
         if parts:
             rec = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             keep = (rec["update"] >= 0) & (rec["length"] > 0)
@@ -52,8 +35,8 @@ def download_records(tracking_uri: str, groups, folder: Path) -> Dict[str, Dict[
 
 def lab_rows(records: Dict[str, Dict[str, np.ndarray]], min_count: int = 50, n_boot: int = 400,
              seed: int = 0, own_bands: Optional[Dict[str, object]] = None) -> Dict[str, dict]:
-    """Per group, the statistics of the module docstring (edges: geometric, 2 per octave, over all records);
-    ``own_bands`` {group: band} adds the Gaussian prediction of that band's c(L) (`own_band`)."""
+    """Per group: std exponent with bootstrap CI, tau^2 / sigma^2 / L*, variance inflation, its own band's test
+    (`law_bands.judge`); ``own_bands`` {group: band} adds the Gaussian prediction of c(L)."""
     allL = np.concatenate([r["length"] for r in records.values()])
     edges = st.geometric_edges(max(1.0, allL.min()), allL.max() + 1, 2)
     out = {}
@@ -173,9 +156,8 @@ def _c_curve(ax, res: dict, label: str) -> None:
 
 
 def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
-    """Left: c(L) of each in-loop arm's own band with Wilson CIs (log L). Middle: every band on the measure-only
-    arm's sequences (the same S for all). Right: std(S_L) by bin, log-log, each arm's fitted exponent with its
-    CI and a slope-1/2 reference line."""
+    """Left: each in-loop arm's own c(L) with Wilson CIs. Middle: every band on the measure-only arm's sequences.
+    Right: std(S_L) by bin (log-log) with each arm's exponent and CI, and a slope-1/2 line."""
     import matplotlib.pyplot as plt
 
     fig, (a, m, b) = plt.subplots(1, 3, figsize=(17, 4.8))

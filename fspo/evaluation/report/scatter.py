@@ -1,21 +1,10 @@
-"""The paper's Figure 1 (left): the sequence log-ratio S_L against the response length L, with the mean +- 2
-std band per length bin, one panel per group.
-
-Owns: `download_samples` (each run's ``logratio_samples.csv``: a uniform sample of its (L_i, S_i), logged by
-fspo/tracking/artifacts.py), `band_rows` (per-bin mean and std) and `scatter_figure`. build.py adds the
-figure (``figures/sl_scatter.png``) and ``sl_band.csv``. Leaves out: the per-bin moments over every sequence
-(the runs' ``run/logratio/*`` metrics, by_length.py).
-
-Bins: equal-count bins of the pooled sample's lengths (``n_bins``, default 10; ties keep equal lengths
-together), so every band point rests on about n / n_bins sequences. Per bin b with samples S_1..S_m:
-mean_b = sum S / m, std_b = sqrt(sum (S - mean_b)^2 / (m - 1)) (m >= 2), drawn at the bin's mean length as
-mean_b +- 2 std_b. Under the sqrt law std(S_L) = sigma sqrt(L) the band fans out like sqrt(L) (dashed: the
-group's sigma_hat, when the runs logged it).
+"""The paper's Figure 1 (left): S_L against L with the mean +- 2 std band per length bin, one panel per group,
+from each run's ``logratio_samples.csv`` (a uniform sample of its (L_i, S_i)). Bins hold equal counts of the
+pooled sample (``n_bins``; ties kept together); per bin the mean and sample std (m >= 2), drawn at its mean
+length. Under the sqrt law the band fans out like sqrt(L) (dashed: the group's sigma_hat).
 """
 from __future__ import annotations
 
-import logging
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -23,30 +12,21 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from fspo.evaluation.report.collect import read_artifact
 from fspo.tracking.artifacts import SAMPLES_FILE
-
-log = logging.getLogger(__name__)
 
 
 def download_samples(tracking_uri: str, runs) -> Optional[np.ndarray]:
-    """The pooled [n, 2] (L, S) samples of ``runs`` (RunRecords); runs without the file are skipped (logged)."""
-    from mlflow.artifacts import download_artifacts
-
-    parts = []
-    for r in runs:
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                p = download_artifacts(run_id=r.run_id, artifact_path=SAMPLES_FILE, dst_path=tmp,
-                                       tracking_uri=tracking_uri)
-                parts.append(np.loadtxt(p, delimiter=",", skiprows=1, ndmin=2))
-        except Exception as e:  # noqa: BLE001 - a run logged before the samples existed: no scatter for it
-            log.warning("run %s has no %s (%s)", r.run_id, SAMPLES_FILE, type(e).__name__)
-    parts = [p for p in parts if p.size]
+    """The pooled [n, 2] (L, S) samples of ``runs``; runs without the file are skipped (logged)."""
+    def load(p: Path) -> np.ndarray:
+        return np.loadtxt(p, delimiter=",", skiprows=1, ndmin=2)
+    parts = [read_artifact(tracking_uri, r, SAMPLES_FILE, load) for r in runs]  # older runs have none
+    parts = [p for p in parts if p is not None and p.size]
     return np.concatenate(parts) if parts else None
 
 
 def band_rows(samples: np.ndarray, n_bins: int = 10) -> List[Dict[str, float]]:
-    """Per equal-count length bin: ``len_lo``, ``len_hi``, ``mean_len``, ``n``, ``mean``, ``std`` (module docstring)."""
+    """Per equal-count length bin: ``len_lo``, ``len_hi``, ``mean_len``, ``n``, ``mean``, ``std``."""
     L, S = samples[:, 0], samples[:, 1]
     order = np.argsort(L, kind="stable")
     L, S = L[order], S[order]

@@ -1,11 +1,6 @@
-"""The report's numbers: the paper's Table 1 (best / last per benchmark) and a fairness summary.
-
-Owns: grouping runs (`group_runs`), `seeds_markdown` (mean +- std over seeds of LRE and accuracy), `table1` (per group
-and benchmark: best = max over the run's logged history, last = value at its final step, each averaged over the group's
-runs, i.e. seeds; "average" = mean over benchmarks, as in the paper's Average column), `fairness_rows` (run-level LRE
-from the paper's acceptance event, the binding-clip LRE beside it, sigma_hat, Q-Q fit, overlong rate, out-of-band and
-binding-clip fractions; mean over runs), `run_rows` (one row per run), and CSV / Markdown writers. Leaves out: reading
-MLflow (collect.py) and figures.
+"""The report's numbers: the paper's Table 1 (per group and benchmark, best and last of each run's history
+averaged over the group's runs; "average" over benchmarks, as the paper's Average column), the fairness
+summary (run-level diagnostics, mean over runs), one row per run, and CSV / Markdown writers.
 """
 from __future__ import annotations
 
@@ -37,7 +32,7 @@ def _order(name: str) -> Tuple[int, str]:
 
 
 def group_runs(records: Sequence[RunRecord], keys: Sequence[str] = ("method",)) -> Dict[str, List[RunRecord]]:
-    """{group label: runs}, groups in the paper's method order (then alphabetical), runs by seed."""
+    """{group label: runs}, in the paper's method order (then alphabetical), runs by seed."""
     groups: Dict[str, List[RunRecord]] = {}
     for r in records:
         groups.setdefault(r.group(keys), []).append(r)
@@ -63,12 +58,8 @@ def benchmarks(records: Sequence[RunRecord]) -> List[str]:
 
 
 def table1(groups: Dict[str, List[RunRecord]]) -> Tuple[List[str], List[Row]]:
-    """(benchmarks, rows): per group ``<bench> best|last`` (mean over runs), ``... std`` and ``n``,
-    and ``average best|last`` (mean of the group's benchmark means) when there are >= 2 benchmarks.
-
-    A first row ``base`` (the paper's base-model row) holds the mean over all runs of each
-    benchmark's value at step 0 (validation before the first update), when runs logged one.
-    """
+    """(benchmarks, rows): per group ``<bench> best|last`` (mean over runs), their ``std``, ``n``, and ``average
+    best|last`` with >= 2 benchmarks; first a ``base`` row, the mean of each benchmark's step-0 value."""
     every = [r for runs in groups.values() for r in runs]
     benches = benchmarks(every)
     rows: List[Row] = []
@@ -85,21 +76,16 @@ def table1(groups: Dict[str, List[RunRecord]]) -> Tuple[List[str], List[Row]]:
             for kind, fn in (("best", RunRecord.best), ("last", RunRecord.last)):
                 m, s, n = mean_std([fn(r, b) for r in runs])
                 row[f"{b} {kind}"], row[f"{b} {kind} std"], row[f"{b} n"] = m, s, n
-        if len(benches) >= 2:
-            for kind in ("best", "last"):
-                vals = [row[f"{b} {kind}"] for b in benches]
-                row[f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
         rows.append(row)
-    if len(benches) >= 2 and rows and rows[0]["group"] == "base":
+    for row in rows if len(benches) >= 2 else ():
         for kind in ("best", "last"):
-            vals = [rows[0][f"{b} {kind}"] for b in benches]
-            rows[0][f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+            vals = [row[f"{b} {kind}"] for b in benches]
+            row[f"average {kind}"] = None if any(v is None for v in vals) else sum(vals) / len(vals)
     return benches, rows
 
 
 def fairness_rows(groups: Dict[str, List[RunRecord]]) -> List[Row]:
-    """Per group: mean (and std over runs) of the run-level diagnostics in `FAIRNESS`, plus the
-    final ``reward/mean``."""
+    """Per group: mean and std over runs of `FAIRNESS`, and the final ``reward/mean``."""
     rows = []
     for g, runs in groups.items():
         row: Row = {"group": g, "n_runs": len(runs)}
@@ -128,8 +114,7 @@ def run_rows(records: Sequence[RunRecord], keys: Sequence[str] = ("method",)) ->
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> Path:
-    """Write rows (dicts; the union of keys as columns, in first-seen order; None as empty; floats to 4
-    significant digits) to CSV."""
+    """Rows as CSV: the union of keys in first-seen order, None empty, floats to 4 significant digits."""
     cols: List[str] = []
     for row in rows:
         cols += [k for k in row if k not in cols]
@@ -142,7 +127,6 @@ def write_csv(rows: Sequence[Row], path: Path) -> Path:
 
 
 def _cell(v) -> str:
-    """A CSV cell: None empty, floats to 4 significant digits (0.02889, 1.234e-05), the rest as is."""
     if v is None:
         return ""
     return f"{v:.4g}" if isinstance(v, float) else v
@@ -158,8 +142,7 @@ def _md(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
-    """The paper's Table 1 layout: one row per group, cells ``best/last`` (means over runs); the
-    ``base`` row shows its single step-0 value."""
+    """The paper's Table 1 layout: cells ``best/last``; the ``base`` row its step-0 value."""
     avg = any("average best" in r for r in rows)
     header = ["Method", "n"] + [f"{b} (Best/Last)" for b in benches] + (["Average (Best/Last)"] if avg else [])
     body = []
@@ -174,10 +157,7 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
 
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
-    """Length-fairness summary: LRE (the paper's, mean +- std over runs), LRE_w, out-of-band
-    fraction, binding LRE and binding-clip fraction, sigma_hat, Q-Q, the std(S_L) ~ L^gamma fit, overlong rate;
-    and, for runs with the gradient probe, LRE_w with the measured ||g_L||, the Theorem 1 cosine and the
-    group-reward LRE (their last probed step)."""
+    """The fairness summary as a Markdown table (LRE with +- std over runs)."""
     header = ["Method", "n", "LRE", "LRE_w", "out-of-band frac", "binding LRE", "binding clip frac", "sigma_hat",
               "Q-Q slope", "Q-Q R2", "std exponent", "exponent R2", "overlong rate", "mean len", "reward (last)",
               "LRE_w (measured g_L)", "cos(g^b, g*)", "group-reward LRE"]
@@ -199,8 +179,7 @@ def _pm(m, s, digits: int = 4) -> str:
 
 
 def seeds_markdown(t1_rows: Sequence[Row], fair_rows: Sequence[Row], bench: str = "val/accuracy") -> str:
-    """Mean +- std over each group's runs (seeds; sample std, none for one run) of the run-level LRE,
-    the out-of-band fraction and ``bench`` best and last: the numbers a claim across seeds rests on."""
+    """Mean +- sample std over each group's runs of LRE, out-of-band fraction and ``bench`` best and last."""
     acc = {r["group"]: r for r in t1_rows}
     header = ["Method", "n", "seeds", "LRE", "out-of-band frac", f"{bench} best", f"{bench} last"]
     body = []
