@@ -137,6 +137,7 @@ def test_report_table_figures_and_mlflow_run(store, tmp_path, capsys):
     assert "| fspo | 2 | 0.0300 +- 0.0141 | 0.0150 | 0.3000 | 0.0600 |" in (out / "report.md").read_text()
     assert float(fair["fspo"]["reward last"]) == pytest.approx((0.21 + 0.22) / 2)
     assert len(list(csv.DictReader(open(out / "runs.csv")))) == 4
+    assert "\n4 runs. Best = " in (out / "report.md").read_text()  # the runs read, with no sequence records among them
 
     figs = {p.name for p in (out / "figures").glob("*.png") if p.stat().st_size > 1000}
     assert {"clip_fraction_by_length.png", "clip_fraction_by_length_fspo.png", "clip_fraction_by_length_rloo.png",
@@ -149,7 +150,7 @@ def test_report_table_figures_and_mlflow_run(store, tmp_path, capsys):
                                  "tags.`fspo.role` = 'report'")  # its own experiment, not among the runs it reads
     assert len(reports) == 1 and reports[0].info.run_name == f"report-{exp}"
     rid = reports[0].info.run_id
-    assert reports[0].data.metrics["lre/fspo"] == pytest.approx(0.03)
+    assert reports[0].data.metrics["lre/fspo"] == pytest.approx(0.03) and reports[0].data.params["n_runs"] == "4"
     assert reports[0].data.metrics["val/accuracy/best/rloo"] == pytest.approx(0.4)
     arts = {a.path for a in client.list_artifacts(rid)} | {a.path for a in client.list_artifacts(rid, "figures")}
     assert {"table1.csv", "table1.md", "report.md", "fairness.csv", "figures/lre.png"} <= arts
