@@ -4,10 +4,8 @@ and a line count n (log-uniform in ``min_lines..max_lines``)::
     prompt:   "Q:3,005\nA:"                        (always 10 characters: n is zero-padded)
     response: "005:0\n004:7\n003:4\n002:1\n001:8"     (+ EOS)
 
-Line k (k = 1..n) is ``{n - k + 1:03d}:{v_k}`` with v_k = (v_{k-1} + step) mod 10: 6 tokens a line, 24..600 for n
-in 4..100. It isolates the length law S_L ~ N(mu_L, sigma^2 L) (docs/length_law.md): the prompt length does not
-depend on n, every line is the same step, and the reward (the fraction of consistent lines) has the same mean at
-every n, so advantages are not tied to length.
+Line k is ``{n - k + 1:03d}:{v_k}``, v_k = (v_{k-1} + step) mod 10: 6 tokens a line. The prompt length does not
+depend on n and the reward has the same mean at every n, so it isolates the length law (docs/length_law.md).
 """
 from __future__ import annotations
 

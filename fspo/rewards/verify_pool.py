@@ -1,11 +1,8 @@
-"""Worker processes that run equivalence checks under a hard per-check deadline.
-
-math-verify's own timeouts use ``signal.alarm`` (whole seconds, main thread only) and cannot interrupt C-level
-work (``verify`` on ``2^{2^{2^{100}}}`` never returns), so every check runs in a worker process that is SIGKILLed
-after ``timeout_s``. One *zygote* (``sys.executable -m``: the caller's ``__main__`` is never re-imported) warms
-math-verify once and forks workers on request, handing each a socket over SCM_RIGHTS, so a replacement costs a
-fork. Workers talk JSON lines (no pickle), run under an address-space limit (``memory_mb``) and die with the
-zygote, which exits when the parent's control socket closes.
+"""Worker processes that run equivalence checks under a hard per-check deadline: math-verify's own timeouts cannot
+interrupt C-level work (``verify`` on ``2^{2^{2^{100}}}`` never returns), so a worker that overruns ``timeout_s`` is
+SIGKILLed. One *zygote* warms math-verify once and forks workers on request (a replacement costs a fork); workers
+talk JSON lines, run under an address-space limit (``memory_mb``) and die with the zygote, which exits when the
+parent's control socket closes.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """`RandomDirectionGate`: the length law a random parameter direction gives, the gate of the law probe.
 
-Before each update it moves the policy by a small random direction, measures S_rand = sum_t (log pi_{theta +
-eps u} - log pi_theta) on every sequence, puts the weights back exactly and records S_rand in the ledger with
-``update = -1`` (reported as ``law/gate/*``). To first order S_rand = eps u . sum_t grad log pi(y_t), a sum of
-zero-mean score terms, so its std grows as L^(1/2) exactly when the per-token sensitivity is the same at every
-position: an exponent well below 1/2 here means the model and task cannot show the sqrt(L) law whatever the
-update does. u_p ~ N(0, 1) per parameter tensor, scaled to ||u_p|| = ``eps`` ||p||, seeded by (seed, step).
-One process only; two forward passes per step.
+Before each update it moves the policy by eps u (u_p ~ N(0, 1) per parameter tensor, ||u_p|| = eps ||p||, seeded
+by (seed, step)), records S_rand = sum_t (log pi_{theta + eps u} - log pi_theta) per sequence in the ledger with
+``update = -1`` and puts the weights back exactly. To first order S_rand is a sum of zero-mean score terms, so its
+std grows as L^(1/2) when the per-token sensitivity is the same at every position: an exponent well below 1/2
+means the model and task cannot show the sqrt(L) law. One process only; two forward passes per step.
 """
 from __future__ import annotations
 

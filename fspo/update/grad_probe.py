@@ -8,10 +8,8 @@ S_i = sum_t (logp_t - logp_old_t), and the rule's per-token loss l_it:
     g*_b = (1 / n_b) sum_{i in b} u_i,       q_b g^b_b = (1 / n_b) sum_{i in b} c_i
     g* = sum_b (n_b / N) g*_b,               g^b = sum_b (n_b / N) q_b g^b_b      (the batch gradients)
 
-Logged (``probe/``): ``gnorm/<bin>`` = ||g*_b||; ``cos/<bin>`` = cos(q_b g^b_b, g*_b); ``cos`` = cos(g^b, g*)
-(Theorem 1's left side); ``kappa`` = E_L||g*_L|| / ||g*|| (weights n_b / N); ``lre`` (q_b the in-band share);
-``lre_w`` = 0.5 sum_b n_b ||g*_b|| |q_b / q_bar - 1| / sum_b n_b ||g*_b||; ``q/<bin>``. Bins with fewer than two
-sequences are skipped; a cosine with a zero gradient is not reported. Two backward passes per populated bin.
+The ``probe/`` metrics built from them: docs/metrics.md. Bins with fewer than two sequences are skipped; a cosine
+with a zero gradient is not reported. Two backward passes per populated bin.
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
-"""The divergence guard: limits on each update's gradient norm, loss and KL, checked before the optimizer step.
-
-Over the update's whole mini-batch (all ranks together):
+"""The divergence guard: limits on each update's gradient norm, loss and KL, checked before the optimizer step,
+over the update's whole mini-batch (all ranks together):
 
     grad_norm  the global gradient norm before clipping (``train/grad_norm``)
     loss       |sum_t m l_t| / sum_t m, the mean per-token surrogate loss, whatever ``loss_agg_mode``
     kl         mean_t k3_t, k3 = r - 1 - log r, r = exp(logp_current - logp_old) (``train/kl``)
 
 A null limit is not checked. On a breach ``action`` decides: ``stop`` raises `DivergenceError` (checkpoints
-stay), ``skip`` drops the update exactly (no optimizer step; ``train/skipped_updates``), ``warn`` logs and
-steps; ``off`` checks nothing. Every breach counts in ``guard/trips``; ranks agree on the verdict. A diverging
-update looks normal itself: the guard sees it in the next update's KL and loss.
+stay), ``skip`` drops the update exactly, ``warn`` logs and steps; ``off`` checks nothing; breaches count in
+``guard/trips``. Ranks agree on the verdict. A diverging update looks normal itself: the next one shows it.
 """
 from __future__ import annotations
 
