@@ -7,6 +7,7 @@ meta device, the sharding step filling each rank's shard (meta_init.py); other s
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -97,8 +98,6 @@ def _cached_snapshot(hub_id: str) -> Optional[Path]:
 
 def _check_config_json(p: Path, key: str) -> None:
     """A folder's config.json must be a JSON object (a malformed one ends in one line, not a traceback)."""
-    import json
-
     try:
         ok = isinstance(json.loads((p / "config.json").read_text()), dict)
         err = "" if ok else "not a JSON object"

@@ -6,7 +6,7 @@ adapters are float32 (so is AdamW's state); the frozen base may be bf16, as it i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,8 +47,6 @@ def lora_settings(model_cfg) -> LoRASettings:
 
 def lora_update_settings(ppo, model_cfg):
     """``ppo`` (a dataclass with ``lr``) with ``lr`` = ``model.lora.lr`` when LoRA is on and that is set."""
-    from dataclasses import replace
-
     settings = lora_settings(model_cfg)
     return replace(ppo, lr=settings.lr) if settings.enabled and settings.lr is not None else ppo
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 
@@ -63,8 +64,6 @@ def _weight_files(path: Path) -> Dict[str, Path]:
     if not single.exists():
         raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): re-save the model with "
                                 f"save_pretrained(..., safe_serialization=True) or drop trainer=fsdp's meta loading")
-    from safetensors import safe_open
-
     with safe_open(str(single), "pt") as f:
         return {k: single for k in f.keys()}
 
@@ -101,8 +100,6 @@ def _checkpoint_key(name: str, keys) -> str:
 def load_local_shards(model: nn.Module, device: torch.device | str = "cpu", path: str | Path | None = None) -> int:
     """Materialise ``model``'s meta parameters on ``device`` and copy in this rank's rows of the checkpoint in
     ``path`` (default: `build_on_meta`'s folder); buffers keep their values. Returns the elements loaded."""
-    from safetensors import safe_open
-
     path = Path(path or getattr(model, "_fspo_weights_dir", ""))
     if not str(path) or not path.is_dir():
         raise ValueError(f"no weights folder to load the meta-device model from (got {str(path)!r})")

@@ -1,13 +1,10 @@
-"""Attention for packed sequences without a mask: causal attention inside each sequence of one row.
-
-A packed row attended with sdpa and a block-diagonal mask costs the full row x row attention. Here a micro-batch
-is ONE unpadded row of its sequences back to back, and each layer runs
+"""Attention for packed sequences without a mask: causal attention inside each sequence of one unpadded row,
 
     out[s:e] = softmax(q[s:e] k[s:e]^T * scale + causal) v[s:e]      for every sequence [s, e)
 
-with sdpa's causal kernel, consecutive sequences of equal length batched in one call on a strided view.
-`enable_segment_attention` switches an ``sdpa`` model without sliding windows to it (under ``ppo.packing``);
-without the ``fspo_segments`` keyword it IS Hugging Face's sdpa attention. The packed pass passes
+with sdpa's causal kernel, consecutive sequences of equal length batched on a strided view (a masked row would
+cost the full row x row attention). `enable_segment_attention` switches an ``sdpa`` model without sliding windows
+to it; without the ``fspo_segments`` keyword it IS Hugging Face's sdpa attention. The packed pass passes
 ``fspo_segments`` and a placeholder 4D ``attention_mask`` so that transformers builds no mask.
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import string
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -40,8 +41,6 @@ def tiny_qwen3_config(vocab_size: int = 100, hidden_size: int = 128, num_hidden_
 
 def build_tiny_model(seed: int = 0, **config_overrides) -> Qwen3ForCausalLM:
     """A freshly initialised tiny Qwen3 (float32), deterministic for a given seed."""
-    import torch
-
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(tiny_qwen3_config(**config_overrides))

@@ -6,10 +6,13 @@ parent's control socket closes.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import json
+import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -51,8 +54,6 @@ def load_check(spec: str) -> Callable[[str, str], bool]:
 
 def _die_with_parent() -> None:
     with suppress(Exception):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -60,8 +61,6 @@ def _serve(sock: socket.socket, check: Callable[[str, str], bool], memory_mb: in
     """Worker loop: one JSON request per line -> one JSON reply per line; exits at EOF."""
     _die_with_parent()
     if memory_mb > 0:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     for line in sock.makefile("rb"):
         tid, pred, gold = json.loads(line)
@@ -75,8 +74,6 @@ def _serve(sock: socket.socket, check: Callable[[str, str], bool], memory_mb: in
 def _zygote_main(fd: int, spec: str, memory_mb: int) -> None:
     # no PDEATHSIG (it fires when the *thread* that started us exits): exit at the control socket's EOF
     sys.stdout = sys.stderr
-    import logging
-
     logging.disable(logging.CRITICAL)
     ctl = socket.socket(fileno=fd)
     check = load_check(spec)

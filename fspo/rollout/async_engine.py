@@ -7,6 +7,7 @@ raises ``SIGTERMException``, and the child dies with the trainer (`die_with_pare
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -32,8 +33,6 @@ def die_with_parent(parent_pid: int, poll_s: float = POLL_S) -> None:
     """End this process when ``parent_pid`` does (kill -9 included): ``PR_SET_PDEATHSIG`` on Linux, and a
     daemon thread polling the parent pid."""
     with suppress(Exception):  # not Linux: the watchdog below covers it
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
 
     def watch():

@@ -1,17 +1,13 @@
 """Dynamic sampling (DAPO's "filter groups"; verl's ``algorithm.filter_groups``): between rollout and update.
 
-Per RL step on each of W data-parallel ranks: round 1 is this rank's ``target`` prompts with G completions each.
 A group is *informative* when its G values of ``metric`` are not all equal (equal values give every completion
-advantage 0). After each round the ranks all-reduce (MIN) their informative counts to ``m``; while ``m < target``
-and fewer than ``max_rounds`` rounds ran, every rank runs one more round on the sampler's next
-``prompts_per_step`` prompts (its own slice), so all ranks run the same rounds. The step trains on ``c =
-max(1, min(m, target))`` groups per rank, each rank's first informative ones in generation order (with none, its
-first group), renumbered ``0 .. c-1``, rewards set and advantages left to the callback.
-
-``metric``: ``score`` (also verl's ``seq_reward`` / ``seq_final_reward``) is the reward; ``acc`` its ``correct``
-component (or the reward); any other name that component. ``max_rounds`` >= 1 (unbounded could loop forever).
-Metrics (sums over ranks): ``dynamic_sampling/filtered_frac``, ``rounds``, ``short`` (fewer than ``target``),
-``groups``, ``prompts_drawn``.
+advantage 0). Round 1 is this rank's ``target`` prompts; after each round the ranks all-reduce (MIN) their
+informative counts to ``m``, and while ``m < target`` and fewer than ``max_rounds`` ran, every rank scores the
+sampler's next ``prompts_per_step`` prompts (its slice). The step trains on ``c = max(1, min(m, target))`` groups
+per rank, its first informative ones in generation order (with none, its first group), renumbered ``0 .. c-1``.
+``metric``: ``score`` (verl's ``seq_reward`` / ``seq_final_reward``) the reward, ``acc`` its ``correct``
+component (or the reward), any other name that component. Metrics: ``dynamic_sampling/filtered_frac``,
+``rounds``, ``short``, ``groups``, ``prompts_drawn`` (sums over ranks).
 """
 from __future__ import annotations
 

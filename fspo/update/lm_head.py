@@ -12,11 +12,9 @@ and, with g the incoming gradient [K] and D = g[:, None] * (onehot(y) - softmax(
     d hidden = D @ weight          d weight = D.T @ hidden          d bias = D.sum(0)
 
 The forward keeps only logsumexp and the target logit per row; the backward recomputes each chunk's logits.
-Products run in the inputs' dtype (bf16 as the model's head would), logits and the weight gradient in float32
-(float64 for float64 inputs: gradcheck); under autocast the inputs are cast first, so forward and backward use
-the same product. Peak extra memory ~ ``chunk_size * V * 8`` bytes plus the weight gradient (V = 151,936,
-K = 8192, chunk 1024: ~1.2 GiB instead of ~10-15 GiB dense). ``weight`` must be whole on this device (under
-FSDP2 the caller runs inside the root's forward: `fspo.update.logprobs.in_root_forward`).
+Products run in the inputs' dtype, logits and the weight gradient in float32 (float64 for float64 inputs). Peak
+extra memory ~ ``chunk_size * V * 8`` bytes plus the weight gradient (docs/memory.md). ``weight`` must be whole
+on this device (under FSDP2 the caller runs inside the root's forward: `in_root_forward`).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -114,6 +115,4 @@ def peak_memory_mib(device) -> float:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
         return peak
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
