@@ -1,8 +1,8 @@
 """Stream the trainer's full (unsharded) HF state dict, one tensor at a time: the engines' weight source.
 
 A DTensor is gathered with ``full_tensor()`` only when the consumer asks for it (cast to the engine's ``dtype``
-first: fspo/models/gather.py), so at most one gathered parameter per rank is alive beyond the shards. The gather
-is a collective: under FSDP EVERY rank iterates the generator to the end in the same order (see `drain`).
+first), so at most one gathered parameter per rank is alive beyond the shards. The gather is a collective: under
+FSDP EVERY rank iterates the generator to the end in the same order (see `drain`).
 """
 from __future__ import annotations
 

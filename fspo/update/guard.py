@@ -54,7 +54,7 @@ class UpdateMeter:
 
 @dataclass
 class DivergenceGuard:
-    """Limits checked before every optimizer step (see the module docstring); null disables a limit."""
+    """Limits checked before every optimizer step; null disables a limit."""
 
     action: str = "stop"
     max_grad_norm: Optional[float] = 1.0e4

@@ -56,7 +56,7 @@ class RLModule(L.LightningModule):
         if self.probe_every < 0:
             raise ValueError(f"diagnostics.grad_probe_every must be >= 0 (0: off), got {probe_every!r}")
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
-        # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
+        # train-inference mismatch weights; None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
         if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "

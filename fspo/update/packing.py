@@ -1,11 +1,11 @@
 """Sequence packing: several (prompt + response) sequences per row, no padding between them.
 
-Two layouts. Under segment attention (sdpa models, fspo/models/segment_attention.py) a micro-batch is ONE row of
-its sequences back to back (budget = real tokens, waste 0), attention running per sequence. Otherwise the
-sequences are packed into rows of a common width with ``attention_mask=None`` and ``position_ids`` restarting at 0
-per sequence: Hugging Face models then build a block-diagonal causal mask from the position ids
-(``transformers.masking_utils.find_packed_sequence_indices``; flash-attention uses them as varlen boundaries), so
-the log-probs equal the padded computation's. A row's unused tail is filler with its own positions.
+Two layouts. Under segment attention (sdpa models) a micro-batch is ONE row of its sequences back to back (budget
+= real tokens, waste 0), attention running per sequence. Otherwise the sequences are packed into rows of a common
+width with ``attention_mask=None`` and ``position_ids`` restarting at 0 per sequence: Hugging Face models then
+build a block-diagonal causal mask from the position ids (``transformers.masking_utils.find_packed_sequence_indices``;
+flash-attention uses them as varlen boundaries), so the log-probs equal the padded computation's. A row's unused
+tail is filler with its own positions.
 
     padding waste = (rows * width - real tokens) / real tokens
 """
