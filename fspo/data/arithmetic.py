@@ -1,19 +1,10 @@
-"""The built-in verifiable task: multi-operand integer arithmetic with worked steps.
-
-Owns: `ArithmeticTask` (deterministic prompt generation per split), `worked_solution` (the
-reference chain used for the supervised warm start). Leaves out: scoring
-(fspo/rewards/arithmetic.py).
-
-A problem with k operands (``min_ops <= k <= max_ops``) looks like::
+"""The built-in verifiable task: multi-operand integer arithmetic with worked steps. With k operands::
 
     prompt:   "Q:23+45-7\nA:"
     solution: "23+45=68\n68-7=61\nAnswer: 61"        (+ EOS)
 
-The solution has k-1 step lines, so response lengths grow linearly with k: with the defaults
-(2..9 single-digit operands) responses run from 16 to 88 tokens, 5.5x, which is what exercises length
-(un)fairness. Train, validation and test problems come from three different seeds; validation prompts
-that also occur in the train split are removed, and test prompts (the evaluation set,
-conf/eval_data/arithmetic.yaml) that occur in the train or the validation split are removed.
+k-1 step lines, so response lengths grow linearly with k (defaults: 16 to 88 tokens). Train, validation and test
+come from three seeds; validation drops prompts of the train split, test those of train and validation.
 """
 from __future__ import annotations
 
@@ -48,15 +39,9 @@ def worked_solution(nums: List[int], ops: List[str]) -> Tuple[str, int]:
 
 
 class ArithmeticTask:
-    """Deterministic train / validation / test prompt sets for the built-in task.
-
-    ``split`` is "train", "val" or "test"; ``size`` problems are generated from `fspo.seeds.split_seed`
-    ``(seed, split)``. Val and test exclude every prompt among the first
-    ``exclude_size`` train problems of the same seed (set it to the train split's size; default
-    ``10 * size``); test also excludes every prompt of the val split of size ``val_size`` (the run's
-    ``val.size``; default ``size``) built with the same settings. Each `Sample` keeps
-    ``meta["nums"]``/``meta["ops"]`` so the warm start can render the worked solution.
-    """
+    """``size`` problems of ``split`` from `split_seed` ``(seed, split)``. Val and test exclude the first
+    ``exclude_size`` train prompts (default ``10 * size``), test also the val split of ``val_size`` (default
+    ``size``). ``meta["nums"]``/``meta["ops"]`` let the warm start render the worked solution."""
 
     def __init__(self, split: str = "train", size: int = 2000, seed: int = 0, min_ops: int = 2,
                  max_ops: int = 9, max_operand: int = 9, exclude_size: int | None = None,

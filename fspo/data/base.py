@@ -1,11 +1,5 @@
-"""The prompt-source contract: what the rollout callback and the evaluator sample from.
-
-Owns: `Sample` and `PromptSource`. Leaves out: concrete tasks (arithmetic.py, the math loaders)
-and templating details (a source returns prompts already rendered with its template).
-
-A `PromptSource` is a sized, indexable collection of `Sample`s (a map-style dataset); split
-selection (train / validation) happens when the source is built, from config.
-"""
+"""The prompt-source contract: a sized, indexable collection of `Sample`s (prompts already rendered with their
+template; the split chosen when the source is built)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,9 +8,7 @@ from typing import Any, Dict, List, Protocol
 
 @dataclass
 class Sample:
-    """One prompt: ``prompt`` is the exact text fed to the tokenizer (template applied),
-    ``answer`` the reference the reward function compares against, ``meta`` free-form
-    provenance (source file, row, problem id)."""
+    """``prompt``: the exact text fed to the tokenizer; ``answer``: the reward's reference; ``meta``: provenance."""
 
     prompt: str
     answer: str

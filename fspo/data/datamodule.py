@@ -1,10 +1,5 @@
-"""LightningDataModule over prompt sources: one training batch = the prompts of one RL step.
-
-Owns: `PromptDataModule`. Training uses `fspo.data.sampler.PromptStepSampler` (deterministic, with
-a resumable position); validation iterates the validation source in order. A batch is a dict
-``{"prompts": [str], "answers": [str], "index": LongTensor}``; the rollout callback adds the
-rollout to it. Leaves out: what the prompts are (fspo/data/*.py sources).
-"""
+"""LightningDataModule over prompt sources: one training batch = the prompts of one RL step, a dict
+``{"prompts": [str], "answers": [str], "index": LongTensor}``; validation iterates its source in order."""
 from __future__ import annotations
 
 from typing import List
@@ -34,10 +29,8 @@ def collate_prompts(items: List[dict]) -> dict:
 
 
 class _WholeRun:
-    """The prompt sampler as Lightning's batch sampler: iterates from the sampler's position (which
-    `load_state_dict` restores) but its length is the whole run (``steps``), because on a mid-run
-    resume Lightning's restored loop progress already counts the steps done; a length of the
-    remaining steps would end the epoch early."""
+    """The prompt sampler as Lightning's batch sampler: iterates from the sampler's position, its length the whole
+    run, as Lightning's restored loop progress already counts the steps done."""
 
     def __init__(self, sampler: PromptStepSampler):
         self.sampler = sampler
@@ -50,8 +43,7 @@ class _WholeRun:
 
 
 class _PromptLoader(DataLoader):
-    """DataLoader whose state is the prompt sampler's position, so Lightning treats it as resumable
-    (its ``_Stateful`` protocol) and restores the same position the datamodule state holds."""
+    """DataLoader whose state is the prompt sampler's position, so Lightning treats it as resumable."""
 
     def state_dict(self) -> dict:
         return self.batch_sampler.sampler.state_dict()

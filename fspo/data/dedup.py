@@ -1,27 +1,13 @@
-"""Problem-text normalisation and de-duplication of the training mix (DAPO-Math-17k + AIME).
+"""Problem-text normalisation and de-duplication of the training mix (DAPO-Math-17k + AIME), whose AIME problems
+reappear in DAPO-17k re-typeset and often reworded:
 
-Owns: `normalize_problem` (the exact-duplicate key), `content_skeleton` + `NearDuplicateIndex`
-(near-duplicate detection by character n-gram containment) and `merge_deduplicated`. Leaves out:
-file reading and validation (math_datasets.py).
+1. exact key `normalize_problem`: lowercase, ``\\dfrac``/``\\tfrac`` -> ``\\frac``, math delimiters, LaTeX spacing,
+   sizing and text commands, empty groups and whitespace dropped (operators and digits kept);
+2. near duplicate of a secondary (AIME) problem A against primary (DAPO) prompts D: on skeletons (letters and
+   digits, no ``[asy]`` or command names), containment(A, D) = |grams16(A) & grams16(D)| / |grams16(A)| >= 0.7,
+   or >= 0.45 with equal answers (the thresholds from the score histogram on the real files).
 
-Two levels, because the same AIME problem appears in DAPO-17k re-typeset (``\\frac85`` vs
-``\\frac{8}{5}``, ``$36^{}_{}$`` vs ``$36$``, AoPS signatures such as ``~ momeme``) and often with the
-question rewritten to ask for an integer:
-
-1. exact key ``normalize_problem``: lowercase; ``\\dfrac``/``\\tfrac`` -> ``\\frac``; drop ``$``, ``\\[ \\] \\( \\)``,
-   LaTeX spacing (``\\, \\; \\: \\! \\quad \\qquad ~``), ``\\left``/``\\right``, ``\\displaystyle``,
-   ``\\textstyle``, ``\\text``/``\\mbox``/``\\mathrm`` (keeping their argument), empty groups ``{}`` and
-   ``^{}``/``_{}``, and all whitespace. Operators, digits and other commands are kept, so ``x+y``
-   and ``x-y`` stay different problems. Used for duplicates inside and across sources.
-2. near-duplicate of a secondary (AIME) problem A against primary (DAPO) prompts D:
-   skeleton = lowercase text without ``[asy]`` blocks, LaTeX command names and anything but letters
-   and digits; containment(A, D) = |grams16(A) & grams16(D)| / |grams16(A)|.  A is a duplicate when
-   containment >= `NEAR_THRESHOLD` (0.7), or >= `NEAR_THRESHOLD_SAME_ANSWER` (0.45) and both
-   answers are equal. The thresholds come from the score histogram measured on the real files:
-   above 0.7 pairs are the same problem; between 0.45 and 0.7 only pairs with equal answers were.
-
-When duplicates disagree, the first occurrence wins (primary before secondary, file order inside a
-source); the counts are returned in `DedupStats`.
+The first occurrence wins (primary before secondary); the counts are returned in `DedupStats`.
 """
 from __future__ import annotations
 
@@ -66,7 +52,7 @@ class DedupStats:
 
 
 def normalize_problem(text: str) -> str:
-    """The exact-duplicate key described in the module docstring (level 1)."""
+    """The exact-duplicate key (level 1)."""
     s = text.lower().replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     prev = None
     while prev != s:  # removing "{}" can expose new empty groups, e.g. "^{{}}"
@@ -92,12 +78,8 @@ def same_answer(a: str, b: str) -> bool:
 
 
 class NearDuplicateIndex:
-    """Index over ``texts``; `best_match` returns (containment score, index) of the closest text.
-
-    Grams are indexed every `_INDEX_STRIDE` positions, so any shared run of
-    ``GRAM + _INDEX_STRIDE - 1`` skeleton characters finds the candidate; the top candidates by
-    hit count are then scored exactly. Returns (0.0, -1) when nothing is shared.
-    """
+    """Index over ``texts``, grams every `_INDEX_STRIDE` positions (any shared run of ``GRAM + _INDEX_STRIDE - 1``
+    skeleton characters finds the candidate); the top candidates by hits are scored exactly."""
 
     def __init__(self, texts: Sequence[str]):
         self.skeletons = [content_skeleton(t) for t in texts]

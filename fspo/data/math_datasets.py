@@ -1,14 +1,8 @@
-"""The paper's math prompt sets: DAPO-Math-17k + AIME 1983-2023 for training, MATH500 / AIME24 /
-AIME25 (and GSM8K) for evaluation.
-
-Owns: one row extractor per file (what its fields mean), the loaders and `load_math_source`, the
-Hydra entry point (``_target_: fspo.data.math_datasets.load_math_source``). Leaves out: file
-reading, validation policy and the data directory (math_io.py), de-duplication
-(dedup.py), templates (templates.py) and scoring (fspo/rewards/).
+"""The paper's math prompt sets: DAPO-Math-17k + AIME 1983-2023 for training, MATH500 / AIME24 / AIME25 (and
+GSM8K) for evaluation; `load_math_source` is the Hydra entry point.
 
 Every loader returns a `ListSource` of ``Sample(prompt=render(template, problem), answer=reference,
-meta={"source": <file stem>, "row": <row in file>, "id": <problem id>})``. The source also carries
-``.stats`` (rows read, bad rows skipped, de-duplication counts). References as stored:
+meta={"source", "row", "id"})`` with ``.stats`` (rows read, bad rows skipped, de-duplication counts):
 
 | name            | file(s)                                     | problem / reference                             |
 |-----------------|---------------------------------------------|-------------------------------------------------|
@@ -19,8 +13,8 @@ meta={"source": <file stem>, "row": <row in file>, "id": <problem id>})``. The s
 | aime25          | aime2025_test.jsonl                         | prompt minus the boxed instruction / answer     |
 | gsm8k           | gsm8k_test.jsonl                            | question / text after "#### ", commas removed   |
 
-Row order: file order (the training set: DAPO rows, then the AIME rows that survive
-de-duplication); ``shuffle=True`` permutes with ``seed``; ``limit`` then keeps the first N.
+Row order: file order (DAPO rows, then the AIME rows that survive de-duplication); ``shuffle=True`` permutes
+with ``seed``; ``limit`` then keeps the first N.
 """
 from __future__ import annotations
 
@@ -127,13 +121,8 @@ def read_records(key: str, data_dir: Optional[str] = None, on_bad_row: str = "ra
 def load_math_source(name: str, data_dir: Optional[str] = None, template: str = "boxed",
                      split: Optional[str] = None, limit: Optional[int] = None, shuffle: bool = False,
                      seed: int = 0, on_bad_row: str = "raise", dedup: bool = True) -> ListSource:
-    """Build a prompt source by name: ``dapo_aime_train`` (split 'train') or one of ``math500``,
-    ``aime24``, ``aime25``, ``gsm8k`` (split 'test'); ``split=None`` means that split.
-
-    ``template``: a name in `TEMPLATES` or a string with ``{problem}``; ``limit``: keep the first N
-    rows (after the optional seeded ``shuffle``); ``on_bad_row``: 'raise' or 'skip';
-    ``dedup`` (training only): drop duplicate problems (see dedup.py).
-    """
+    """The prompt source ``name``: ``dapo_aime_train`` (split 'train') or one of `EVAL_SETS` (split 'test');
+    ``on_bad_row``: 'raise' or 'skip'; ``dedup`` (training only): drop duplicate problems (dedup.py)."""
     if name not in NAMES:
         raise ValueError(f"unknown math dataset {name!r}: choose one of {list(NAMES)} (data.name)")
     expected = "train" if name in TRAIN_SETS else "test"
@@ -169,30 +158,4 @@ def load_math_source(name: str, data_dir: Optional[str] = None, template: str = 
     return source
 
 
-def load_dapo_aime_train(data_dir: Optional[str] = None, template: str = "boxed", **kw: Any) -> ListSource:
-    """`load_math_source` for ``dapo_aime_train`` (DAPO-Math-17k + AIME 1983-2023, de-duplicated)."""
-    return load_math_source("dapo_aime_train", data_dir, template, **kw)
-
-
-def load_math500(data_dir: Optional[str] = None, template: str = "boxed", **kw: Any) -> ListSource:
-    """`load_math_source` for ``math500``."""
-    return load_math_source("math500", data_dir, template, **kw)
-
-
-def load_aime24(data_dir: Optional[str] = None, template: str = "boxed", **kw: Any) -> ListSource:
-    """`load_math_source` for ``aime24``."""
-    return load_math_source("aime24", data_dir, template, **kw)
-
-
-def load_aime25(data_dir: Optional[str] = None, template: str = "boxed", **kw: Any) -> ListSource:
-    """`load_math_source` for ``aime25``."""
-    return load_math_source("aime25", data_dir, template, **kw)
-
-
-def load_gsm8k(data_dir: Optional[str] = None, template: str = "boxed", **kw: Any) -> ListSource:
-    """`load_math_source` for ``gsm8k``."""
-    return load_math_source("gsm8k", data_dir, template, **kw)
-
-
-__all__ = ["load_math_source", "load_dapo_aime_train", "load_math500", "load_aime24", "load_aime25",
-           "load_gsm8k", "read_records", "FILES", "NAMES", "EVAL_SETS", "TRAIN_SETS", "TEMPLATES"]
+__all__ = ["load_math_source", "read_records", "FILES", "NAMES", "EVAL_SETS", "TRAIN_SETS", "TEMPLATES"]

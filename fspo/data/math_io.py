@@ -1,13 +1,8 @@
 """Reading the math data files: where they are, row validation, and the optional hub fallback.
 
-Owns: `resolve_data_dir`, `read_rows`, `BadRow`, `DataRowError`, `RowCollector` (the raise/skip
-policy for bad rows). Leaves out: what each dataset's fields mean (math_datasets.py).
-
-Data never lives in the repository. The directory comes from, in order: the ``data_dir`` argument
-(config ``data.data_dir``), the environment variable ``FSPO_DATA_DIR``, and the default
-``../shared/data``. A relative path is resolved against the project root (the directory holding
-the ``fspo`` package), not the working directory, so it means the same thing inside a Hydra run
-that changed directory, in tests, and in scripts.
+Data never lives in the repository. The directory comes from, in order: ``data.data_dir``, the environment
+variable ``FSPO_DATA_DIR``, and ``../shared/data``; a relative path is resolved against the project root, so it
+means the same inside a Hydra run that changed directory, in tests and in scripts.
 """
 from __future__ import annotations
 
@@ -40,15 +35,15 @@ class DataRowError(ValueError):
 
 
 def resolve_data_dir(data_dir: Optional[str | os.PathLike] = None) -> Path:
-    """The data directory as an absolute path (see the module docstring for the lookup order)."""
+    """The data directory as an absolute path."""
     raw = data_dir if data_dir not in (None, "") else os.environ.get(ENV_DATA_DIR) or DEFAULT_DATA_DIR
     p = Path(os.path.expanduser(str(raw)))
     return p if p.is_absolute() else (PROJECT_ROOT / p).resolve()
 
 
 def require_str(row: Any, field: str, allow_int: bool = False, name: Optional[str] = None) -> str:
-    """``row[field]`` as a non-empty stripped string; integers (not bools) are accepted and converted
-    when ``allow_int``. Raises `BadRow` (reporting the field as ``name`` or ``field``) otherwise."""
+    """``row[field]`` as a non-empty stripped string (integers too when ``allow_int``), else `BadRow` naming
+    ``name`` or ``field``."""
     name = name or field
     if not isinstance(row, dict):
         raise BadRow(name if name != field else "<row>", f"is not an object (got {type(row).__name__})")
@@ -65,8 +60,7 @@ def require_str(row: Any, field: str, allow_int: bool = False, name: Optional[st
 
 
 def _bad_byte(text: str) -> Optional[Tuple[int, int]]:
-    """(byte value, 0-based index) of the first byte that was not UTF-8 in ``text`` read with
-    ``errors="surrogateescape"`` (such bytes become U+DC80..U+DCFF), or None."""
+    """(byte value, index) of the first non-UTF-8 byte of ``text`` read with ``errors="surrogateescape"``, or None."""
     m = _ESCAPED.search(text)
     return None if m is None else (ord(m.group()) - 0xDC00, m.start())
 
@@ -80,16 +74,10 @@ def _has_bad_byte(x: Any) -> bool:
     return isinstance(x, list) and any(_has_bad_byte(v) for v in x)
 
 
-def _utf8_row(line_no: int, byte: int, col: int) -> BadRow:
-    return BadRow("<utf-8>", f"holds a byte that is not UTF-8 (0x{byte:02x} at line {line_no + 1}, column {col + 1})")
-
-
 def read_rows(path: Path) -> List[Tuple[int, Any]]:
-    """(row number, record) pairs from a ``.jsonl`` (0-based line index; blank lines are not rows;
-    a line that is not valid JSON or not UTF-8 yields the record ``BadRow``), ``.json`` (a top-level
-    list; a record holding a byte that is not UTF-8 becomes ``BadRow``) or ``.parquet`` file (via
-    pandas; numpy arrays become lists). Text files are read with ``errors="surrogateescape"`` so that
-    one bad byte costs one row, under ``on_bad_row``, not the file."""
+    """(row number, record) pairs from a ``.jsonl`` (blank lines are not rows), ``.json`` (a top-level list) or
+    ``.parquet`` file; a record that is not valid JSON or not UTF-8 becomes a ``BadRow``, so one bad byte costs
+    one row, under ``on_bad_row``, not the file."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         out: List[Tuple[int, Any]] = []
@@ -99,7 +87,8 @@ def read_rows(path: Path) -> List[Tuple[int, Any]]:
                     continue
                 bad = _bad_byte(line)
                 if bad is not None:
-                    out.append((i, _utf8_row(i, *bad)))
+                    where = f"0x{bad[0]:02x} at line {i + 1}, column {bad[1] + 1}"
+                    out.append((i, BadRow("<utf-8>", f"holds a byte that is not UTF-8 ({where})")))
                     continue
                 try:
                     out.append((i, json.loads(line)))
@@ -143,9 +132,7 @@ def _plain(x: Any) -> Any:
 
 
 def hub_rows(hub_id: str, config: Optional[str], split: str) -> List[Tuple[int, Any]]:
-    """Rows of a Hugging Face dataset via ``datasets.load_dataset`` (only used when the local file is
-    absent). Raises ImportError / whatever ``datasets`` raises offline; the caller turns that into
-    one clear error."""
+    """Rows of a Hugging Face dataset (only when the local file is absent); the caller reports failures."""
     import datasets  # noqa: F401  (optional dependency)
 
     ds = datasets.load_dataset(hub_id, config, split=split)
@@ -154,9 +141,8 @@ def hub_rows(hub_id: str, config: Optional[str], split: str) -> List[Tuple[int, 
 
 def open_source(data_dir: Path, filename: str, hub: Optional[Tuple[str, Optional[str], str]]
                 ) -> Tuple[str, List[Tuple[int, Any]]]:
-    """(label, rows) for ``data_dir/filename``; when the file is absent and ``hub`` =
-    (hub id, config, split) is given, the hub copy is tried. Failure raises FileNotFoundError naming
-    the missing file and the ``data.data_dir`` / ``FSPO_DATA_DIR`` settings."""
+    """(label, rows) for ``data_dir/filename``, else from ``hub`` = (hub id, config, split); FileNotFoundError
+    naming the file and the ``data.data_dir`` / ``FSPO_DATA_DIR`` settings otherwise."""
     path = data_dir / filename
     if path.is_file():
         return filename, read_rows(path)
@@ -175,9 +161,8 @@ def open_source(data_dir: Path, filename: str, hub: Optional[Tuple[str, Optional
 
 
 class RowCollector:
-    """Applies ``on_bad_row`` while extracting rows: 'raise' -> `DataRowError` naming file, row and
-    field; 'skip' -> the row is dropped, counted in ``skipped`` and logged (the first 5 individually,
-    then one summary line per file)."""
+    """Applies ``on_bad_row``: 'raise' -> `DataRowError` naming file, row and field; 'skip' -> the row is dropped,
+    counted in ``skipped`` and logged (the first 5 individually, then a summary line)."""
 
     def __init__(self, label: str, on_bad_row: str):
         if on_bad_row not in ON_BAD_ROW:

@@ -1,26 +1,11 @@
-"""The length-law task: a modular chain whose every line is the same kind of step.
-
-Owns: `ModChainTask` (deterministic prompts per split), `chain_lines` (the reference chain) and
-`demonstration` (the warm start's noisy demonstrations). Leaves out: scoring
-(fspo/rewards/mod_chain.py).
-
-A problem is a start digit v0 and a line count n (log-uniform in ``min_lines..max_lines``)::
+"""The length-law task: a modular chain whose every line is the same kind of step. A problem is a start digit v0
+and a line count n (log-uniform in ``min_lines..max_lines``)::
 
     prompt:   "Q:3,005\nA:"                        (always 10 characters: n is zero-padded)
     response: "005:0\n004:7\n003:4\n002:1\n001:8"     (+ EOS)
 
-Line k (k = 1..n) is ``{n - k + 1:03d}:{v_k}`` with v_k = (v_{k-1} + step) mod 10: the counter counts
-down to 001 (so the model knows where to stop without counting lines) and the digit follows the line
-before. Every line is 6 tokens (the tiny model's tokens are characters), so a response is 6 n tokens
-with its EOS: 24..600 for n in 4..100, a 25x range spread evenly in log L.
-
-Why it isolates the length law S_L ~ N(mu_L, sigma^2 L) (docs/length_law.md):
-* the prompt has the same length for every n, so per-token sensitivity does not change with the answer's length;
-* every line is the same step (copy the counter minus one, add ``step`` to the digit), so the per-token
-  log-ratios are comparable terms along the response;
-* the reward (the fraction of lines consistent with the line before) has the same mean at every n, so
-  advantages are not tied to length: a warm start trained on demonstrations that slip on a fraction of
-  lines earns partial credit in every length bin and nearly every group has reward variance.
+Line k is ``{n - k + 1:03d}:{v_k}``, v_k = (v_{k-1} + step) mod 10: 6 tokens a line. The prompt length does not
+depend on n and the reward has the same mean at every n, so it isolates the length law (docs/length_law.md).
 """
 from __future__ import annotations
 
@@ -61,13 +46,8 @@ def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
 
 
 class ModChainTask:
-    """Deterministic train / validation / test prompt sets of the modular chain.
-
-    ``split`` is "train", "val" or "test" (different seeds, as `ArithmeticTask`); ``size`` problems with
-    n log-uniform in ``min_lines..max_lines`` (1 <= min_lines <= max_lines <= 999) and v0 uniform in 0..9.
-    The prompt set is small (10 x the number of n values), so prompts repeat across splits by design: the
-    task measures the clip, not generalisation. ``answer`` is ``"v0,n"``; ``meta`` holds v0, n and step.
-    """
+    """``size`` problems of ``split`` (seeds as `ArithmeticTask`), v0 uniform in 0..9; prompts repeat across
+    splits by design (the task measures the clip, not generalisation). ``answer`` is ``"v0,n"``."""
 
     def __init__(self, split: str = "train", size: int = 20000, seed: int = 0, min_lines: int = 4,
                  max_lines: int = 100, step: int = 7, exclude_size: Optional[int] = None):

@@ -1,9 +1,4 @@
-"""Which prompts each RL step sees: a deterministic, resumable batch sampler.
-
-Owns: `PromptStepSampler`. Leaves out: the prompt sources (arithmetic.py,
-math_datasets.py), the DataModule that uses it (datamodule.py) and the
-mini-batches of the update (fspo/update/microbatches.py).
-"""
+"""Which prompts each RL step sees: a deterministic, resumable batch sampler."""
 from __future__ import annotations
 
 from typing import Iterator, List
@@ -12,18 +7,10 @@ import torch
 
 
 class PromptStepSampler:
-    """Batch sampler: yields ``steps`` lists of ``prompts_per_step`` prompt indices.
-
-    Walks through seeded permutations of the prompt set (epoch e uses ``seed + e``), so the
-    stream is deterministic and the position is a single integer (`state_dict`), which makes
-    mid-run resume exact. One yielded batch = one RL step.
-
-    Dynamic sampling (fspo/rollout/group_filter.py) draws further prompts within a step with `draw`:
-    they continue the same stream, and ``extra`` counts them, so step k's batch starts at stream
-    offset ``k * prompts_per_step + extra``. `state_dict` holds ``extra`` when it is not 0 (older
-    checkpoints have none). Drawing between batches is exact because the loader yields a batch only
-    when the step starts (`fspo.data.datamodule._WholeRun` has a length, so Lightning prefetches none).
-    """
+    """Yields ``steps`` lists of ``prompts_per_step`` prompt indices (one per RL step) from seeded permutations
+    of the prompt set (epoch e: ``seed + e``), so the position is one integer and resume is exact. `draw` (dynamic
+    sampling) continues the same stream within a step, counted in ``extra``: step k starts at offset
+    ``k * prompts_per_step + extra`` (Lightning prefetches no batch, as the loader has a length)."""
 
     def __init__(self, num_prompts: int, prompts_per_step: int, steps: int, seed: int = 0):
         if num_prompts < 1:
@@ -52,9 +39,8 @@ class PromptStepSampler:
             yield batch
 
     def step_prompts(self, step: int) -> List[int]:
-        """The prompt indices RL step ``step`` is given (what iterating yields for it), without moving;
-        pipelined rollouts (fspo/rollout/pipeline.py) ask for steps ahead of the trainer. Not defined
-        once `draw` has taken extra prompts (dynamic sampling shifts the stream)."""
+        """The prompt indices RL step ``step`` is given, without moving (for pipelined rollouts); not defined once
+        `draw` has taken extra prompts."""
         if self.extra:
             raise RuntimeError("step_prompts is not defined after draw (dynamic sampling with pipelined rollouts)")
         start = int(step) * self.prompts_per_step

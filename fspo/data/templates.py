@@ -1,9 +1,4 @@
-"""Prompt templates for the math tasks, kept as data.
-
-Owns: `TEMPLATES` (name -> format string with one ``{problem}`` field) and `render`. Leaves out:
-chat templates (the paper trains base models on raw text; a chat wrapper, if ever needed, belongs
-to the tokenizer side) and answer extraction (fspo/rewards/math_verify_reward.py reads both the
-``\\boxed{}`` and the ``Answer:`` forms these templates ask for).
+"""Prompt templates for the math tasks, kept as data (no chat template: the paper trains base models on raw text).
 
 - ``boxed``: Qwen3 / Qwen2.5-Math base-model style; the instruction AIME25's prompts already carry.
 - ``dapo``:  the DAPO-Math-17k training template (answer on a final ``Answer: ...`` line).
@@ -27,13 +22,8 @@ TEMPLATES: Dict[str, str] = {
 
 
 def render(template: str, problem: str) -> str:
-    """Return ``template`` applied to ``problem``.
-
-    ``template`` is either a name in `TEMPLATES` or a custom format string containing the
-    placeholder ``{problem}`` (substituted literally, so braces elsewhere in the template and in the
-    problem, e.g. ``\\boxed{}``, are kept as they are). Anything else raises ``ValueError`` naming
-    the known templates.
-    """
+    """``template`` (a name in `TEMPLATES` or a string containing ``{problem}``, substituted literally) applied to
+    ``problem``; ValueError naming the known templates otherwise."""
     if not isinstance(template, str):
         raise ValueError(f"template must be a string, got {type(template).__name__}")
     fmt = TEMPLATES.get(template)

@@ -1,10 +1,5 @@
-"""The version check every adapter runs before importing its library.
-
-Owns: `require` (the installed version of a distribution against the range an adapter was tested
-with; one-line ImportError naming the range and the install command otherwise) and `SUPPORTED`
-(those ranges, also the ``fspo[verl]`` / ``fspo[trl]`` extras of pyproject.toml). Leaves out: the
-adapters themselves.
-"""
+"""The version check every adapter runs before importing its library; `SUPPORTED` mirrors the ``fspo[verl]`` /
+``fspo[trl]`` extras of pyproject.toml."""
 from __future__ import annotations
 
 from importlib import metadata
@@ -21,9 +16,7 @@ SUPPORTED: Dict[str, Tuple[str, str]] = {
 
 
 def require(dist: str) -> str:
-    """Return the installed version of ``dist`` if it is in ``SUPPORTED[dist]``'s range, else raise
-    ImportError("fspo.integrations.<dist> needs <dist><range> (found ...); install it with: pip install
-    'fspo[<extra>]'") in one line."""
+    """The installed version of ``dist`` if in ``SUPPORTED[dist]``'s range, else a one-line ImportError."""
     spec, extra = SUPPORTED[dist]
     try:
         found = metadata.version(dist)

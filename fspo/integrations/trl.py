@@ -1,31 +1,17 @@
 """FSPO inside TRL: `FSPOConfig` (a GRPOConfig) and `FSPOTrainer` (a GRPOTrainer whose loss is FSPO's).
 
-Owns: the paper's defaults as GRPOConfig fields, the settings FSPOTrainer cannot honour (refused in
-`FSPOConfig.__post_init__`, one line each), the map of TRL's ``loss_type`` to our aggregation
-(`aggregation`), and `FSPOTrainer._compute_loss`: TRL's log-prob pass, then fspo.clipping.registry's
-``fspo`` (one implementation; settings by registry.fspo_settings, the mapping verl.py shares), then
-TRL's metrics plus per-length clip fractions; ``clip_rule`` (a Hydra node) swaps in any rule of
-fspo.clipping (FSPO's EMA / calibrated bands, whose running state lives in the trainer and observes every
-training micro-batch, or VESPO, DPPO, ...). Leaves out: generation, rewards, advantages, old
-log-probs and vLLM (TRL's own code, untouched: colocate and server modes work unchanged; with
-``vllm_importance_sampling_correction`` TRL's ``importance_sampling_ratio`` multiplies the token loss,
-as in GRPOTrainer). TRL range: requirements.SUPPORTED.
+The loss: TRL's log-prob pass, then fspo.clipping.registry's ``fspo`` (settings by ``fspo_settings``, shared with
+verl.py) or any rule of fspo.clipping given as ``clip_rule`` (a stateful band observes every training
+micro-batch). Generation, rewards, advantages, old log-probs and vLLM stay TRL's; with
+``vllm_importance_sampling_correction`` TRL's ``importance_sampling_ratio`` multiplies the token loss. Metrics and
+refused settings: docs/integrations.md.
 
-Aggregation (per process; TRL averages gradients over processes), loss_type ->
-``fspo.losses.aggregate`` mode: ``dapo`` (the default; the paper's token-mean over the optimizer
-step's tokens) token-mean with TRL's normaliser num_items_in_batch / processes (x grad-accum /
-steps_per_generation in training) as total_tokens; ``bnpo`` token-mean over the micro-batch;
-``grpo`` seq-mean-token-mean; ``dr_grpo`` seq-mean-token-sum-norm with norm_len
-max_completion_length and total_seqs the rows; the last three divided by the grad-accumulation steps,
-as TRL does. ``beta`` > 0 adds beta x the same aggregation of TRL's k3 KL.
-
-Metrics, next to TRL's (``entropy``, ``kl``): ``clip_ratio/high_mean`` / ``low_mean`` /
-``region_mean`` / ``dual_mean`` (token fractions of FSPO's upper / lower / either / dual binding
-clips, TRL's names), and per length bin (``length_bin_width`` tokens, default 200, the paper's):
-``clip_ratio/by_length/<bin>`` (sequences whose clip binds), ``clip_ratio/out_of_band/by_length/<bin>``
-(outside the band: the paper's c(L)) and ``clip_ratio/n_seq/by_length/<bin>``. These are summed as
-counts over every micro-batch and process between two logs and divided at log time, so they are
-exact over the logging interval (TRL itself averages per-micro-batch values).
+Aggregation (per process; TRL averages gradients over processes), loss_type -> ``fspo.losses.aggregate`` mode:
+``dapo`` (the default; the paper's token-mean over the optimizer step's tokens) token-mean with TRL's normaliser
+num_items_in_batch / processes (x grad-accum / steps_per_generation in training) as total_tokens; ``bnpo``
+token-mean over the micro-batch; ``grpo`` seq-mean-token-mean; ``dr_grpo`` seq-mean-token-sum-norm with norm_len
+max_completion_length and total_seqs the rows; the last three divided by the grad-accumulation steps, as TRL
+does. ``beta`` > 0 adds beta x the same aggregation of TRL's k3 KL.
 """
 from __future__ import annotations
 
@@ -90,8 +76,8 @@ class FSPOConfig(GRPOConfig):
 
 
 def check_args(args: GRPOConfig) -> None:
-    """ValueError("FSPOConfig: <setting>: <why>; <fix>") for settings FSPOTrainer cannot honour, and the
-    rule's own checks of the FSPO settings (c_* > 0, c_dual >= c_upper); a plain GRPOConfig too."""
+    """ValueError("FSPOConfig: <setting>: <why>; <fix>") for settings FSPOTrainer cannot honour, and the rule's
+    own checks of the FSPO settings; a plain GRPOConfig too."""
     refuse = [
         (args.loss_type not in LOSS_TYPES, f"loss_type={args.loss_type!r}: FSPOTrainer aggregates FSPO's loss "
          f"as one of {list(LOSS_TYPES)}; set loss_type to one of them"),
@@ -116,8 +102,7 @@ def check_args(args: GRPOConfig) -> None:
 
 
 def build_rule(args) -> Optional[ClipRule]:
-    """The `ClipRule` of ``args.clip_rule`` (a Hydra node: ``_target_`` a ClipRule class and its settings),
-    or None (the fixed band of ``c_*``); ValueError("FSPOConfig: clip_rule: ...") in one line otherwise."""
+    """The `ClipRule` of ``args.clip_rule`` (a Hydra node), or None (the fixed band of ``c_*``)."""
     spec = getattr(args, "clip_rule", None)
     if spec is None:
         return None
@@ -139,8 +124,8 @@ def build_rule(args) -> Optional[ClipRule]:
 def aggregation(loss_type: str, rows: int, max_completion_length: int, num_items_in_batch: Any,
                 num_processes: int, accumulation: float, steps_per_generation: int, train: bool
                 ) -> Tuple[str, Dict[str, Any], float]:
-    """(``aggregate`` mode, its totals as verl's global_batch_info, divisor) reproducing TRL's
-    normalisation of ``loss_type`` (module docstring)."""
+    """(``aggregate`` mode, its totals as verl's global_batch_info, divisor): TRL's normalisation of
+    ``loss_type``."""
     if loss_type == "dapo":
         tokens = num_items_in_batch.clamp(min=1.0) / num_processes
         if train:
@@ -155,8 +140,7 @@ def aggregation(loss_type: str, rows: int, max_completion_length: int, num_items
 
 
 class FSPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose loss is FSPO's (fspo.clipping.registry ``fspo``); use it like GRPOTrainer,
-    with an `FSPOConfig` as ``args`` (a plain GRPOConfig gets the paper's FSPO settings)."""
+    """GRPOTrainer whose loss is FSPO's; ``args`` an `FSPOConfig` (a plain GRPOConfig gets the paper's settings)."""
 
     def __init__(self, *a, **kw):
         args = kw.get("args", a[2] if len(a) > 2 else None)

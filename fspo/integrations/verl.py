@@ -1,39 +1,11 @@
-"""FSPO as a verl policy loss: importing this module registers ``fspo`` in verl's registry.
+"""FSPO as a verl policy loss: importing this module registers ``fspo`` in verl's ``POLICY_LOSS_REGISTRY``.
 
-Owns: the registration (`compute_policy_loss_fspo` in verl.trainer.ppo.core_algos's
-``POLICY_LOSS_REGISTRY``), `FSPOPolicyLossConfig` (verl's PolicyLossConfig plus FSPO's settings,
-for ``actor_rollout_ref.actor.policy_loss._target_``), the per-length metrics it adds to verl's
-``pg_metrics`` and `by_length_fractions` (those metrics, after verl's reduction, as fractions).
-Leaves out: the loss itself (fspo.clipping.registry's ``fspo``, called as is: one implementation).
-FSPO's running bands (``band: ema | power | per_bin`` with ``z``, ``alpha``, ``sigma0``, ``calibration``, as
-conf/clip/fspo_*.yaml) keep one `FSPOClip` per process and setting (`running_rule`) that observes every call with a
-gradient (each micro-batch; every rank all-reduces its statistics); that state is not in verl's checkpoints
-(a resumed job restarts it from ``sigma0``).
-
-Loading, in every verl process (driver and Ray workers): ``VERL_USE_EXTERNAL_MODULES=fspo.integrations.verl``
-(verl/__init__.py imports the modules listed there) or ``actor_rollout_ref.model.external_lib=
-fspo.integrations.verl`` (verl's HFModelConfig imports it); ``policy_loss._target_`` naming
-`FSPOPolicyLossConfig` also imports it wherever the actor config is built. Then
-``actor_rollout_ref.actor.policy_loss.loss_mode=fspo``. verl range: requirements.SUPPORTED.
-
-Settings (fspo.clipping.registry.fspo_settings, the one mapping, shared with our own registry):
-``c_upper``, ``c_lower``, ``c_dual``, ``ratio_grad`` from ``actor.policy_loss`` (an
-`FSPOPolicyLossConfig`), defaults the paper's (0.03 each, per-token gradient). verl's
-``clip_ratio*`` are ratio-space GRPO settings and are not read. ``loss_agg_mode``,
-``global_batch_info`` and ``rollout_is_weights`` (verl's rollout correction) act exactly as in verl's
-vanilla loss.
-
-Per-length metrics (fspo/diagnostics/length_counts.py), for EVERY bin of
-``length_bin_width`` (200, the paper's) up to ``length_bin_max`` (8192) plus an overflow bin:
-``actor/fspo/n_seq/<bin>``, ``actor/fspo/n_clip/<bin>`` (binding clips), ``actor/fspo/n_out/<bin>``
-(outside the band: the paper's c(L)). They are COUNTS, because verl averages each pg_metrics key
-over micro-batches, then over data-parallel ranks, then over mini-batches (Metric MEAN in
-verl/workers/utils/losses.py, Metric.aggregate_dp, reduce_metrics): every key is present in every
-call, so each logged value is the same average of the per-call counts, and n_clip / n_seq is exactly
-the clip fraction of the step's sequences in that bin (exact when every mini-batch has the same
-number of micro-batches, as with a fixed micro-batch size; with use_dynamic_bsz a mini-batch's
-counts are weighted by 1 / its number of micro-batches). `by_length_fractions` turns a reduced
-metrics dict into ``actor/fspo/clip_frac/<bin>`` and ``actor/fspo/out_frac/<bin>``.
+The loss is fspo.clipping.registry's ``fspo`` as is (settings by ``fspo_settings``; verl's ``clip_ratio*`` are not
+read; ``loss_agg_mode``, ``global_batch_info`` and ``rollout_is_weights`` act as in verl's vanilla loss). A running
+band (``band: ema | power | per_bin``) keeps one `FSPOClip` per process and setting that observes every call
+with a gradient; its state is not in verl's checkpoints. Per length bin the loss adds COUNTS (``actor/fspo/n_seq``,
+``n_clip``, ``n_out``/<bin>), because verl averages each pg_metrics key over micro-batches, ranks and
+mini-batches, so n_clip / n_seq stays the exact clip fraction. Loading and recipe: docs/integrations.md.
 """
 from __future__ import annotations
 
@@ -59,8 +31,7 @@ BIN_WIDTH, BIN_MAX = 200, 8192
 
 @dataclass
 class FSPOPolicyLossConfig(PolicyLossConfig):
-    """verl's PolicyLossConfig with FSPO's settings (paper defaults) and the per-length bins.
-    Use: ``actor_rollout_ref.actor.policy_loss._target_=fspo.integrations.verl.FSPOPolicyLossConfig``."""
+    """verl's PolicyLossConfig with FSPO's settings (paper defaults) and the per-length bins."""
 
     loss_mode: str = "fspo"
     c_upper: float = FSPO_DEFAULTS["c_upper"]
@@ -69,7 +40,7 @@ class FSPOPolicyLossConfig(PolicyLossConfig):
     ratio_grad: str = FSPO_DEFAULTS["ratio_grad"]
     length_bin_width: int = BIN_WIDTH
     length_bin_max: int = BIN_MAX
-    band: str = "fixed"  # fixed (c_*) | ema | power | per_bin: FSPO's running bands (module docstring)
+    band: str = "fixed"  # fixed (c_*) | ema | power | per_bin: FSPO's running bands
     z: float = 1.0
     alpha: float = 0.1
     sigma0: float = 0.03
@@ -88,8 +59,8 @@ BAND_KEYS = ("band", "z", "alpha", "sigma0", "c_dual", "ratio_grad")
 
 
 def running_rule(config: Any) -> Optional[FSPOClip]:
-    """None for ``band: fixed``; else this process's `FSPOClip` for the config's band settings (created once,
-    then kept: its sigma_hat / calibrator moments carry over between calls)."""
+    """None for ``band: fixed``; else this process's `FSPOClip` for the config's band settings, kept between
+    calls."""
     kw = {k: setting(config, k, d) for k, d in zip(BAND_KEYS, ("fixed", 1.0, 0.1, 0.03, FSPO_DEFAULTS["c_dual"],
                                                               FSPO_DEFAULTS["ratio_grad"]))}
     if kw["band"] == "fixed":
@@ -105,9 +76,8 @@ def running_rule(config: Any) -> Optional[FSPOClip]:
 def compute_policy_loss_fspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                              response_mask: Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                              rollout_is_weights: Optional[Tensor] = None):
-    """verl's policy-loss signature; (loss, pg_metrics) = fspo.clipping.registry's ``fspo`` plus the
-    per-length counts (module docstring); with a running band, that band, observing every call that
-    carries a gradient (``actor/fspo/sigma_hat`` logged)."""
+    """verl's policy-loss signature: (loss, pg_metrics) of the registry's ``fspo`` (or the running band, logging
+    ``actor/fspo/sigma_hat``) plus the per-length counts."""
     rule = running_rule(config)
     if rule is None:
         loss, metrics, res = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
@@ -126,8 +96,7 @@ def compute_policy_loss_fspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
 
 
 def by_length_fractions(metrics: Dict[str, float]) -> Dict[str, float]:
-    """``actor/fspo/{clip,out}_frac/<bin>`` = n_clip / n_seq, n_out / n_seq from verl's reduced
-    metrics (bins with n_seq > 0)."""
+    """``actor/fspo/{clip,out}_frac/<bin>`` = n_clip / n_seq, n_out / n_seq of verl's reduced metrics."""
     out = {}
     for key, n in metrics.items():
         if key.startswith(f"{PREFIX}/n_seq/") and float(n) > 0:

@@ -1,28 +1,15 @@
-"""Loading the policy and tokenizer named by the model config.
-
-Owns: `load_policy`. Sources, by ``model.source``:
-  - ``warmstart``: the committed supervised warm start of the tiny model (fspo/assets/tiny_warmstart,
-    made by experiments/warmstart.py), or ``model.path`` if set;
-  - ``random``: a freshly initialised Qwen3 with the project's tokenizer (no files): the tiny
-    config, with any ``model.arch`` keys overriding it (conf/model/qwen3_100m.yaml: ~100M params);
-  - ``pretrained``: ``model.path`` (a local folder) if set, else the hub id ``model.hub_id``.
-A hub id is looked up without retries: with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) only
-the local cache is read; otherwise the hub is probed once (a TCP connection to ``HF_ENDPOINT``,
-3 s) and, when it does not answer, only the cache is read too. With no local copy the load fails
-within seconds with a message saying how to point at local weights.
-
-``meta=True`` (trainer=fsdp, fspo/train.py): a model read from a folder with safetensors weights
-(``warmstart``, ``pretrained`` with ``model.path``, or a hub id already in the local cache) is built
-with its parameters on the meta device and NO weights in memory; the sharding step fills each rank's
-shard from the safetensors (meta_init.py). ``random`` models, hub ids not in the cache
-and folders without safetensors are built in full as before. Leaves out: sharding (the module's
-configure_model).
+"""Loading the policy and tokenizer named by the model config (`load_policy`), by ``model.source``:
+``warmstart`` (the committed tiny warm start, or ``model.path``), ``random`` (a fresh tiny Qwen3, ``model.arch``
+overriding its config) or ``pretrained`` (``model.path``, else the hub id ``model.hub_id``). A hub id is looked
+up without retries: offline (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``) or when one 3 s probe of ``HF_ENDPOINT``
+fails, only the local cache is read. ``meta=True`` (trainer=fsdp): a folder with safetensors is built on the
+meta device, the sharding step filling each rank's shard (meta_init.py); other sources load in full.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -40,18 +27,12 @@ class ModelNotFoundError(FileNotFoundError):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 
 
 def refuse_pickle_weights(path: Path, key: str = "model.path") -> None:
-    """One line (ValueError) for a model folder whose weights are pickles (``pytorch_model.bin``, ...), which can
-    run code when loaded: fspo loads safetensors only (and never a folder's custom code: trust_remote_code=False)."""
+    """ValueError for a model folder whose weights are pickles, which can run code when loaded: fspo loads
+    safetensors only (and never a folder's own code)."""
     if any(Path(path).glob("*.safetensors")):
         return
     found = sorted(p.name for pat in PICKLE_WEIGHTS for p in Path(path).glob(pat))
@@ -75,8 +56,7 @@ def _from_dir(path: Path, dtype: torch.dtype, meta: bool = False):
 
 
 def download_command(hub_id: str, local_dir: str) -> str:
-    """The download command of the installed huggingface_hub: ``hf download`` (huggingface_hub >= 1.0,
-    which removed ``huggingface-cli``), ``huggingface-cli download`` before."""
+    """The installed huggingface_hub's download command: ``hf download`` (>= 1.0), else ``huggingface-cli``."""
     try:
         from importlib.metadata import version
 
@@ -88,8 +68,7 @@ def download_command(hub_id: str, local_dir: str) -> str:
 
 
 def _offline_reason(timeout_s: float = 3.0) -> Optional[str]:
-    """Why the hub must not be contacted (an offline variable is set, or one probe of the endpoint
-    failed), or None when it answers."""
+    """Why the hub must not be contacted (an offline variable, or a failed probe), or None."""
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
             return f"{var}={os.environ[var]}"
@@ -100,23 +79,6 @@ def _offline_reason(timeout_s: float = 3.0) -> Optional[str]:
         return None
     except OSError as e:
         return f"{host}:{port} unreachable: {e}"
-
-
-@contextmanager
-def _hub_offline(offline: bool):
-    """huggingface_hub's offline switch on while loading, when ``offline`` (the library reads
-    HF_HUB_OFFLINE once, at import; with it no request at all is made, not even its user-agent lookup)."""
-    if not offline:
-        yield
-        return
-    from huggingface_hub import constants
-
-    before = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = before
 
 
 def _has_safetensors(path: Path) -> bool:
@@ -136,8 +98,6 @@ def _cached_snapshot(hub_id: str) -> Optional[Path]:
 
 def _check_config_json(p: Path, key: str) -> None:
     """A folder's config.json must be a JSON object (a malformed one ends in one line, not a traceback)."""
-    import json
-
     try:
         ok = isinstance(json.loads((p / "config.json").read_text()), dict)
         err = "" if ok else "not a JSON object"
@@ -149,8 +109,7 @@ def _check_config_json(p: Path, key: str) -> None:
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer in backward (Hugging Face gradient checkpointing, non-reentrant, so the
-    inputs need no gradient: a LoRA policy's frozen embeddings work); ``model.activation_checkpointing``."""
+    """``model.activation_checkpointing``: HF gradient checkpointing, non-reentrant (frozen LoRA inputs work)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"model.activation_checkpointing=true: {type(base).__name__} does not support it; "
@@ -161,10 +120,8 @@ def enable_activation_checkpointing(model) -> None:
 def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str | None = None,
                 dtype: str = "float32", seed: int = 0, arch: dict | None = None, meta: bool = False,
                 lora: dict | None = None, **_ignored):
-    """(model, tokenizer) for the given model config fields (see the module docstring); ``meta``:
-    parameters of a local folder's model on the meta device, for sharded loading. ``lora`` with
-    ``rank > 0`` (``model.lora``): the model wrapped with LoRA adapters (lora.py; built in
-    full, not on meta: the adapters have no weights on disk to fill them from)."""
+    """(model, tokenizer) for the model config's fields; with ``model.lora`` the model wrapped with adapters
+    (built in full, not on meta: the adapters have no weights on disk)."""
     from fspo.models.lora import apply_lora, lora_settings
 
     settings = lora_settings({"lora": lora})
@@ -173,7 +130,9 @@ def load_policy(source: str = "warmstart", path: str | None = None, hub_id: str 
 
 
 def _load(source, path, hub_id, dtype, seed, arch, meta):
-    torch_dtype = _dtype(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES[dtype]
     if source == "random":
         from fspo.models.tiny import build_tiny_model, build_tokenizer
 
@@ -205,16 +164,18 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
         raise ValueError("model.source=pretrained needs model.path (a local folder) or model.hub_id")
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    from huggingface_hub import constants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if meta and (cached := _cached_snapshot(hub_id)) is not None:
         return _from_dir(cached, torch_dtype, meta)
     offline = _offline_reason()  # probe once: no hub retries when it cannot answer
+    before = constants.HF_HUB_OFFLINE  # the library reads HF_HUB_OFFLINE at import: switch its constant
+    constants.HF_HUB_OFFLINE = before or offline is not None
     try:
-        with _hub_offline(offline is not None):
-            tok = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline is not None, trust_remote_code=False)
-            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype, use_safetensors=True,
-                                                         local_files_only=offline is not None, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(hub_id, local_files_only=offline is not None, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype, use_safetensors=True,
+                                                     local_files_only=offline is not None, trust_remote_code=False)
     except (OSError, ValueError) as e:
         where = f"its local cache (offline: {offline})" if offline else "the Hugging Face hub or its local cache"
         raise ModelNotFoundError(
@@ -223,4 +184,6 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
             f"`{download_command(hub_id, '/path/to/' + hub_id.split('/')[-1])}`, copy it here, "
             f"and pass model.path=/path/to/... "
             f"(or set HF_HOME to a cache that holds it).") from None
+    finally:
+        constants.HF_HUB_OFFLINE = before
     return model, tok

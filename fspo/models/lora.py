@@ -1,25 +1,12 @@
 """LoRA adapters on the policy (``model.lora``, built with peft): only the adapters train.
 
-Owns: `LoRASettings` (``model.lora``: ``rank`` 0 = off, ``alpha``, ``dropout``, ``target_modules``,
-``lr``), `lora_settings`, `lora_update_settings` (the adapters' learning rate), `target_names` / `check_targets` (the
-linear layers a model offers, and the one-line refusal of names it does not have), `apply_lora` (wrap a loaded HF causal
-LM with peft's LoRA: base frozen, adapters float32), `is_lora`, `param_counts`, `adapter_state` (the checkpoint's share
-of a LoRA policy) and `merged_weights` (the HF-named weights with the adapters merged, for engines that hold a plain
-model: vLLM's weight sync). Leaves out: loading the base (loading.py), exporting a merged model from a
-checkpoint (fspo/runtime/checkpoints/lora_export.py) and the memory plan's LoRA terms
-(fspo/runtime/launch/memory_plan.py).
-
-The adapted layer computes y = W0 x + (alpha / r) B A x, A [r, in], B [out, r], B = 0 at start
-(peft's init), so the wrapped policy equals the base model before the first update and the method
-computes exactly what it computes on a full model, with the gradient restricted to (A, B).
-
-Dtypes (the float32-master rule for trainable weights): every trainable parameter, the adapters, is
-float32 whatever ``model.dtype`` is, so the optimizer state (AdamW's moments) is float32 too; the
-frozen base may be bf16 since it is never updated (no tiny-lr bf16 updates that round to nothing).
+The adapted layer computes y = W0 x + (alpha / r) B A x, A [r, in], B [out, r], B = 0 at start (peft's init), so
+the wrapped policy equals the base model before the first update, the gradient restricted to (A, B). The
+adapters are float32 (so is AdamW's state); the frozen base may be bf16, as it is never updated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,9 +18,8 @@ _PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class LoRASettings:
-    """``model.lora``: ``rank`` r (0: LoRA off), ``alpha`` (scale alpha / r), ``dropout`` on the
-    adapter input (training passes only), ``target_modules``: linear-layer names (the last segment,
-    e.g. ``q_proj``); None = every linear layer of attention and MLP (all but the LM head)."""
+    """``model.lora``: ``rank`` r (0: off), ``alpha`` (scale alpha / r), ``dropout`` on the adapter input,
+    ``target_modules``: linear-layer names (e.g. ``q_proj``; None: every linear layer but the LM head)."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -60,26 +46,22 @@ def lora_settings(model_cfg) -> LoRASettings:
 
 
 def lora_update_settings(ppo, model_cfg):
-    """``ppo`` (a dataclass with ``lr``, e.g. `fspo.update.settings.PPOConfig`) with ``lr`` =
-    ``model.lora.lr`` when LoRA is on and that is set (adapters need a larger rate than full
-    fine-tuning: docs/lora.md), else ``ppo`` itself."""
-    from dataclasses import replace
-
+    """``ppo`` (a dataclass with ``lr``) with ``lr`` = ``model.lora.lr`` when LoRA is on and that is set."""
     settings = lora_settings(model_cfg)
     return replace(ppo, lr=settings.lr) if settings.enabled and settings.lr is not None else ppo
 
 
 def target_names(model: nn.Module) -> List[str]:
-    """The distinct last-segment names of ``model``'s linear layers except the LM head (sorted): what
-    ``target_modules`` may name, and the default set."""
+    """The sorted last-segment names of ``model``'s linear layers but the LM head: what ``target_modules`` may
+    name."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                    if isinstance(m, nn.Linear) and m is not head and n})
 
 
 def check_targets(settings: LoRASettings, available: Sequence[str]) -> List[str]:
-    """The target names to adapt (``settings.target_modules``, or all of ``available``); raises
-    ValueError naming the unknown ones and listing ``available`` when some do not exist."""
+    """The target names to adapt (``settings.target_modules``, or all of ``available``); ValueError naming the
+    unknown ones."""
     if settings.target_modules is None:
         return list(available)
     if not settings.target_modules:
@@ -93,8 +75,8 @@ def check_targets(settings: LoRASettings, available: Sequence[str]) -> List[str]
 
 
 def _meta_model(model_cfg) -> Optional[nn.Module]:
-    """The configured model built from its config alone on the meta device (no weights, milliseconds even for
-    8B); None when the config is not available before loading."""
+    """The configured model built from its config alone on the meta device; None when the config is not
+    available before loading."""
     source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
     try:
         if source == "random":
@@ -116,15 +98,8 @@ def _meta_model(model_cfg) -> Optional[nn.Module]:
         return None
 
 
-def config_target_names(model_cfg) -> Optional[List[str]]:
-    """`target_names` of the configured model, from its config alone; None when it is not available yet."""
-    model = _meta_model(model_cfg)
-    return None if model is None else target_names(model)
-
-
 def check_rank(settings: LoRASettings, model: nn.Module, targets: Sequence[str]) -> None:
-    """ValueError (one line) when ``settings.rank`` exceeds the smaller side of an adapted layer: B A then has
-    no more rank than the layer itself (r <= min(in, out)); it only costs memory."""
+    """ValueError when ``settings.rank`` exceeds the smaller side of an adapted layer (r <= min(in, out))."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     sides = {n: min(m.in_features, m.out_features) for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and m is not head and n.rsplit(".", 1)[-1] in targets}
@@ -136,10 +111,8 @@ def check_rank(settings: LoRASettings, model: nn.Module, targets: Sequence[str])
 
 
 def check_lora_targets(model_cfg) -> None:
-    """Refuse (ValueError, one line listing the model's linear layers) ``model.lora.target_modules``
-    naming layers the configured model does not have, and a ``model.lora.rank`` above an adapted layer's smaller
-    side (`check_rank`), before anything loads; a no-op without LoRA or when the model's config is not
-    available yet (then `apply_lora` checks after loading)."""
+    """`check_targets` and `check_rank` before anything loads; a no-op without LoRA or when the model's config
+    is not available yet (`apply_lora` then checks after loading)."""
     settings = lora_settings(model_cfg)
     if settings.enabled:
         model = _meta_model(model_cfg)
@@ -148,9 +121,8 @@ def check_lora_targets(model_cfg) -> None:
 
 
 def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
-    """``model`` wrapped with LoRA adapters on ``settings``' targets (a peft ``PeftModelForCausalLM``),
-    or ``model`` unchanged when ``settings.rank == 0``. Base parameters are frozen
-    (``requires_grad=False``) in their dtype; adapters are float32 and trainable."""
+    """``model`` wrapped with peft LoRA adapters (float32, trainable; the base frozen in its dtype), or
+    ``model`` unchanged when ``settings.rank == 0``."""
     if not settings.enabled:
         return model
     from peft import LoraConfig, get_peft_model
@@ -188,30 +160,23 @@ def param_counts(model: nn.Module) -> Dict[str, int]:
 
 
 def adapter_state(state: Dict[str, Tensor], policy: nn.Module, prefix: str = "policy.") -> Dict[str, Tensor]:
-    """``state`` (a module state dict whose policy entries start with ``prefix``) with, of the LoRA
-    ``policy``'s entries, the trainable ones only (the adapters; the frozen base, tied copies included,
-    is left out); every non-policy entry stays. The base is rebuilt from the run's ``model`` config on
-    resume and evaluation."""
+    """``state`` with, of the LoRA ``policy``'s entries (prefixed ``prefix``), the trainable ones only; the base
+    is rebuilt from the run's ``model`` config on resume and evaluation."""
     trainable = {prefix + n for n, p in policy.named_parameters() if p.requires_grad}
     return {k: v for k, v in state.items() if not k.startswith(prefix) or k in trainable}
 
 
 def hf_name(peft_name: str) -> str:
-    """A peft state-dict name of a base weight as the HF checkpoint names it
-    (``base_model.model.x.q_proj.base_layer.weight`` -> ``x.q_proj.weight``)."""
+    """``base_model.model.x.q_proj.base_layer.weight`` -> ``x.q_proj.weight`` (the HF checkpoint's name)."""
     name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
     return name.replace(".base_layer.", ".")
 
 
 @torch.no_grad()
 def merged_weights(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
-    """``(hf_name, tensor)`` of the LoRA ``model`` with W = W0 + (alpha / r) B A for every adapted
-    layer, adapters left out; the other entries as they are (``lm_head.weight`` added as the embedding
-    when tied). Each tensor is in the base's dtype or, given ``dtype`` (the engine's), in
-    `fspo.models.gather.wire_dtype`: ``dtype`` where it is no wider, cast before the gather. The merge
-    itself runs in float32 on each rank's rows and is rounded once (`fspo.models.gather.gathered_merge`:
-    a small adapter update added in bfloat16 would be rounded away). Under FSDP every rank must drain it
-    (gathers are collectives)."""
+    """``(hf_name, tensor)`` of the LoRA ``model`` with W = W0 + (alpha / r) B A for every adapted layer,
+    adapters left out (``lm_head.weight`` added when tied), in ``dtype`` where no wider; the merge runs in
+    float32 and is rounded once. Under FSDP every rank must drain it (gathers are collectives)."""
     from fspo.models.gather import gathered, gathered_merge
 
     state = model.state_dict()

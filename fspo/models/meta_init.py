@@ -1,19 +1,9 @@
 """A policy built without its weights in memory, and its weights read shard by shard from safetensors.
 
-Owns: `build_on_meta` (the model of a ``save_pretrained`` folder with every PARAMETER on the meta
-device: no host memory; buffers such as the rotary ``inv_freq`` are small and stay real),
-`is_on_meta`, and `load_local_shards` (after the parameters were sharded, e.g. by FSDP2's
-``fully_shard``, or not at all: materialise them on ``device`` and fill each one with ITS OWN part
-of the checkpoint, read through ``safetensors.safe_open(...).get_slice`` so that a rank touches only
-the rows of its shard; the file is mapped one tensor at a time, so its pages leave the RSS). Every rank reads its rows
-itself: no broadcast, and no rank ever holds the full model; peak host memory per rank ~ its shard + one shard-sized
-tensor at a time (benchmarks/bench_fsdp_load_memory.py measures it).
-
-Sharding understood: a plain tensor (the whole parameter) and a DTensor with one ``Shard(0)`` mesh
-dimension (FSDP2's layout: rank r holds rows [r*ceil(n/W), ...), ``torch.chunk`` semantics). Tied
-parameters (``tie_word_embeddings``) are one parameter under its first name; ``save_pretrained``
-stores it once. Leaves out: building the sharding (fspo/runtime/launch/distributed.py) and choosing the
-source folder (loading.py).
+`build_on_meta` puts every parameter on the meta device (buffers stay real); `load_local_shards` materialises
+them and fills each with this rank's rows of the checkpoint through ``safe_open(...).get_slice``, one tensor
+mapped at a time: no broadcast, no rank ever holds the full model. Shardings understood: a plain tensor and a
+DTensor with one ``Shard(0)`` mesh dimension (``torch.chunk`` rows). Tied parameters load once.
 """
 from __future__ import annotations
 
@@ -23,13 +13,13 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 
 @contextmanager
 def _parameters_on_meta():
-    """Every parameter registered inside the block is moved to the meta device as it is registered
-    (each is allocated for an instant, one at a time, by its module's constructor)."""
+    """Every parameter registered inside the block is moved to the meta device as it is registered."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
@@ -74,8 +64,6 @@ def _weight_files(path: Path) -> Dict[str, Path]:
     if not single.exists():
         raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): re-save the model with "
                                 f"save_pretrained(..., safe_serialization=True) or drop trainer=fsdp's meta loading")
-    from safetensors import safe_open
-
     with safe_open(str(single), "pt") as f:
         return {k: single for k in f.keys()}
 
@@ -110,11 +98,8 @@ def _checkpoint_key(name: str, keys) -> str:
 
 @torch.no_grad()
 def load_local_shards(model: nn.Module, device: torch.device | str = "cpu", path: str | Path | None = None) -> int:
-    """Materialise ``model``'s meta parameters on ``device`` and copy into each one this rank's rows
-    of the checkpoint in ``path`` (default: the folder `build_on_meta` recorded). Buffers keep their
-    values. Returns the number of parameter elements this rank loaded."""
-    from safetensors import safe_open
-
+    """Materialise ``model``'s meta parameters on ``device`` and copy in this rank's rows of the checkpoint in
+    ``path`` (default: `build_on_meta`'s folder); buffers keep their values. Returns the elements loaded."""
     path = Path(path or getattr(model, "_fspo_weights_dir", ""))
     if not str(path) or not path.is_dir():
         raise ValueError(f"no weights folder to load the meta-device model from (got {str(path)!r})")

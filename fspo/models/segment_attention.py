@@ -1,28 +1,11 @@
-"""Attention for packed sequences without a mask: causal attention inside each sequence of one row.
-
-Owns: `SEGMENT_ATTENTION` (the attention implementation name registered with transformers),
-`segment_attention` (the function), `enable_segment_attention` / `uses_segment_attention`
-and `segment_runs`. Leaves out: how sequences are packed (fspo/update/packing.py `pack_segments`) and
-the log-prob pass (fspo/update/logprobs.py).
-
-Why: a packed row attended with sdpa and a block-diagonal mask costs the full row x row
-attention (the kernel computes the masked blocks too), so rows wider than one sequence waste
-attention work, and rows must be padded to a common width. Here a micro-batch is ONE row of all
-its sequences back to back (no padding at all), and each layer runs
+"""Attention for packed sequences without a mask: causal attention inside each sequence of one unpadded row,
 
     out[s:e] = softmax(q[s:e] k[s:e]^T * scale + causal) v[s:e]      for every sequence [s, e)
 
-with sdpa's causal kernel; consecutive sequences of equal length (a "run", `segment_runs`) are
-one batched call on a strided view. On the tiny model at natural lengths this made a
-forward-backward ~8% faster than 1.25-2x-wide masked rows, with no padding waste; log-probs equal
-the padded pass to ~5e-6 (tests/test_segment_attention.py).
-
-How it is selected: `enable_segment_attention(model)` switches a model whose attention is
-``sdpa`` (and has no sliding-window layer) to ``SEGMENT_ATTENTION`` (RLModule does it when ``ppo.packing`` is on).
-Without the ``fspo_segments`` keyword (generation, the padded pass) the function IS Hugging Face's sdpa attention, with
-sdpa's mask creation, so nothing else changes. The packed pass passes ``fspo_segments`` (the runs) and a placeholder 4D
-``attention_mask`` so that transformers builds no mask (a prepared 4D mask is used as is; this function ignores it).
-Flash-attention models (``flash_attention_2``) keep their own varlen kernels and the masked-rows layout.
+with sdpa's causal kernel, consecutive sequences of equal length batched on a strided view (a masked row would
+cost the full row x row attention). `enable_segment_attention` switches an ``sdpa`` model without sliding windows
+to it; without the ``fspo_segments`` keyword it IS Hugging Face's sdpa attention. The packed pass passes
+``fspo_segments`` and a placeholder 4D ``attention_mask`` so that transformers builds no mask.
 """
 from __future__ import annotations
 
@@ -91,8 +74,7 @@ def _full_attention_only(config) -> bool:
 
 
 def enable_segment_attention(model) -> bool:
-    """Switch an ``sdpa`` model with full attention in every layer to `SEGMENT_ATTENTION` (other
-    implementations and sliding-window models are left alone); returns whether the model now uses it."""
+    """Switch an ``sdpa`` model with full attention in every layer to `SEGMENT_ATTENTION`; whether it uses it."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and _full_attention_only(config):
         model.set_attn_implementation(SEGMENT_ATTENTION)

@@ -1,17 +1,10 @@
-"""The embedded tiny policy: a character-level tokenizer and a ~1M-parameter Qwen3 built from a config.
-
-Owns: `build_tokenizer` (made by this project, no download), `tiny_qwen3_config`, `build_tiny_model`.
-Leaves out: loading real checkpoints and the warm-start weights (loading.py,
-experiments/warmstart.py).
-
-The tokenizer maps every printable ASCII character to one token (plus <pad>=0, <s>=1, </s>=2,
-<unk>=3), so the built-in arithmetic task's text round-trips exactly and token counts equal
-character counts.
-"""
+"""The embedded tiny policy: a character-level tokenizer (every printable ASCII character one token, plus <pad>=0,
+<s>=1, </s>=2, <unk>=3: token counts equal character counts) and a ~1M-parameter Qwen3 built from a config."""
 from __future__ import annotations
 
 import string
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -48,8 +41,6 @@ def tiny_qwen3_config(vocab_size: int = 100, hidden_size: int = 128, num_hidden_
 
 def build_tiny_model(seed: int = 0, **config_overrides) -> Qwen3ForCausalLM:
     """A freshly initialised tiny Qwen3 (float32), deterministic for a given seed."""
-    import torch
-
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(tiny_qwen3_config(**config_overrides))

@@ -1,13 +1,5 @@
-"""Final-answer extraction from a completion, and the exact fast path of the math reward.
-
-Owns: `last_boxed`, `last_answer_line`, `extract_answer`, `canonical`, `fast_equal`. Leaves out:
-symbolic equivalence (math-verify, run in worker processes by verify_pool.py).
-
-Everything here is linear-time string scanning with regular expressions and a brace counter:
-nothing from the completion is evaluated, and the extracted answer is capped at
-``max_chars`` characters (a longer one counts as "no answer"), so a 100k-character completion
-costs one pass.
-"""
+"""Final-answer extraction from a completion, and the exact fast path of the math reward: linear-time regular
+expressions and a brace counter, nothing evaluated, the answer capped at ``max_chars`` (longer: no answer)."""
 from __future__ import annotations
 
 import re
@@ -23,9 +15,8 @@ _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
 
 
 def last_boxed(text: str, max_chars: int = 1000) -> Optional[Tuple[str, int]]:
-    """(content, position) of the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; ``\\{`` and
-    ``\\}`` are literal and do not count) or ``\\boxed X`` (one token). None when the last box is
-    unclosed within ``max_chars`` characters or empty."""
+    """(content, position) of the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces, ``\\{`` literal) or
+    ``\\boxed X`` (one token); None when the last box is empty or unclosed within ``max_chars``."""
     starts = [m for m in _BOXED.finditer(text)]
     if not starts:
         return None
@@ -54,8 +45,7 @@ def last_boxed(text: str, max_chars: int = 1000) -> Optional[Tuple[str, int]]:
 
 
 def last_answer_line(text: str) -> Optional[Tuple[str, int]]:
-    """(content, position) of the last non-empty ``Answer: ...`` (case-insensitive, markdown bold
-    allowed: ``**Answer:** 5``), up to the end of its line."""
+    """(content, position) of the last non-empty ``Answer: ...`` line (case-insensitive, ``**Answer:** 5`` too)."""
     best = None
     for m in _ANSWER.finditer(text):
         if m.group(1).strip():
@@ -78,9 +68,8 @@ def clean_answer(ans: str) -> str:
 
 
 def extract_answer(text: str, max_chars: int = 1000) -> Optional[str]:
-    """The final answer of a completion: whichever of the last ``\\boxed{}`` and the last
-    ``Answer:`` line comes later, cleaned by `clean_answer`; None when there is none, it is empty,
-    or it is longer than ``max_chars``."""
+    """Whichever of the last ``\\boxed{}`` and the last ``Answer:`` line comes later, cleaned; None when there is
+    none, it is empty, or longer than ``max_chars``."""
     box = last_boxed(text, max_chars)
     line = last_answer_line(text)
     if box is None and line is None:
@@ -96,9 +85,8 @@ def extract_answer(text: str, max_chars: int = 1000) -> Optional[str]:
 
 
 def canonical(ans: str) -> str:
-    """A light canonical form for exact comparison: no spacing commands, ``\\left``/``\\right``,
-    ``$`` or whitespace; ``\\dfrac``/``\\tfrac`` -> ``\\frac``; thousands separators removed from
-    plain numbers (``1,000`` -> ``1000``)."""
+    """A light canonical form: no spacing commands, ``\\left``/``\\right``, ``$`` or whitespace;
+    ``\\dfrac``/``\\tfrac`` -> ``\\frac``; ``1,000`` -> ``1000``."""
     s = _CANON_DROP.sub("", ans.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
     if _THOUSANDS.match(s):
         s = s.replace(",", "")
@@ -119,10 +107,8 @@ def _strip_percent(s: str) -> str:
 
 
 def fast_equal(pred: str, ref: str) -> Optional[bool]:
-    """True when the canonical strings match or both are plain decimal numbers with equal value,
-    also after dropping a trailing percent sign (``10\\%`` for a reference ``10``, a common way to
-    answer "what percent"); False when both are plain numbers without percent signs and differ;
-    None (undecided: ask math-verify) otherwise."""
+    """True when the canonical strings or plain-number values match (also after dropping a trailing percent
+    sign); False when both are plain numbers without percent signs and differ; None (ask math-verify) otherwise."""
     a, b = canonical(pred), canonical(ref)
     if a == b:
         return True

@@ -1,7 +1,5 @@
-"""Exact-answer reward for the built-in arithmetic task.
-
-Owns: `ArithmeticReward`. The completion's last ``Answer: <int>`` line is parsed with a regular
-expression (never evaluated) and compared with the reference integer.
+"""Exact-answer reward for the built-in arithmetic task: the last ``Answer: <int>`` line, parsed by a regular
+expression (never evaluated), against the reference integer.
 
     correct_i = 1[parsed answer == reference]        format_i = 1[an "Answer: <int>" line exists]
     score_i   = correct_reward * correct_i + format_reward * format_i
@@ -26,7 +24,7 @@ def parse_answer(text: str):
 
 
 class ArithmeticReward:
-    """RewardFn for the arithmetic task (see base.py for the call contract)."""
+    """RewardFn for the arithmetic task."""
 
     def __init__(self, correct_reward: float = 1.0, format_reward: float = 0.0):
         self.correct_reward = float(correct_reward)

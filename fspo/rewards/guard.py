@@ -1,21 +1,11 @@
 """Calling a reward function safely, and stopping a run whose rewards cannot teach anything.
 
-Owns: `guarded_reward` (the reward on a batch: a raising call is retried sample by sample, a raising
-sample scores 0; non-finite scores become 0 and are flagged), `reward_name`, `check_reward_health` and
-`RewardFailure`. Leaves out: the reward functions themselves (this package's other modules) and where
-the step's counts are summed over data-parallel ranks (fspo/rollout/callback.py, which calls
-`check_reward_health` on the summed counts so that every rank stops together).
-
-Policy, per training step, over all of the step's samples:
-- any non-finite score (NaN, +-inf) stops the run at once with a line naming the reward: a NaN reward
-  zeroed silently trains on nothing;
-- a reward that fails on EVERY sample (raises, or reports every sample in ``RewardOutput.errors``)
-  stops the run: all scores would be 0 and every advantage 0;
-- a reward that raises on some samples: those score 0, are counted (``reward/errors``, and
-  ``reward/raised``: the fraction of samples whose call raised) and warned about; the run stops when that
-  fraction exceeds ``reward_guard.max_error_frac`` (default 0: any raising sample stops the run;
-  0.05 tolerates one in twenty). Errors a reward reports itself (a verifier timeout scored 0) are
-  counted but do not count against the threshold.
+Per training step, over all of its samples (summed over ranks, so every rank stops together):
+- any non-finite score stops the run with a line naming the reward;
+- a reward that fails on EVERY sample (raises, or reports every sample in ``errors``) stops the run;
+- a reward that raises on some samples: those score 0, are counted (``reward/errors``, ``reward/raised``) and
+  warned about; the run stops when the raised fraction exceeds ``reward_guard.max_error_frac`` (default 0).
+  Errors a reward reports itself (a verifier timeout scored 0) do not count against the threshold.
 """
 from __future__ import annotations
 
@@ -40,10 +30,9 @@ def reward_name(reward_fn) -> str:
 
 def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[int], overlong: List[bool],
                    max_new_tokens: int) -> RewardOutput:
-    """``reward_fn`` on the batch, made safe for the update: if the call raises (or returns the wrong
-    number of scores) each sample is scored alone and a sample whose call raises scores 0 and counts
-    in ``errors`` and in the ``raised`` component (1 per such sample); a non-finite score becomes 0 and
-    is flagged in the ``nonfinite`` component. `check_reward_health` decides whether the run goes on."""
+    """``reward_fn`` on the batch: if the call raises (or returns the wrong number of scores) each sample is
+    scored alone, a raising one scoring 0 (counted in ``errors`` and the ``raised`` component); a non-finite
+    score becomes 0, flagged in the ``nonfinite`` component."""
     n = len(texts)
     raised = [0.0] * n
     try:
@@ -78,8 +67,7 @@ def guarded_reward(reward_fn, texts: List[str], refs: List[str], lengths: List[i
 
 def check_reward_health(name: str, step: int, n: float, nonfinite: float, raised: float, errors: float,
                         max_error_frac: float = 0.0) -> None:
-    """Raise `RewardFailure` per the module docstring's policy; ``n``: samples of the step, the other
-    counts over them (summed over ranks); warns when some samples raised within the threshold."""
+    """Raise `RewardFailure` per the policy above; ``n``: samples of the step, the other counts over them."""
     if n <= 0:
         return
     if nonfinite:

@@ -1,11 +1,5 @@
-"""Verifiable math reward: final-answer extraction + math-verify equivalence, with DAPO's optional
-soft overlong penalty.
-
-Owns: `MathVerifyReward` (a `RewardFn`, see base.py) and `overlong_penalty`. Leaves
-out: extraction details (answer_extraction.py) and the worker pool that enforces the
-per-check deadline (verify_pool.py).
-
-Per completion i with extracted answer a_i (None when there is none) and reference r_i::
+"""Verifiable math reward: final-answer extraction + math-verify equivalence, with DAPO's optional soft overlong
+penalty. Per completion i with extracted answer a_i (None when there is none) and reference r_i::
 
     format_i  = 1[a_i is not None]
     correct_i = 1[fast_equal(a_i, r_i)]      if that decides (exact string / plain-number match)
@@ -13,19 +7,13 @@ Per completion i with extracted answer a_i (None when there is none) and referen
     penalty_i = min(0, (max_new_tokens - B - L_i) / B) * factor    if B = overlong_buffer_len > 0
     score_i   = (correct_reward if correct_i else incorrect_reward) + format_reward * format_i + penalty_i
 
-A check that raises or overruns ``timeout_s`` scores like an incorrect answer (``incorrect_reward``,
-0.0 by default -- never better than a wrong answer, so the policy gains nothing by producing
-unverifiable output) and is counted in ``RewardOutput.errors``; ``last_stats`` splits
-errors from timeouts. Components: ``correct`` and ``format`` (0/1 indicators) and
-``overlong_penalty`` (the additive penalty).
-
-Safety: model output is never evaluated as code. Extraction is regex/brace scanning; the only
-interpretation of an answer is math-verify's LaTeX/expression parser (ANTLR grammar -> sympy), run
-in a separate process under a hard deadline and an address-space limit. There is no eval, exec or
-sympify of raw strings anywhere in this reward.
+A check that raises or overruns scores like an incorrect answer (never better, so unverifiable output gains
+nothing) and counts in ``errors``. Model output is never evaluated as code: math-verify's parser runs in a
+separate process under a deadline and an address-space limit.
 """
 from __future__ import annotations
 
+from contextlib import suppress
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fspo.rewards.answer_extraction import extract_answer, fast_equal
@@ -34,25 +22,17 @@ from fspo.rewards.verify_pool import DEFAULT_CHECK, VerifyPool
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
-    """DAPO soft overlong punishment (verl's DAPO reward manager): with expected length
-    ``E = max_new_tokens - buffer_len``, ``min(0, (E - length) / buffer_len) * factor``; 0 when
-    ``buffer_len <= 0``. Zero up to E, then linear down to ``-factor`` at ``max_new_tokens``."""
+    """DAPO's soft overlong punishment: 0 up to E = max_new_tokens - buffer_len, then linear down to ``-factor``
+    at ``max_new_tokens``; 0 when ``buffer_len <= 0``."""
     if buffer_len <= 0:
         return 0.0
     return min(0.0, (max_new_tokens - buffer_len - length) / buffer_len) * factor
 
 
 class MathVerifyReward:
-    """RewardFn for math with verifiable answers (equations in the module docstring).
-
-    Args: ``correct_reward`` / ``incorrect_reward`` (1.0 / 0.0), ``format_reward`` (0.0: weight of
-    the format indicator), ``timeout_s`` (hard deadline per math-verify check, default 1 s), ``num_workers``
-    (worker processes), ``max_answer_chars`` (longer extracted answers count as no answer),
-    ``overlong_buffer_len`` (0 = penalty off) and ``overlong_penalty_factor`` (1.0, DAPO's value),
-    ``memory_mb`` (address-space limit per worker), ``check`` (``"module:function"`` of a
-    ``(pred, ref) -> bool`` run in the workers; math-verify by default), ``fast_path`` (False sends
-    every extracted answer to the check; for measuring the check alone).
-    """
+    """RewardFn for math with verifiable answers. ``timeout_s``, ``num_workers``, ``memory_mb`` and ``check``
+    (``"module:function"`` of ``(pred, ref) -> bool``) configure the `VerifyPool`; ``fast_path`` False sends
+    every extracted answer to the check."""
 
     def __init__(self, correct_reward: float = 1.0, incorrect_reward: float = 0.0, format_reward: float = 0.0,
                  timeout_s: float = 1.0, num_workers: int = 2, max_answer_chars: int = 1000,
@@ -83,8 +63,7 @@ class MathVerifyReward:
 
     def judge(self, completions: Sequence[str],
               references: Sequence[str]) -> Tuple[List[float], List[float], List[str]]:
-        """(correct, format, status) per completion; status is 'fast', 'verified', 'no_answer',
-        'error' or 'timeout'."""
+        """(correct, format, status) per completion; status: fast, verified, no_answer, error or timeout."""
         n = len(completions)
         correct, fmt, status = [0.0] * n, [0.0] * n, ["no_answer"] * n
         tasks: Dict[Tuple[str, str], List[int]] = {}
@@ -143,7 +122,5 @@ class MathVerifyReward:
         return state
 
     def __del__(self):
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:
-            pass

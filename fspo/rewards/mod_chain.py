@@ -1,14 +1,11 @@
-"""Per-line credit for the modular chain (fspo/data/mod_chain.py).
-
-Owns: `ChainConsistencyReward` and `line_credit`. The response is split into lines, each parsed with a
-regular expression (never evaluated). Line k (k = 1..n) is consistent when it reads ``{n - k + 1:03d}:{d}``
-with d = (digit of line k-1 + step) mod 10 (line 0's digit is the prompt's v0) and line k-1 was readable:
+"""Per-line credit for the modular chain (fspo/data/mod_chain.py), each line parsed by a regular expression.
+Line k (k = 1..n) is consistent when it reads ``{n - k + 1:03d}:{d}`` with d = (digit of line k-1 + step) mod 10
+(line 0's digit is the prompt's v0) and line k-1 was readable:
 
     correct_i = (number of consistent lines among the first n) / max(n, number of lines)
 
-so a slip costs one line whatever n is, a response that stops early loses the lines it did not write and
-one that runs past 001 is diluted by its extra lines. Mean credit is the per-line consistency rate at every
-length: the reward carries no length by construction. ``complete`` is 1 when exactly n lines were written.
+so the mean credit is the per-line consistency rate at every length: the reward carries no length by
+construction. ``complete`` is 1 when exactly n lines were written.
 """
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ def line_credit(text: str, v0: int, n: int, step: int = 7) -> Tuple[float, bool]
 
 
 class ChainConsistencyReward:
-    """RewardFn for the modular chain (call contract: base.py). References are ``"v0,n"``."""
+    """RewardFn for the modular chain; references are ``"v0,n"``."""
 
     def __init__(self, step: int = 7, correct_reward: float = 1.0):
         self.step, self.correct_reward = int(step), float(correct_reward)

@@ -1,34 +1,25 @@
-"""Worker processes that run equivalence checks under a hard per-check deadline.
-
-Owns: `VerifyPool`, `math_verify_equal` (the default check) and the process side (run as
-``python -m fspo.rewards.verify_pool FD CHECK MEMORY_MB``). Leaves out: answer extraction
-(answer_extraction.py) and scoring (math_verify_reward.py).
-
-Why processes: math-verify's own timeouts use ``signal.alarm`` (whole seconds, main thread only)
-and cannot interrupt C-level work -- ``verify`` on ``2^{2^{2^{100}}}`` never returns (also
-huggingface/Math-Verify#65). So every check runs in a worker process; the parent waits at most
-``timeout_s`` per check (from dispatch) and SIGKILLs a worker that overruns.
-
-Layout: the pool starts one *zygote* (``sys.executable -m``, so the caller's ``__main__`` is never
-re-imported and no memory or CUDA state is shared) that imports and warms math-verify once and
-then only forks workers on request, handing each a socket received over SCM_RIGHTS. Replacing a
-killed worker therefore costs a fork (milliseconds), not an interpreter start. Workers talk JSON
-lines (no pickle), run under an address-space limit (``memory_mb``) so a runaway expansion raises
-MemoryError instead of exhausting the machine, and die with the zygote (``PR_SET_PDEATHSIG`` on
-Linux), which exits when the parent's control socket closes.
+"""Worker processes that run equivalence checks under a hard per-check deadline: math-verify's own timeouts cannot
+interrupt C-level work (``verify`` on ``2^{2^{2^{100}}}`` never returns), so a worker that overruns ``timeout_s`` is
+SIGKILLed. One *zygote* warms math-verify once and forks workers on request (a replacement costs a fork); workers
+talk JSON lines, run under an address-space limit (``memory_mb``) and die with the zygote, which exits when the
+parent's control socket closes.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import json
+import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import deque
+from contextlib import suppress
 from multiprocessing.connection import wait
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -45,10 +36,8 @@ def _parse_gold(gold: str):
 
 
 def math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify equivalence of an extracted answer and a reference (LaTeX or plain strings):
-    each is wrapped in ``\\boxed{}`` and read by math-verify's parser (ANTLR LaTeX grammar ->
-    sympy); no string is passed to eval/exec/sympify. math-verify's signal timeouts are off: the
-    `VerifyPool` deadline bounds the call."""
+    """math-verify equivalence of an extracted answer and a reference, each wrapped in ``\\boxed{}`` and read by
+    math-verify's parser (no eval/exec/sympify); its signal timeouts are off: the `VerifyPool` deadline rules."""
     from math_verify import parse, verify
 
     return bool(verify(_parse_gold(gold), parse("\\boxed{" + pred + "}", parsing_timeout=None),
@@ -64,20 +53,14 @@ def load_check(spec: str) -> Callable[[str, str], bool]:
 
 
 def _die_with_parent() -> None:
-    try:
-        import ctypes
-
+    with suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def _serve(sock: socket.socket, check: Callable[[str, str], bool], memory_mb: int) -> None:
     """Worker loop: one JSON request per line -> one JSON reply per line; exits at EOF."""
     _die_with_parent()
     if memory_mb > 0:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     for line in sock.makefile("rb"):
         tid, pred, gold = json.loads(line)
@@ -89,18 +72,13 @@ def _serve(sock: socket.socket, check: Callable[[str, str], bool], memory_mb: in
 
 
 def _zygote_main(fd: int, spec: str, memory_mb: int) -> None:
-    # No PDEATHSIG here (it fires when the *thread* that started us exits); the zygote instead
-    # exits when its control socket reaches EOF, i.e. when the pool closes or its process dies.
+    # no PDEATHSIG (it fires when the *thread* that started us exits): exit at the control socket's EOF
     sys.stdout = sys.stderr
-    import logging
-
     logging.disable(logging.CRITICAL)
     ctl = socket.socket(fileno=fd)
     check = load_check(spec)
-    try:
+    with suppress(Exception):
         check("1", "1")  # warm lazy imports once; every forked worker inherits them
-    except Exception:
-        pass
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
     ctl.sendall(b"ready\n")
     while True:
@@ -136,19 +114,15 @@ class _Worker:
         return [json.loads(x) for x in lines if x.strip()]
 
     def kill(self) -> None:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.sock.close()
 
 
 class VerifyPool:
-    """``num_workers`` worker processes running ``check(pred, gold) -> bool``, given as
-    ``"module:function"``. `run` maps (pred, gold) pairs to ("ok", bool) | ("error", message) |
-    ("timeout", None) in input order; each check gets at most ``timeout_s`` seconds of wall time
-    after dispatch. Started lazily by `run` (or `start`); `close` stops everything. Call `run` from
-    one thread at a time."""
+    """``num_workers`` processes running ``check(pred, gold) -> bool`` (``"module:function"``). `run` maps
+    (pred, gold) pairs to ("ok", bool) | ("error", message) | ("timeout", None) in input order, each check
+    given ``timeout_s`` of wall time after dispatch; started lazily, one thread at a time."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 1.0, memory_mb: int = 2048,
                  check: str = DEFAULT_CHECK):
@@ -255,10 +229,8 @@ class VerifyPool:
             self._zygote = None
 
     def __del__(self):
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 if __name__ == "__main__":

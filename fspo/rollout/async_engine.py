@@ -1,32 +1,13 @@
-"""A rollout engine in its own process, so that generation overlaps the trainer's update.
-
-Owns: `AsyncEngine` (the trainer-side handle: `start`, `push`, `submit`, `result`, `close`) and
-`_engine_main` (the child process). The child holds its own copy of the policy (rebuilt from the
-policy's config, plain sdpa attention) and an engine built from the same ``rollout.engine`` config
-(`fspo.rollout.hf.HFEngine`), with ``threads`` torch threads of its own. Leaves out: which step is
-requested when (pipeline.py) and scoring (callback.py).
-
-Weights: ``slots`` parameter buffers in shared memory (one per request that can be in flight), keyed by
-checkpoint name. `push` copies the trainer's current parameters into a slot (a memcpy, no pickling),
-streamed by `fspo.rollout.weights.iter_full_state_dict`: under FSDP every DTensor is gathered to its
-full value, one at a time, so each rank's engine process holds the full weights. That gather is a
-collective: under torch.distributed every rank must call `start` and `push` at the same points (the
-pipeline's schedule is the same on every rank). A request names
-its slot, and the child loads that slot into its model when it starts the request. A slot is written
-only when no request still in flight reads it (the pipeline collects request i before it reuses
-request i's slot), so every rollout is generated with exactly the weights pushed for it — the
-behaviour policy the engine's log-probs (``engine_log_probs``) belong to.
-
-The child answers requests in order; `result` returns the `RolloutBatch` of the oldest request
-(its tensors come back through torch.multiprocessing's shared memory). An exception in the child is
-sent back and raised by `result` with the child's traceback text; a dead child is reported instead
-of waiting forever; an alive child that answers nothing within ``timeout_s`` is killed and reported
-(`EngineUnresponsive`), and a stop signal during a wait (``should_stop``) raises Lightning's
-``SIGTERMException`` so the run checkpoints and exits as the synchronous path does. The child dies with the trainer,
-however the trainer ends (`die_with_parent`).
+"""A rollout engine in its own process (an `HFEngine` on its own copy of the policy), so that generation
+overlaps the trainer's update. `push` copies the trainer's full parameters into one of ``slots`` shared-memory
+buffers (a collective under FSDP); a slot is written only when no request in flight reads it, so every rollout
+is generated with exactly the weights pushed for it. A child's exception is raised with its traceback, a dead
+child is reported, a silent one is killed after ``timeout_s`` (`EngineUnresponsive`), a stop signal during a wait
+raises ``SIGTERMException``, and the child dies with the trainer (`die_with_parent`).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -34,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+from contextlib import suppress
 from typing import Dict, List, Sequence
 
 import torch
@@ -48,16 +30,10 @@ POLL_S = 1.0
 
 
 def die_with_parent(parent_pid: int, poll_s: float = POLL_S) -> None:
-    """Make this process end when ``parent_pid`` does, however it ends (kill -9 included): the kernel's
-    ``PR_SET_PDEATHSIG`` = SIGKILL on Linux, and on every platform a daemon thread that polls the
-    parent pid (also covering a parent that died before the prctl call)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - not Linux: the watchdog below covers it
-        pass
+    """End this process when ``parent_pid`` does (kill -9 included): ``PR_SET_PDEATHSIG`` on Linux, and a
+    daemon thread polling the parent pid."""
+    with suppress(Exception):  # not Linux: the watchdog below covers it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
 
     def watch():
         while os.getppid() == parent_pid:
@@ -102,7 +78,7 @@ class EngineUnresponsive(RuntimeError):
 
 
 class AsyncEngine:
-    """Trainer-side handle of the engine process (see the module docstring)."""
+    """Trainer-side handle of the engine process."""
 
     def __init__(self, engine, slots: int = 1, threads: int = 1, timeout_s: float = 1800.0):
         if slots < 1:
@@ -115,7 +91,7 @@ class AsyncEngine:
 
     def start(self, policy, tokenizer) -> None:
         """Allocate the shared weight slots from ``policy``'s full weights and start the child (waits until
-        its model is built). Under torch.distributed: a collective, every rank calls it."""
+        its model is built). A collective."""
         if any(p.device.type == "cuda" for p in policy.parameters()):
             raise RuntimeError(
                 "rollout.overlap.enable=true: the pipelined engine process generates with the HF engine on CPU, "
@@ -133,8 +109,8 @@ class AsyncEngine:
                                 args=(policy.config, tokenizer, self.engine, self.slots, self.threads,
                                       self.requests, self.results, os.getpid()))
         self.proc.start()
-        # answers are received on a thread: unpickling a rollout's tensors asks the child for their shared
-        # memory, which blocks forever if the child is stopped; the waits below stay bounded
+        # answers received on a thread: unpickling a rollout's tensors asks the child for their shared memory,
+        # which blocks forever if the child is stopped; the waits below stay bounded
         self._answers: "queue.Queue" = queue.Queue()
         threading.Thread(target=self._receive, args=(self.results, self._answers), daemon=True,
                          name="fspo-engine-receiver").start()
@@ -143,8 +119,7 @@ class AsyncEngine:
             raise RuntimeError(f"the rollout engine process failed to start:\n{payload}")
 
     def push(self, policy, slot: int) -> None:
-        """Copy ``policy``'s current full parameters into weight slot ``slot`` (no request may be reading it).
-        Under torch.distributed: a collective, every rank calls it."""
+        """Copy ``policy``'s full parameters into weight slot ``slot`` (no request may be reading it). A collective."""
         with torch.no_grad():
             for k, v in iter_full_state_dict(policy):  # full tensors, gathered one at a time under FSDP
                 self.slots[slot][k].copy_(v)
@@ -199,10 +174,7 @@ class AsyncEngine:
         if self.proc is not None and self.proc.is_alive():
             self.requests.put(None)
             self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=10)
-        self.proc = None
+        self.kill()
 
     def kill(self) -> None:
         """Kill the child now (a stopped or hung one too) and reap it."""
@@ -213,7 +185,5 @@ class AsyncEngine:
         self.proc = None
 
     def __del__(self):  # a trainer that dies must not leave the child behind
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001
-            pass

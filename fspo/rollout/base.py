@@ -1,19 +1,10 @@
 """The rollout-engine contract: prompts in, a `RolloutBatch` of completions out.
 
-Owns: `SamplingConfig` and the `RolloutEngine` interface. Leaves out: scoring, advantages and
-old log-probs (callback.py) and the engines themselves (hf.py, vllm.py).
-
-Lifecycle, driven by the rollout callback:
-  1. ``setup(model, tokenizer, workdir)`` once, on the rank that generates; ``model`` is the
-     trainer's policy (an HF causal LM), ``workdir`` a scratch folder for exported weights.
-  2. each step: ``sync_weights(model)`` pushes the trainer's current parameters into the engine
-     (a no-op for engines that share the policy module), then
-     ``generate(prompt_token_ids, params)`` returns ``len(prompts) * params.n`` completions, the
-     ``n`` completions of prompt k in rows ``k*n .. k*n+n-1`` with ``group_ids == k``.
-  3. ``sleep()`` / ``wake(tags)`` around the training pass free engine memory (no-ops by default);
-     the order of the memory steps around a generation is engine_memory.py's.
-The returned batch fills prompt_ids/prompt_mask (left-padded), response_ids/response_mask
-(right-padded, EOS included in the mask), group_ids, overlong, and optionally engine_log_probs.
+Lifecycle, driven by the rollout callback: ``setup(model, tokenizer, workdir)`` once; each step
+``sync_weights(model)`` (a no-op for engines sharing the policy module), then ``generate(prompt_token_ids,
+params)``: ``len(prompts) * params.n`` completions, those of prompt k in rows ``k*n .. k*n+n-1`` with
+``group_ids == k``, prompts left-padded, responses right-padded (EOS in the mask), optionally
+``engine_log_probs``; ``sleep()`` / ``wake(tags)`` free engine memory around training (engine_memory.py).
 """
 from __future__ import annotations
 
@@ -25,10 +16,8 @@ from fspo.types import RolloutBatch
 
 @dataclass
 class SamplingConfig:
-    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
-
-    ``min_new_tokens`` suppresses EOS until that many tokens are generated (HF ``min_new_tokens``,
-    vLLM ``min_tokens``); benchmarks set it to ``max_new_tokens`` for fixed-length responses."""
+    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters; ``min_new_tokens`` suppresses
+    EOS until that many tokens are generated."""
 
     n: int = 8
     temperature: float = 1.0
@@ -53,7 +42,7 @@ class SamplingConfig:
 
 
 class RolloutEngine:
-    """Base class; see the module docstring for the lifecycle."""
+    """Base class of the engines."""
 
     def setup(self, model, tokenizer, workdir: str) -> None:
         self.model = model

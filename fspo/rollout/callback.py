@@ -1,30 +1,11 @@
 """The rollout callback: turns each batch of prompts into a scored rollout batch before the step runs.
 
-Owns: `RolloutCallback`. Each training step, in ``on_train_batch_start``:
-
-    sync weights -> generate G completions per prompt -> decode -> reward -> advantages
-
-(the memory steps around sync and generation: engine_memory.py)
-
-and stores the `RolloutBatch` in ``batch["rollout"]`` (the same dict Lightning then passes to
-``training_step``) with reward statistics in ``batch["rollout_metrics"]`` and its seconds per phase in
-``batch["rollout_timings"]`` (``time/weight_sync``, ``time/generate``, ``time/reward``). With
-``pipeline`` (``rollout.overlap``, pipeline.py) training rollouts come from an engine
-process k steps ahead of the trainer; validation always generates in-process with the current policy. Validation batches
-get ``batch["val_stats"]`` (accuracy, reward, length, overlong rate) from completions sampled with the validation
-settings. With ``group_filter`` enabled (``rollout.dynamic_sampling``, group_filter.py) groups whose
-rewards are all equal are dropped and further prompts drawn from the sampler, within ``max_rounds`` rounds; advantages
-are then computed on the kept groups. Round j >= 1 of step k samples with `fspo.seeds.round_seed` of the step's seed;
-reward metrics stay those of round 1 (the step's own prompts). Leaves out: the engines (fspo/rollout), the reward
-functions (fspo/rewards), the advantage estimators (fspo/advantages.py) and the update itself (fspo/update/module.py).
-
-Seeding (fspo/seeds.py): step k samples with `step_seed` ``(seed, k, rank)``; validation batch j always with
-`val_seed` ``(seed, j, rank)``, so successive validations differ only by the policy.
-
-Data parallel (fspo/runtime/launch/distributed.py): every rank receives the step's global prompt batch and
-generates for its contiguous slice (whole groups, so advantages are exact) with its own sampling seed. Reward metrics
-are sums over ranks. Validation batches are
-padded (by repeating the last prompt) to a multiple of the rank count; padding is not scored.
+``on_train_batch_start``: sync weights -> generate G completions per prompt -> decode -> reward -> advantages,
+stored as ``batch["rollout"]``, ``batch["rollout_metrics"]`` and ``batch["rollout_timings"]``; with
+``rollout.overlap`` the rollouts come from the pipeline, with ``rollout.dynamic_sampling`` uninformative groups
+are replaced (round j >= 1 seeded by `round_seed`). Validation generates in-process into ``batch["val_stats"]``.
+Seeds: step k `step_seed` ``(seed, k, rank)``, validation batch j `val_seed` ``(seed, j, rank)``. Each rank
+generates its contiguous slice of whole groups; reward metrics are sums over ranks.
 """
 from __future__ import annotations
 
@@ -42,7 +23,7 @@ from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import check_reward_health, guarded_reward, reward_name
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.engine_memory import rollout_memory
-from fspo.rollout.group_filter import GroupFilter
+from fspo.rollout.group_filter import GroupFilter, informative_groups
 from fspo.rollout.pipeline import RolloutPipeline
 from fspo.runtime.checkpoints.resume_state import rng_states, set_rng_states
 from fspo.runtime.checkpoints.stop_signal import (
@@ -59,8 +40,18 @@ from fspo.types import RolloutBatch
 log = logging.getLogger(__name__)
 
 
+def _datamodule_sampler(trainer, method: str, key: str, why: str):
+    """(datamodule, its prompt sampler), refused unless the sampler has ``method`` (what ``key`` needs)."""
+    dm = getattr(trainer, "datamodule", None)
+    sampler = getattr(dm, "sampler", None)
+    if sampler is None or not hasattr(sampler, method):
+        raise RuntimeError(f"{key} needs the trainer's datamodule to be a fspo.data.datamodule.PromptDataModule "
+                           f"(it {why})")
+    return dm, sampler
+
+
 class RolloutCallback(L.Callback):
-    """Drives the rollout engine; see the module docstring. ``max_prompt_len`` bounds prompt tokens."""
+    """Drives the rollout engine; ``max_prompt_len`` bounds prompt tokens."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, reward_fn, advantage_fn: Callable,
                  sampling: SamplingConfig, val_sampling: SamplingConfig, max_prompt_len: int = 1024,
@@ -92,8 +83,7 @@ class RolloutCallback(L.Callback):
         self._workdir = Path(trainer.default_root_dir) / "engine"
 
     def _ensure_engine(self, pl_module) -> None:
-        # at first use, not in `setup`: the strategy shards the policy (configure_model) after the
-        # callbacks' setup, and an engine that copies weights must see the sharded module
+        # at first use: the strategy shards the policy after the callbacks' setup, and the engine must see it
         if not self._ready:
             self._workdir.mkdir(parents=True, exist_ok=True)
             trainer = attached_trainer(pl_module)
@@ -146,10 +136,8 @@ class RolloutCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = int(pl_module.rl_step)
         rank, world = dp_rank_size(pl_module)
-        prompts, answers = batch["prompts"], batch["answers"]
-        if world > 1:  # this rank's contiguous share of the prompts
-            part = rank_slice(len(prompts), rank, world)
-            prompts, answers = prompts[part], answers[part]
+        part = rank_slice(len(batch["prompts"]), rank, world)  # this rank's contiguous share of the prompts
+        prompts, answers = batch["prompts"][part], batch["answers"][part]
         params = replace(self.sampling, seed=step_seed(self.seed, step, rank))
         timings: Dict[str, float] = {}
         before, interrupted = rng_states(), False  # a stop signal until the scores are in abandons this step
@@ -171,13 +159,8 @@ class RolloutCallback(L.Callback):
         rollout.advantages = self._advantages(rollout, rewards)
         timings["time/reward"] = time.perf_counter() - t0
         # fraction of prompts whose G rewards are all equal (zero advantage: no learning signal)
-        g = rollout.group_ids
-        n_groups = int(g.max()) + 1 if len(g) else 0
-        zero_adv = 0.0
-        if n_groups:
-            rmax = torch.full((n_groups,), -float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amax")
-            rmin = torch.full((n_groups,), float("inf"), device=g.device).scatter_reduce(0, g, rewards, "amin")
-            zero_adv = float((rmax == rmin).float().sum())
+        _, informative = informative_groups(rewards.cpu(), rollout.group_ids.cpu())
+        n_groups, zero_adv = len(informative), float((~informative).sum())
         names = sorted(out.components)
         sums = reduce_sum([rewards.sum(), len(rewards), out.errors, zero_adv, n_groups]
                           + [x for k in names for x in (sum(out.components[k]), len(out.components[k]))],
@@ -199,21 +182,17 @@ class RolloutCallback(L.Callback):
         batch["rollout_timings"] = timings
 
     def _take_pipelined(self, trainer, pl_module, step: int, prompts: List[str], timings: Dict[str, float]):
-        """Step ``step``'s rollout from the pipeline (pipeline.py), which asks for the
-        prompts of steps ahead from the datamodule's sampler (this rank's slice and seed under data
-        parallelism, each rank with its own engine process); they must be the ones Lightning gives."""
-        dm = getattr(trainer, "datamodule", None)
-        sampler = getattr(dm, "sampler", None)
-        if sampler is None or not hasattr(sampler, "step_prompts"):
-            raise RuntimeError("rollout.overlap needs the trainer's datamodule to be a "
-                               "fspo.data.datamodule.PromptDataModule (it reads the prompts of steps ahead)")
+        """Step ``step``'s rollout from the pipeline, which asks the sampler for the prompts of steps ahead (this
+        rank's slice and seed); they must be the ones Lightning gives."""
+        dm, sampler = _datamodule_sampler(trainer, "step_prompts", "rollout.overlap",
+                                          "reads the prompts of steps ahead")
         self.pipeline.engine.should_stop = lambda: bool(trainer.received_sigterm)  # SIGTERM ends a wait
         self.pipeline.start(pl_module.policy, self.tokenizer)
         rank, world = dp_rank_size(pl_module)
 
         def mine(s: int):  # this rank's share of step s's prompts, as in the in-process path
             idx = sampler.step_prompts(s)
-            return idx[rank_slice(len(idx), rank, world)] if world > 1 else idx
+            return idx[rank_slice(len(idx), rank, world)]
 
         def request(s: int):
             items = [dm.train_source[i] for i in mine(s)]
@@ -225,14 +204,14 @@ class RolloutCallback(L.Callback):
         try:
             batch = self.pipeline.take(step, int(sampler.steps) - 1, pl_module.policy, request, timings)
             return batch.to(pl_module.device)
-        except SIGTERMException:  # a stop signal while waiting for the engine: this step does not run, so the
-            sampler.position = step  # checkpoint written now (fspo/runtime/checkpoints/checkpointing.py) resumes at it
+        except SIGTERMException:  # a stop signal while waiting: this step does not run, the checkpoint resumes at it
+            sampler.position = step
             raise
 
     @staticmethod
     def _abandon_step(trainer, step: int, rng_before) -> None:
-        """A stop signal before this step's update: put back the prompt sampler and the RNG as they were at the
-        step's start, and stop (StepCheckpoint.on_exception writes step ``step``, the last completed one)."""
+        """A stop signal before this step's update: put back the sampler and the RNG as at the step's start, and
+        stop (the checkpoint then written is step ``step``, the last completed one)."""
         sampler = getattr(getattr(trainer, "datamodule", None), "sampler", None)
         if sampler is not None and hasattr(sampler, "position"):
             sampler.position = step
@@ -254,18 +233,13 @@ class RolloutCallback(L.Callback):
                        target: int, timings: Dict[str, float]):
         """`GroupFilter.run` on round 1; each further round draws the sampler's next ``prompts_per_step``
         prompts (this rank's slice) and generates and scores them as round 1 was."""
-        dm = getattr(trainer, "datamodule", None)
-        sampler = getattr(dm, "sampler", None)
-        if sampler is None or not hasattr(sampler, "draw"):
-            raise RuntimeError("rollout.dynamic_sampling needs the trainer's datamodule to be a "
-                               "fspo.data.datamodule.PromptDataModule (it draws further prompts from its sampler)")
+        dm, sampler = _datamodule_sampler(trainer, "draw", "rollout.dynamic_sampling",
+                                          "draws further prompts from its sampler")
         rank, world = dp_rank_size(pl_module)
 
         def more(j: int):
             idx = sampler.draw(sampler.prompts_per_step)
-            if world > 1:
-                idx = idx[rank_slice(len(idx), rank, world)]
-            items = [dm.train_source[i] for i in idx]
+            items = [dm.train_source[i] for i in idx[rank_slice(len(idx), rank, world)]]
             p = replace(params, seed=round_seed(params.seed, j))
             spent = {k: timings.get(k, 0.0) for k in ("time/weight_sync", "time/generate", "time/reward")}
             r = self._generate(pl_module, [x.prompt for x in items], p, timings)

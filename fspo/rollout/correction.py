@@ -1,64 +1,23 @@
-"""Train-inference mismatch correction ("rollout correction"): importance weights and masks for the gap
-between the rollout engine's sampling distribution and the trainer's old policy.
+"""Train-inference mismatch correction: detached per-token weights [B, T] for the gap between the engine's
+sampling law and the trainer's old policy, multiplied into each token's loss term before aggregation (as verl's
+``rollout_is_weights``; masked tokens stay in the denominators). Per token t of sequence i (L_i tokens):
 
-Owns: `RolloutCorrection` (``rollout_correction:`` in conf/config.yaml): from the trainer's old log-probs,
-the engine's log-probs of the same sampled tokens and the response mask it computes one detached weight
-per token, [B, T], that fspo/update/module.py multiplies into each token's loss term before aggregation (as verl
-multiplies its ``rollout_is_weights`` into the per-token policy loss); and `CorrectionMetrics`, its
-per-length-bin diagnostics. Leaves out: the clip rule and aggregation (unchanged), where the old log-probs
-come from (fspo/update/module.py), the engines (hf.py, vllm.py report ``engine_log_probs``).
-
-Per token t of sequence i (L_i tokens), the behaviour log-ratio and its sum
-
-    d_t = log pi_old_trainer(y_t) - log pi_engine(y_t),     S_i = sum_t d_t,
-
-so exp(S_i) is the sequence importance ratio from the engine's sampling law to the trainer's. ``mode``:
+    d_t = log pi_old_trainer(y_t) - log pi_engine(y_t),     S_i = sum_t d_t
 
     none           weight 1 (the default; nothing computed)
-    token_tis      w_t = clip(exp(d_t), lo, cap)            token truncated IS (verl rollout_is=token,
-                                                            TRL token_truncate); "corrected": truncated
-    seq_is         w_i = clip(exp(S_i), lo, cap) per token   sequence truncated IS (verl rollout_is=sequence,
-                                                            TRL sequence_truncate)
-    seq_mask       w_i = 1{ lo <= exp(S'_i) <= cap }         sequence rejection, weight 0 or 1 (verl
-                                                            rollout_rs=seq_sum_k1; lo = 1/cap by default)
-    seq_masked_is  w_i = exp(S_i) 1{ lo <= exp(S_i) <= cap }  masked sequence IS (TRL sequence_mask, verl
-                                                            rollout_is=sequence with an IcePop "lo_cap")
+    token_tis      w_t = clip(exp(d_t), lo, cap)             token truncated IS (verl token, TRL token_truncate)
+    seq_is         w_i = clip(exp(S_i), lo, cap) per token   sequence truncated IS (verl sequence, TRL
+                                                             sequence_truncate)
+    seq_mask       w_i = 1{ lo <= exp(S'_i) <= cap }         sequence rejection (verl rollout_rs=seq_sum_k1)
+    seq_masked_is  w_i = exp(S_i) 1{ lo <= exp(S_i) <= cap } masked sequence IS (TRL sequence_mask, IcePop)
     seq_fair_mask  w_i = 1{ |S_i - m L_i| <= h(L_i) }         the length-fair mask
     seq_fair_tis   w_i = exp(min(S_i, m L_i + h(L_i)))       the length-fair truncated IS
 
-``lo`` is ``cap_min``: null takes the peers' defaults (1/cap for seq_mask, as verl's rollout_rs; no floor
-otherwise, as TRL's clip_min=None and verl's TIS), 0 means no floor. S'_i sums d_t clamped to +-20 per token
-(verl's rejection does); every exp() clamps its exponent to [-20, 20] (verl's; TRL's exp(S) differs only
-where S < -20, a weight below 2.1e-9). Which peer setting equals which mode, tested against verl 0.9.1's own
-functions and TRL 1.16's formulas: docs/rollout_correction_parity.md, tests/test_rollout_correction_parity.py.
-
-The fixed caps of the peers are cheap but not length-fair: when the d_t are roughly independent with mean
-m and std s per token, S_L ~ N(m L, s^2 L), so P(|S_L| > log cap) rises to 1 with L (TRL#4772: long outputs
-all masked). The fair band is centred on the drift m L and has half-width h(L) = z s sqrt(L) (``band:
-sqrt``: m = sum S / sum L and s^2 = mean over sequences of (S - m L)^2 / L, over every rank's rows:
-the token std of d for independent d_t, larger when they are correlated within a sequence), so its
-masked fraction is 2 Phi(-z) at every length while std(S_L) grows like sqrt(L), or h(L) = the erf(z / sqrt 2) quantile
-of |S_L - m L| per geometric length bin (``band: quantile``, the calibrated band of fspo/clipping/quantile_band.py,
-observed on each step's sequences before use, its state checkpointed), right for any law of S_L.
-
-``off_policy_mask`` (mean | sqrt, threshold ``off_policy_threshold``; off_policy_mask.py) adds
-DeepSeek-V3.2's off-policy sequence mask or its length-fair variant on top of any mode (none included): it
-compares the behaviour log-probs with the current policy's in each micro-batch, so `weights` takes them.
-
-Masked sequences keep their tokens in the aggregation's denominators (their loss terms are 0), unlike
-verl, which drops rejected tokens from the mask; the gradient of every other token is unchanged.
-
-The mismatch is zero by construction when the old log-probs are the engine's (``ppo.old_log_probs=engine``):
-a correction needs the trainer's own recompute and is refused otherwise; it also needs temperature 1
-(engine log-probs are untempered). With a correction on, the trainer recomputes old log-probs for every row
-(fspo/update/module.py; without one it skips the step's first mini-batch).
-
-Diagnostics (`CorrectionMetrics`, sum states reduced over ranks; bins = the clip diagnostics' bins):
-``rollout_corr/logratio_mean/<bin>``, ``rollout_corr/logratio_std/<bin>`` (of S_i),
-``rollout_corr/masked_frac/<bin>`` (fraction of sequences masked or truncated; for token_tis the mean
-fraction of tokens truncated), the same over all bins, ``rollout_corr/token_mean``, ``token_std`` (of d_t),
-``rollout_corr/band_m``, ``band_s`` (the sqrt band's drift and scale),
-and ``rollout_corr/lre``, ``lre_w``, ``q_bar``, ``n_bins`` (fspo/diagnostics/lre.py on the kept fraction).
+``lo`` is ``cap_min`` (null: 1/cap for seq_mask, else no floor). S'_i sums d_t clamped to +-20 per token; every
+exp() clamps its exponent to [-20, 20] (verl's). The fair band: h(L) = z s sqrt(L) (``band: sqrt``; m = sum S /
+sum L, s^2 = mean over sequences of (S - m L)^2 / L, over all ranks) or the per-bin erf(z / sqrt 2) quantile of
+|S_L - m L| (``band: quantile``). ``off_policy_mask`` (off_policy_mask.py) applies on top of any mode. A mode
+needs the trainer's recomputed old log-probs at temperature 1. Rationale and metrics: docs/mismatch.md.
 """
 from __future__ import annotations
 
@@ -88,7 +47,7 @@ def mismatch(old: Tensor, engine: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor,
 
 
 class CorrectionMetrics(DiagnosticMetric):
-    """Per-length-bin sums of the mismatch and of the correction (see the module docstring)."""
+    """Per-length-bin sums of the mismatch and of the correction."""
 
     def __init__(self, bins: LengthBins, lre_min_len: float = 0) -> None:
         super().__init__()
@@ -145,11 +104,9 @@ class CorrectionMetrics(DiagnosticMetric):
 
 
 class RolloutCorrection(torch.nn.Module):
-    """Mismatch weights (see the module docstring). ``cap`` > 1 is the fixed modes' cap on exp(d_t) or
-    exp(S_i) (verl's threshold 2.0, TRL's cap 3.0); ``cap_min`` null or in [0, 1) their floor on the ratio;
-    ``z`` > 0 the fair band's width in std; ``band`` ``sqrt`` | ``quantile`` (``quantile``: keyword arguments of
-    `QuantileBand`, e.g. alpha, min_count). ``old_log_probs`` and ``temperature`` mirror ppo's (checked: a correction
-    needs ``recompute`` at temperature 1). ``bin_width``, ``max_len``, ``lre_min_len``: the diagnostics' length bins."""
+    """Mismatch weights. ``cap`` > 1 caps exp(d_t) or exp(S_i) (verl 2.0, TRL 3.0); ``cap_min`` null or in [0, 1)
+    floors the ratio; ``z`` > 0 the fair band's width in std; ``quantile``: `QuantileBand` keyword arguments.
+    ``old_log_probs`` and ``temperature`` mirror ppo's; ``bin_width``, ``max_len``, ``lre_min_len``: the bins."""
 
     def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
                  quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
@@ -214,8 +171,8 @@ class RolloutCorrection(torch.nn.Module):
     # ------------------------------------------------------------------ per step
     @torch.no_grad()
     def fit(self, batch) -> None:
-        """Once per step, on this rank's rollout with its old log-probs: the band's m and s over all ranks, the quantile
-        band's observation (all ranks), and the diagnostics of this rank's rows."""
+        """Once per step on this rank's rollout: the band's m and s and the quantile band's observation (all ranks),
+        and the diagnostics of this rank's rows."""
         if not self.reweights:
             return
         old, eng, mask = self._inputs(batch)
@@ -224,8 +181,7 @@ class RolloutCorrection(torch.nn.Module):
         n_tok, s1, n_seq, q = reduce_sum([length.sum(), seq.sum(), pos.sum(),
                                           (seq[pos].square() / length[pos]).sum()], mask.device)
         self.m = s1 / n_tok if n_tok else 0.0  # drift per token
-        # sqrt-law scale: s^2 = mean over sequences of (S - m L)^2 / L (the token std when the d_t are
-        # independent; larger when they are positively correlated within a sequence, as measured on vLLM)
+        # sqrt-law scale: s^2 = mean over sequences of (S - m L)^2 / L
         self.s = math.sqrt(max((q - 2 * self.m * s1 + self.m ** 2 * n_tok) / n_seq, 0.0)) if n_seq else 0.0
         if self.band is not None:
             self.band.observe(seq, length, mu=self.m * length)

@@ -1,37 +1,15 @@
 """Sampling loop for `HFEngine` that drops finished sequences from the batch as it decodes.
 
-Owns: `decode_compact` (prefill, then one token per step for the rows still running) and
-`logits_pipeline` (the sampling transforms, Hugging Face's own processor classes, in `generate`'s
-order). Leaves out: padding prompts, group bookkeeping and the rollout batch (hf.py).
-
-Why: ``model.generate`` keeps every row of the batch in every decode step until the longest
-completion ends, so a batch whose completions average L tokens but reach L_max costs
-B x L_max decode tokens. Here a row leaves the batch (and the KV cache, via
-``DynamicCache.batch_select_indices``) at its EOS, so decoding costs about the sum of the real
-lengths, as continuous batching does in vLLM.
-
-The prompt is prefilled once per distinct prompt (the ``n`` samples of a prompt share its KV
-cache, copied row by row), not once per sample.
-
-Same distribution as ``model.generate`` with the same settings: logits of the last position,
-EOS masked while fewer than ``min_new_tokens`` were generated (MinNewTokensLengthLogitsProcessor),
-then temperature, top-k, top-p warpers, then ``torch.multinomial(softmax(scores))``; greedy
-(argmax) when temperature is 0. Only the `SamplingConfig` counts: the model's own
-``generation_config`` (e.g. a repetition penalty) is not applied. The random stream differs
-from ``generate``'s once a row has finished, so samples match ``generate`` token for token only
-greedily (tests/test_hf_engine.py checks both).
-
-Contract: ``input_ids``/``attention_mask`` [B, P] left-padded; returns `Decoded`: [B, max_new_tokens]
-int64 token ids, each row ending at its first EOS (included) and filled with ``pad_id`` after it, and
-the float32 log-probability of every sampled token under the raw logits,
+A row leaves the batch and the KV cache at its EOS, so decoding costs about the sum of the real lengths (not
+B x the longest, as ``model.generate``), and each distinct prompt is prefilled once. Same distribution as
+``generate`` (EOS masked below ``min_new_tokens``, temperature, top-k, top-p, multinomial; greedy at temperature
+0; the model's ``generation_config`` not applied), though its random stream differs once a row has finished.
+Returns [B, max_new_tokens] token ids (``pad_id`` after each row's first EOS) and the engine log-probs
 
     log_probs[i, t] = log softmax(logits[i, t])[tokens[i, t]]     (temperature 1, no processor)
 
-i.e. the engine log-probs of the rollout contract (what vLLM reports), which the trainer may use
-as old log-probs (``ppo.old_log_probs=engine``): same weights, same arithmetic up to the KV cache's
-summation order (gap ~1e-7 in float32). Under FSDP with several ranks (``synced``) every rank
-runs the same number of forwards (see `decode_compact`); inside a training rollout a stop signal ends the
-decoding on every rank at the same token (`StepInterrupted`, fspo/runtime/checkpoints/stop_signal.py).
+``synced`` (FSDP): every rank runs the same number of forwards, and a stop signal ends the decoding on every rank
+at the same token (`StepInterrupted`).
 """
 from __future__ import annotations
 
@@ -67,9 +45,8 @@ def logits_pipeline(params: SamplingConfig, prompt_len: int, eos_id: int) -> Log
 
 
 class Decoded(NamedTuple):
-    """``tokens`` [B, T] int64 (``pad_id`` after each row's EOS); ``log_probs`` [B, T] float32: the
-    log-probability of each sampled token under the model's raw logits (temperature 1, before any
-    processor), 0 after the row's end."""
+    """``tokens`` [B, T] int64 (``pad_id`` after each row's EOS); ``log_probs`` [B, T] float32 under the raw
+    logits, 0 after the row's end."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
@@ -89,11 +66,8 @@ def _any_running(running: torch.Tensor, synced: bool) -> bool:
 @torch.no_grad()
 def decode_compact(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingConfig,
                    eos_id: int, pad_id: int, synced: bool = False) -> Decoded:
-    """Sample up to ``params.max_new_tokens`` tokens per row; finished rows leave the batch.
-
-    ``synced`` (FSDP, world size > 1: every forward is a collective): every rank runs the same number
-    of forwards, until no row of any rank runs; a rank whose rows have all ended keeps one of them
-    in the batch as an idle row whose samples are thrown away (as ``generate(synced_gpus=True)``)."""
+    """Sample up to ``params.max_new_tokens`` tokens per row; finished rows leave the batch. ``synced``: forwards
+    continue until no row of any rank runs, a finished rank keeping one idle row (as ``synced_gpus=True``)."""
     B, P = input_ids.shape
     T = int(params.max_new_tokens)
     device = input_ids.device

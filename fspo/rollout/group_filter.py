@@ -1,42 +1,13 @@
 """Dynamic sampling (DAPO's "filter groups"; verl's ``algorithm.filter_groups``): between rollout and update.
 
-Owns: `GroupFilter` (the settings ``rollout.dynamic_sampling``: ``enable``, ``metric``, ``max_rounds``;
-verl's enable / metric / max_num_gen_batches) and `informative_groups`. Leaves out: generating and
-scoring a round (callback.py passes them in as functions), drawing the prompts
-(`fspo.data.sampler.PromptStepSampler.draw`) and the advantages (computed by the callback on the batch
-this returns).
-
-Contract, for one RL step on each data-parallel rank (W ranks; one process is W = 1):
-
-- Round 1 is the step's own batch: this rank's ``target`` prompts (``prompts_per_step / W``) with G
-  completions each, scored. A group is *informative* when its G values of ``metric`` are not all
-  equal (equal values give every completion advantage 0 under every group-relative estimator: no
-  learning signal); the others are dropped.
-- After each round every rank all-reduces (MIN) its count of informative groups so far; the
-  common count ``m`` is the same on every rank. While ``m < target`` and fewer than ``max_rounds``
-  rounds ran, every rank runs one more round: the callback draws the next ``prompts_per_step``
-  prompts of the sampler's stream (the same on every rank, counted in the sampler's checkpointed
-  ``extra``) and this rank takes its own contiguous ``1/W`` slice, as for the step's batch. The
-  decision uses only all-reduced numbers, so every rank runs the same rounds (FSDP generation stays
-  in lockstep).
-- The step trains on ``c = min(m, target)`` groups per rank (so ``c * W`` in all, the same on every
-  rank): each rank's first ``c`` informative groups in generation order (round, then prompt); a
-  rank's further informative groups are left out. Fewer than ``target`` (``max_rounds`` reached)
-  is a *short* step: it trains on what there is. With ``m = 0`` it trains on one group per rank
-  (its first informative group if it has one, else its first group, whose advantages are 0), so
-  the update always has rows.
-- The returned batch has group ids ``0 .. c-1`` (its groups in the order above), rewards set and
-  advantages unset (the callback computes them on it).
-
-Metrics (sums over ranks): ``dynamic_sampling/filtered_frac`` (uninformative groups / groups generated),
-``dynamic_sampling/rounds``, ``dynamic_sampling/short`` (1 when the step trains on fewer than
-``prompts_per_step`` groups), ``dynamic_sampling/groups`` (groups trained, all ranks) and
-``dynamic_sampling/prompts_drawn`` (prompts generated for, all ranks and rounds).
-
-``metric``: ``score`` (also verl's ``seq_reward`` / ``seq_final_reward``) is the reward itself; ``acc``
-is the reward's ``correct`` component, or the reward where it has none; any other name is that
-reward component. ``max_rounds`` must be >= 1 (verl's ``max_num_gen_batches <= 0``, unbounded, is not
-offered: a task the policy always or never solves would loop forever).
+A group is *informative* when its G values of ``metric`` are not all equal (equal values give every completion
+advantage 0). Round 1 is this rank's ``target`` prompts; after each round the ranks all-reduce (MIN) their
+informative counts to ``m``, and while ``m < target`` and fewer than ``max_rounds`` ran, every rank scores the
+sampler's next ``prompts_per_step`` prompts (its slice). The step trains on ``c = max(1, min(m, target))`` groups
+per rank, its first informative ones in generation order (with none, its first group), renumbered ``0 .. c-1``.
+``metric``: ``score`` (verl's ``seq_reward`` / ``seq_final_reward``) the reward, ``acc`` its ``correct``
+component (or the reward), any other name that component. Metrics: ``dynamic_sampling/filtered_frac``,
+``rounds``, ``short``, ``groups``, ``prompts_drawn`` (sums over ranks).
 """
 from __future__ import annotations
 
@@ -62,7 +33,7 @@ def informative_groups(values: Tensor, group_ids: Tensor) -> Tuple[Tensor, Tenso
 
 
 class GroupFilter:
-    """Dynamic sampling; see the module docstring. ``enable`` false: the callback does not call it."""
+    """Dynamic sampling; ``enable`` false: the callback does not call it."""
 
     def __init__(self, enable: bool = False, metric: str = "acc", max_rounds: int = 3):
         if int(max_rounds) < 1:
@@ -82,10 +53,8 @@ class GroupFilter:
 
     def run(self, first: Round, more: Callable[[int], Round], target: int, device=None
             ) -> Tuple[RolloutBatch, Dict[str, float]]:
-        """The step's training batch and its metrics. ``first``: round 1 (this rank's share of the step's
-        batch); ``more(j)``: round ``j + 1`` (j = 1, 2, ...), generated and scored by the caller;
-        ``target``: groups per rank wanted (this rank's prompts per step). Collective under
-        torch.distributed: every rank must call it, with the same ``target``."""
+        """The step's training batch and its metrics. ``first``: round 1; ``more(j)``: round ``j + 1``, generated
+        and scored by the caller; ``target``: groups per rank wanted. Collective, with the same ``target``."""
         if target < 1:
             raise ValueError(f"dynamic sampling needs at least one prompt per rank, got {target}")
         rounds: List[RolloutBatch] = []

@@ -1,27 +1,8 @@
-"""Hugging Face rollout engine (the policy module itself, on CPU or GPU): the CPU default.
-
-Owns: `HFEngine` and `completion_mask` (the EOS-aware response mask). Leaves out: scoring and
-advantages (callback.py). The engine shares the trainer's policy module, so `sync_weights`
-is a no-op: generation always sees the current parameters.
-
-Contract (base.py): prompts are LEFT-padded, each prompt is expanded to ``n``
-samples (rows ``k*n .. k*n+n-1`` with ``group_ids == k``), sampling uses temperature / top-p /
-top-k, and generation stops at EOS or ``max_new_tokens``. The response mask is 1 up to and
-including the first EOS; a row with no EOS is ``overlong``. Sampling is seeded per call from
-``params.seed`` inside a forked RNG, so the global RNG stream is untouched and runs are
-reproducible step by step.
-
-``compact: true`` (default) decodes with `fspo.rollout.decode.decode_compact`, which drops each
-row from the batch at its EOS (decode cost ~ the sum of the real lengths instead of B x the
-longest; same sampling distribution as ``generate``) and reports ``engine_log_probs`` (the sampled
-tokens' temperature-1 log-probs, which ``ppo.old_log_probs=engine`` uses as old log-probs);
-``compact: false`` calls ``model.generate`` and reports none.
-
-Under FSDP (parameters are DTensors, world size > 1) every forward is a collective, so decoding
-runs synced (``decode_compact(synced=True)``, or ``generate(synced_gpus=True)``): a rank whose
-sequences have all finished keeps joining forward passes until every rank has finished. Every
-rank must call `generate` with the same number of sequences (the rollout callback gives each rank
-an equal share), so the chunk counts match.
+"""Hugging Face rollout engine on the trainer's own policy module (so `sync_weights` is a no-op): the CPU default.
+Prompts are left-padded and expanded to ``n`` samples; the response mask runs up to and including the first EOS
+(none: ``overlong``); sampling is seeded per call inside a forked RNG. ``compact: true`` decodes with
+`decode_compact` and reports ``engine_log_probs``; ``compact: false`` calls ``model.generate``. Under FSDP
+decoding runs synced, every rank calling `generate` with the same number of sequences.
 """
 from __future__ import annotations
 
@@ -57,8 +38,8 @@ def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 
 
 def context_advice(longest: int, max_new_tokens: int, context: int) -> str:
-    """The error for a prompt of ``longest`` tokens + ``max_new_tokens`` above the model's ``context``,
-    with values that fit: fewer new tokens when the prompt leaves room, else shorter prompts."""
+    """The error for a prompt of ``longest`` tokens + ``max_new_tokens`` above the model's ``context``, with
+    values that fit."""
     head = (f"prompt length {longest} + rollout.sampling.max_new_tokens {max_new_tokens} exceeds the model's "
             f"context (max_position_embeddings) of {context} tokens: ")
     if context - longest >= 1:
@@ -70,10 +51,8 @@ def context_advice(longest: int, max_new_tokens: int, context: int) -> str:
 
 
 class HFEngine(RolloutEngine):
-    """Engine on the policy module; ``batch_size`` caps sequences per decode call (memory),
-    ``compact`` drops finished rows while decoding (see the module docstring), ``autocast="bf16"``
-    decodes under bf16 autocast (float32 weights, bf16 matmuls; a GPU run without vLLM,
-    fspo/runtime/launch/placement.py; its log-probs are then not the trainer's: ppo.old_log_probs=recompute)."""
+    """Engine on the policy module; ``batch_size`` caps sequences per decode call, ``compact`` drops finished
+    rows while decoding, ``autocast="bf16"`` decodes under bf16 autocast (its log-probs are not the trainer's)."""
 
     def __init__(self, batch_size: int = 256, compact: bool = True, autocast: Optional[str] = None):
         if batch_size < 1:

@@ -1,14 +1,7 @@
 """`ShortestGroupsOnly`: advantages kept for the shortest groups only, the length law's knock-out.
 
-Owns: the mask the rollout callback multiplies the advantages by (``advantage_mask`` in the config, off by
-default). Leaves out: the advantages themselves (fspo/advantages.py) and where they are applied
-(callback.py).
-
-Why: when only short responses carry advantages, the update moves the log-probs of short responses most,
-so measured on the step's other sequences the sequence log-ratio S_L no longer grows like sqrt(L): its
-std flattens in L and the fitted exponent falls (docs/length_law.md). The knock-out arm of the length-law
-sweep shows this on purpose, so a user can recognise it in their own runs (e.g. when only easy, short
-problems are ever solved).
+When only short responses carry advantages, the update moves short responses' log-probs most, so the std of
+S_L flattens in L and the fitted exponent falls (docs/length_law.md); this arm shows it on purpose.
 
     mask_i = 1  if mean response length of i's group <= the ``fraction`` quantile of the batch's group means
              0  otherwise                                          (whole groups: advantages stay centred)

@@ -1,29 +1,13 @@
 """Off-policy sequence masking (DeepSeek-V3.2's OPSM; TRL ``off_policy_mask_threshold``) and its length-fair
-variant, with per-length masked fractions.
-
-Owns: `OffPolicyMask` (built by correction.py's `RolloutCorrection` from
-``rollout_correction.off_policy_mask`` / ``off_policy_threshold``) and `MaskCounts`, its per-length-bin
-sums. Leaves out: the importance weights of the mismatch modes (correction.py), the loss (fspo/update/module.py
-multiplies the weights into each token's loss term).
-
-Per sequence i (L_i response tokens), with the behaviour log-probs (the engine's where reported, else the
-trainer's old ones, as TRL) and the current policy's (detached, this micro-batch's forward):
+variant. Per sequence i (L_i tokens), with the behaviour log-probs (the engine's where reported, else the
+trainer's old ones) and the current policy's (detached):
 
     K_i = sum_t (log pi_behaviour(y_t) - log pi_theta(y_t))            (the k1 estimate of L_i KL(behaviour || theta))
     mean   keep_i = [A_i >= 0] or [K_i / L_i <= delta]                  DeepSeek-V3.2 and TRL: length-normalised
     sqrt   keep_i = [A_i >= 0] or [K_i <= delta sqrt(L_i)]              the length-fair variant
 
-A masked sequence's tokens get weight 0 (they stay in the aggregation's denominators). Why sqrt: with per-token
-log-ratios of mean m and std s, K_L ~ N(m L, s^2 L). The mean form compares K_L / L, whose noise s / sqrt(L)
-shrinks with L, to a fixed delta: when m is small next to delta the short sequences' noise crosses it and the
-long ones' does not, so OPSM masks negative-advantage short responses more (a length bias of its own). K_L /
-sqrt(L) has the same noise s at every length, so the sqrt form masks a length-independent share when m = 0;
-a real drift m > 0 still masks long sequences first (K_L / sqrt(L) ~ m sqrt(L)), in both forms' direction.
-``delta`` is per token (mean) or per sqrt(token) (sqrt): not interchangeable.
-
-Diagnostics (sum states reduced over ranks, per update pass of each micro-batch): ``rollout_corr/opsm_frac``
-and ``rollout_corr/opsm_frac/<bin>`` (share of sequences masked), ``rollout_corr/opsm_kl_mean/<bin>`` (mean of
-K_i / L_i), ``rollout_corr/n_seq_opsm/<bin>``.
+A masked sequence's tokens get weight 0 (they stay in the denominators). Why sqrt, and the logged fractions:
+docs/mismatch.md.
 """
 from __future__ import annotations
 
@@ -72,8 +56,7 @@ class MaskCounts(DiagnosticMetric):
 
 
 class OffPolicyMask(torch.nn.Module):
-    """keep_i as in the module docstring. ``kind``: none | mean | sqrt; ``threshold`` delta > 0 (required
-    unless kind is none); ``bins``: the diagnostics' length bins."""
+    """keep_i; ``kind``: none | mean | sqrt; ``threshold`` delta > 0 (unless none); ``bins``: the diagnostics'."""
 
     def __init__(self, kind: str = "none", threshold: Optional[float] = None,
                  bins: Optional[LengthBins] = None) -> None:
@@ -94,8 +77,7 @@ class OffPolicyMask(torch.nn.Module):
 
     @torch.no_grad()
     def keep(self, behaviour: Tensor, current: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
-        """keep_i [B] float64 (1 kept, 0 masked; 1 where L_i = 0), and the diagnostics updated.
-        ``advantages`` [B] or [B, T] (then its masked token mean gives A_i)."""
+        """keep_i [B] float64 (1 where L_i = 0), the diagnostics updated; ``advantages`` [B] or [B, T] (token mean)."""
         m = mask.to(torch.float64)
         length = m.sum(-1)
         k = ((behaviour.to(torch.float64) - current.to(torch.float64)) * m).sum(-1)

@@ -1,35 +1,9 @@
-"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on step t.
-
-Owns: `OverlapConfig` (``rollout.overlap``: ``enable``, ``staleness`` k, ``engine_threads``) and
-`RolloutPipeline`, which keeps k training requests in flight on an `fspo.rollout.async_engine.AsyncEngine`.
-Leaves out: the engine process (async_engine.py), prompts, scoring and advantages
-(callback.py).
-
-Schedule, with W_s the policy's weights at the end of RL step s (W_{-1}: the initial ones). At the
-start of step t the trainer holds W_{t-1} and requests t .. t+k-1 are in flight:
-
-    1. collect step t's rollout (generated with W_{t-1-k}: k steps stale; k = 1 by default, so the
-       engine generates step t+1 with W_{t-1} while the trainer computes W_t from step t's batch);
-    2. push W_{t-1} into the weight slot request t used (free now) and submit request t+k with it;
-    3. the trainer updates on step t's rollout while the engine generates step t+k.
-
-When the pipeline is empty (the first step, and the first step after a resume) requests t .. t+k-1
-are all submitted with the current weights, so the in-flight batches of a killed run are regenerated,
-not checkpointed: a resumed run's first k steps are fresher than those of an uninterrupted one.
-
-The behaviour policy of every rollout is the engine's (the weights its slot held), and its
-log-probs come with the rollout (``engine_log_probs``), so the importance ratio is taken against
-the policy that sampled it (``ppo.old_log_probs=engine``, enforced by fspo/runtime/checks/config_check.py);
-the clip rules, FSPO's band and the rollout-correction diagnostics apply unchanged, now measuring a
-k-step policy lag too. Requests past ``last_step`` are not submitted. The lag of each rollout taken
-(``RolloutPipeline.lag``) goes with the batch as ``policy_lag``: with lag > 0 the step's first mini-batch
-is not on-policy and is measured like the others (fspo/update/module.py).
-
-Data parallel (``trainer=fsdp``): every rank has its own engine process, fed the FULL weights gathered
-from the shards at each push (async_engine.py), and generates that rank's share of the
-prompts; the schedule above is identical on every rank, so the gathers (collectives) line up. This is
-the one-step-off layout of verl's recipe with the engine beside the trainer on the host; on GPUs the
-colocated vLLM engine (time-shared through sleep/wake) is the supported layout instead.
+"""Pipelined rollouts (``rollout.overlap``): the engine generates step t+k's batch while the trainer updates on
+step t, with k requests in flight on an `AsyncEngine`. With W_s the weights after RL step s, step t collects its
+rollout (generated with W_{t-1-k}), pushes W_{t-1} into the freed slot and submits request t+k. An empty pipeline
+(the first step, a resume) submits t .. t+k-1 with the current weights. Every rollout carries the engine's
+log-probs (``ppo.old_log_probs=engine``) and its lag as ``policy_lag``. Under data parallelism each rank has its
+own engine process, fed the FULL weights on the same schedule.
 """
 from __future__ import annotations
 
@@ -46,8 +20,7 @@ Request = Tuple[Sequence[List[int]], SamplingConfig]
 
 @dataclass
 class OverlapConfig:
-    """``rollout.overlap``: ``enable`` pipelined rollouts, ``staleness`` k >= 1 steps of policy lag,
-    ``engine_threads`` torch threads of the engine process (the trainer keeps ``cpu_threads``)."""
+    """``rollout.overlap``: ``staleness`` k >= 1 steps of policy lag, ``engine_threads`` of the engine process."""
 
     enable: bool = False
     staleness: int = 1
@@ -75,7 +48,7 @@ def build_pipeline(cfg) -> Optional["RolloutPipeline"]:
 
 
 class RolloutPipeline:
-    """Keeps ``staleness`` training requests in flight (see the module docstring)."""
+    """Keeps ``staleness`` training requests in flight."""
 
     def __init__(self, engine: AsyncEngine, staleness: int = 1):
         self.engine, self.k = engine, int(staleness)
@@ -93,10 +66,8 @@ class RolloutPipeline:
 
     def take(self, step: int, last_step: int, policy, request: Callable[[int], Request],
              timings: Optional[Dict[str, float]] = None) -> RolloutBatch:
-        """Step ``step``'s rollout; submits the requests ahead (up to ``last_step``) with ``policy``'s
-        current weights. ``request(s)`` gives step s's prompt token ids and sampling settings. After the
-        call ``lag`` is the rollout's policy lag: RL steps between the weights that sampled it and ``policy``'s
-        (k in steady state; t for the first steps t < k; 0 for a step whose request was submitted now)."""
+        """Step ``step``'s rollout, submitting the requests ahead (up to ``last_step``; ``request(s)``: step s's
+        prompt ids and sampling settings) with ``policy``'s weights; ``lag`` is then the rollout's policy lag."""
         if not self.in_flight or self.in_flight[0] != step:  # first step, or a resume: start over
             self.reset()
             for s in range(step, min(step + self.k, last_step + 1)):

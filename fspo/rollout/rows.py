@@ -1,8 +1,4 @@
-"""Rows of generated samples -> `RolloutBatch` (engine-independent packing used by the vLLM engine).
-
-Owns: `to_rollout_batch` (left-padded prompts, right-padded responses, engine log-probs) and
-`pad_id`. Leaves out: generation itself (vllm.py).
-"""
+"""Rows of generated samples -> `RolloutBatch` (the vLLM engine's packing)."""
 from __future__ import annotations
 
 import torch
@@ -20,11 +16,8 @@ def pad_id(tokenizer, model) -> int:
 
 
 def to_rollout_batch(rows, pad_token_id: int) -> RolloutBatch:
-    """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows.
-
-    Prompts are left-padded, responses right-padded with ``pad_token_id``; response_mask is 1 on
-    every generated token (EOS included); engine_log_probs is float32 and 0 on padding.
-    """
+    """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows: prompts left-padded,
+    responses right-padded, response_mask 1 on every generated token, engine_log_probs 0 on padding."""
     b = len(rows)
     p_len = max((len(r[1]) for r in rows), default=0)
     t_len = max((len(r[2]) for r in rows), default=0)

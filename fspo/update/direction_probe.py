@@ -1,21 +1,10 @@
 """`RandomDirectionGate`: the length law a random parameter direction gives, the gate of the law probe.
 
-Owns: a Lightning callback that, on each training rollout batch before its update, moves the policy by a
-small random direction, measures S_rand = sum_t (log pi_{theta + eps u} - log pi_theta) on every sequence
-and puts the weights back exactly; the records go to the module's `SequenceLedger` with ``update = -1``.
-Leaves out: the statistics (fspo/diagnostics/law_summary.py reports them as ``law/gate/*``).
-
-Why: std(S_L) ~ L^gamma measured after a real update mixes two things: what the data did to the policy and
-how sensitive the model's per-token log-probs are along the response. A random direction u has no data in
-it: to first order S_rand = eps u . sum_t grad log pi(y_t), a sum of score terms with zero conditional mean,
-so Var(S_rand) = eps^2 sum_t E[(u . grad log pi(y_t))^2] and its exponent is 1/2 exactly when the per-token
-sensitivity is the same at every position. An exponent well below 1/2 here means the model and task cannot
-show the sqrt(L) law whatever the update does (e.g. later tokens nearly deterministic); an exponent near 1/2
-here but not in training points at the update (advantages tied to length, siblings in later mini-batches).
-
-Direction: u_p ~ N(0, 1) per parameter tensor p, scaled to ||u_p|| = ``eps`` ||p|| (a relative step, the
-same for every tensor; from a generator seeded by (seed, step), so reruns draw the same u). One process only
-(sharded parameters are skipped with a warning). Costs two forward passes over the batch per step.
+Before each update it moves the policy by eps u (u_p ~ N(0, 1) per parameter tensor, ||u_p|| = eps ||p||, seeded
+by (seed, step)), records S_rand = sum_t (log pi_{theta + eps u} - log pi_theta) per sequence in the ledger with
+``update = -1`` and puts the weights back exactly. To first order S_rand is a sum of zero-mean score terms, so its
+std grows as L^(1/2) when the per-token sensitivity is the same at every position: an exponent well below 1/2
+means the model and task cannot show the sqrt(L) law. One process only; two forward passes per step.
 """
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class RandomDirectionGate(L.Callback):
-    """See the module docstring. ``eps``: relative size of the direction (1e-3)."""
+    """``eps``: relative size of the direction."""
 
     def __init__(self, eps: float = 1e-3, seed: int = 0):
         if not float(eps) > 0:

@@ -1,18 +1,9 @@
-"""The policy's forward passes over a rollout batch, for `fspo.update.module.RLModule`.
+"""The policy's forward passes over a rollout batch, for `RLModule`: micro-batch layouts and log-probs.
 
-Owns: `micro_batches` (how a batch is split into token-budget micro-batches, and the layout each
-is run in), `dummy_micro_batch` (what a rank with fewer micro-batches runs), `log_probs` (one micro-batch's per-token
-log-probs and entropies) and `old_log_probs` (the no-grad pass giving log pi_old before the first update). Each takes
-the module: its policy, its ``ppo`` settings (`fspo.update.settings.PPOConfig`) and its data-parallel mesh. Leaves out:
-the update (module.py) and the log-prob arithmetic (logprobs.py).
-
-Micro-batch layouts (``ppo.packing``, ``ppo.micro_batch_max_tokens``):
-  - packing on, segment-attention model (sdpa, the default): one unpadded row per micro-batch of
-    at most the budget in real tokens (fspo/models/segment_attention.py, `segment_micro_batches`);
-  - packing on, other attention (flash-attention, eager): rows of a common width, block-diagonal
-    attention from restarting position ids (`packed_micro_batches`, `row_width`);
-  - packing off: padded micro-batches of sequences sorted by length (microbatches.py).
-With several data-parallel ranks the micro-batch lists are padded with ``None`` (a zero-weight
+Layouts (``ppo.packing``, ``ppo.micro_batch_max_tokens``): packing on with segment attention (sdpa): one
+unpadded row per micro-batch of at most the budget in real tokens; packing on with other attention: rows of a
+common width, block-diagonal attention from restarting position ids; packing off: padded micro-batches of
+sequences sorted by length. With several data-parallel ranks the lists are padded with ``None`` (a zero-weight
 dummy forward) to the largest count on any rank: FSDP forward/backward are collectives.
 """
 from __future__ import annotations
@@ -47,9 +38,7 @@ def micro_batches(module, batch: RolloutBatch) -> Tuple[List[Optional[torch.Tens
 
 
 def dummy_micro_batch(batch: RolloutBatch) -> RolloutBatch:
-    """The micro-batch a rank runs (with weight 0) when it has fewer micro-batches than another rank:
-    the batch's shortest sequence (prompt + response), trimmed, so the padding forward/backward that keeps
-    FSDP's collectives in step costs as little as a real micro-batch can."""
+    """What a rank with fewer micro-batches runs (weight 0): the batch's shortest sequence, trimmed."""
     shortest = torch.argmin(batch.prompt_mask.sum(-1) + batch.lengths).reshape(1)
     return batch.select(shortest).trim()
 
@@ -57,9 +46,8 @@ def dummy_micro_batch(batch: RolloutBatch) -> RolloutBatch:
 def log_probs(module, batch: RolloutBatch, with_entropy: bool = False, pack_width: Optional[int] = None,
               usage: Optional[TokenUsage] = None):
     """(logp [B, T], entropy or None) at ``ppo.logprob_temperature``, under bf16 autocast with
-    ``ppo.autocast=bf16`` (the log-softmax itself stays float32: logprobs.py); a +-inf log-prob becomes NaN
-    (most clip rules would clip it to a finite loss yet it would poison the EMA sigma and the
-    diagnostics; NaN makes the update's non-finite guard skip the update)."""
+    ``ppo.autocast=bf16``; a +-inf log-prob becomes NaN, so the non-finite check skips the update (a clip rule
+    could clip it to a finite loss, yet it would poison the EMA sigma and the diagnostics)."""
     bf16 = module.ppo.autocast == "bf16"  # parameters stay fp32; backward runs outside autocast
     with torch.autocast(device_type=batch.response_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         logp, ent = response_log_probs(module.policy, batch, module.ppo.logprob_temperature, with_entropy,

@@ -1,26 +1,15 @@
 """Per-length gradients: ||g_L|| for the paper's weighted LRE and the Theorem 1 cosine, measured.
 
-Owns: `gradient_probe` (one batch, any clip rule; the numbers below) and `partition_lre` (LRE over any
-partition of the sequences, e.g. the group's reward: the appendix's "beyond length"). Leaves out: when to run
-it (a caller with a mini-batch and its old log-probs) and the cheap per-step proxies (fspo/diagnostics/lre.py:
-LRE_w with mean |A| standing in for ||g_L||).
-
 For sequence i in length bin b (n_b sequences, N in all), with s_i = exp(clamp(S_i, -20, 20)) detached,
-S_i = sum_t (logp_t - logp_old_t), and the rule's per-token loss l_it (its ClipResult):
+S_i = sum_t (logp_t - logp_old_t), and the rule's per-token loss l_it:
 
     u_i = grad of -A_i s_i sum_t logp_t     the sequence-IS policy gradient (the paper's target, unclipped)
     c_i = grad of sum_t l_it                 what the rule's loss gives that sequence (0 where it is clipped)
     g*_b = (1 / n_b) sum_{i in b} u_i,       q_b g^b_b = (1 / n_b) sum_{i in b} c_i
     g* = sum_b (n_b / N) g*_b,               g^b = sum_b (n_b / N) q_b g^b_b      (the batch gradients)
 
-Logged (``probe/`` prefix): ``gnorm/<bin>`` = ||g*_b||; ``cos/<bin>`` = cos(q_b g^b_b, g*_b) (the within-bin
-stratification of Theorem 1); ``cos`` = cos(g^b, g*) (the theorem's left side); ``kappa`` = E_L||g*_L|| / ||g*||
-(E_L weighted by n_b / N); ``lre`` = the paper's LRE with q_b the in-band share (as ``fairness/lre``); ``lre_w``
-= 0.5 sum_b n_b ||g*_b|| |q_b / q_bar - 1| / sum_b n_b ||g*_b|| (the appendix's LRE_w with the measured norm);
-``q/<bin>``. Bins with one sequence or none are skipped; a cosine with a zero gradient (every A = 0) is not
-reported. Cost: two backward passes per populated bin
-(autograd.grad on the shared graph, parameters' .grad untouched). For a token-level rule, c_i uses its
-token ratios while u_i is the sequence-IS target: ``cos`` then measures how far the rule is from it.
+The ``probe/`` metrics built from them: docs/metrics.md. Bins with fewer than two sequences are skipped; a cosine
+with a zero gradient is not reported. Two backward passes per populated bin.
 """
 from __future__ import annotations
 
@@ -61,8 +50,8 @@ def partition_lre(labels: Tensor, accepted: Tensor) -> float:
 
 def gradient_probe(logp: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor, clip,
                    params: Sequence[Tensor], bins: LengthBins, partition: Optional[Tensor] = None) -> Dict[str, float]:
-    """The ``probe/*`` numbers of the module docstring for one batch. ``logp`` [B, T] must carry the graph to
-    ``params``; ``partition`` [B] (optional) adds ``probe/partition_lre`` (`partition_lre` on the in-band share)."""
+    """The ``probe/*`` numbers for one batch; ``logp`` [B, T] carries the graph to ``params``; ``partition`` [B]
+    adds ``probe/partition_lre``."""
     params = [p for p in params if p.requires_grad]
     res = clip(logp, old_log_prob, advantages, response_mask)
     p = prepare("gradient_probe", logp, old_log_prob, advantages, response_mask)
@@ -123,9 +112,8 @@ def group_reward(rewards: Tensor, group_ids: Optional[Tensor]) -> Tensor:
 
 
 def probe_minibatch(module, mb) -> Dict[str, float]:
-    """`gradient_probe` on mini-batch ``mb`` of the training step (its old log-probs, the module's clip rule and
-    diagnostics bins, the group reward as the other partition), with one extra forward pass; {} on more than
-    one process (the probe needs the whole mini-batch's graph on one process)."""
+    """`gradient_probe` on training mini-batch ``mb`` (the group reward as the partition), one extra forward
+    pass; {} on more than one process (it needs the whole mini-batch's graph)."""
     from fspo.runtime.launch.distributed import dp_rank_size
     from fspo.update import forward as passes
 

@@ -1,30 +1,13 @@
-"""The divergence guard: limits on each optimizer update's gradient norm, loss and KL, checked before the step.
+"""The divergence guard: limits on each update's gradient norm, loss and KL, checked before the optimizer step,
+over the update's whole mini-batch (all ranks together):
 
-Owns: `DivergenceGuard` (config ``guard:`` in conf/config.yaml), `UpdateMeter` (what one update
-measured) and `DivergenceError`. module.py feeds the meter while it accumulates an update's
-micro-batches and calls `DivergenceGuard.check` after the backward passes and the gradient norm, before
-``optimizer.step()``. Leaves out: non-finite values (``ppo.nonfinite``, handled before the guard) and
-the metrics themselves (stats.py).
+    grad_norm  the global gradient norm before clipping (``train/grad_norm``)
+    loss       |sum_t m l_t| / sum_t m, the mean per-token surrogate loss, whatever ``loss_agg_mode``
+    kl         mean_t k3_t, k3 = r - 1 - log r, r = exp(logp_current - logp_old) (``train/kl``)
 
-The three measures, over the whole mini-batch of the update (all ranks together):
-
-    grad_norm  the global gradient norm before clipping (what ``train/grad_norm`` averages)
-    loss       |sum_t m l_t| / sum_t m, the mini-batch's mean per-token surrogate loss, whatever
-               ``loss_agg_mode`` (so one limit fits every mode)
-    kl         mean_t k3_t, k3 = r - 1 - log r, r = exp(logp_current - logp_old) per response token
-               (the policy's distance from the one that sampled the batch; ``train/kl``)
-
-A limit set to null is not checked. When any is exceeded ``action`` decides: ``stop`` raises
-`DivergenceError` (one line naming the measure, its limit and the keys to change; the run ends as
-FAILED, checkpoints already written stay), ``skip`` drops this update exactly (gradients zeroed, no
-optimizer step, AdamW state and parameters unchanged; counted in ``train/skipped_updates``),
-``warn`` logs and steps; ``off`` checks nothing. Every breach counts in ``guard/trips``.
-Under data parallelism (trainer=fsdp) the sums are all-reduced before the comparison and the verdict
-is agreed with one more all-reduce, so every rank skips or stops on the same update.
-
-The update that makes a policy diverge looks normal itself (its gradient is computed before it moves
-the weights); the guard sees it in the next update's KL and loss, so with ``stop`` a run ends one
-update after the damage and with ``skip`` no further damaging update is applied.
+A null limit is not checked. On a breach ``action`` decides: ``stop`` raises `DivergenceError` (checkpoints
+stay), ``skip`` drops the update exactly, ``warn`` logs and steps; ``off`` checks nothing; breaches count in
+``guard/trips``. Ranks agree on the verdict. A diverging update looks normal itself: the next one shows it.
 """
 from __future__ import annotations
 
@@ -71,7 +54,7 @@ class UpdateMeter:
 
 @dataclass
 class DivergenceGuard:
-    """Limits checked before every optimizer step (see the module docstring); null disables a limit."""
+    """Limits checked before every optimizer step; null disables a limit."""
 
     action: str = "stop"
     max_grad_norm: Optional[float] = 1.0e4
@@ -102,9 +85,8 @@ class DivergenceGuard:
         return out
 
     def check(self, grad_norm: Tensor, meter: UpdateMeter, device=None, where: str = "", lr: float = 0.0) -> str:
-        """The verdict for one update: ``"step"`` (within limits), ``"warn"`` (exceeded, step anyway) or
-        ``"skip"`` (exceeded, drop the update); raises `DivergenceError` with ``stop``. Collective under data
-        parallelism: every rank must call it for every update (``where`` and ``lr`` only go into the message)."""
+        """``"step"``, ``"warn"`` or ``"skip"`` for one update; raises `DivergenceError` with ``stop``.
+        Collective: every rank calls it for every update (``where`` and ``lr`` only go into the message)."""
         if not self.enabled:
             return "step"
         meter.flush()

@@ -1,44 +1,20 @@
 """Chunked LM-head log-probabilities: the [K, V] float32 logits are never held at once.
 
-Contract: for K positions with final hidden states ``hidden`` [K, H], the LM-head ``weight`` [V, H]
-(optionally ``bias`` [V]; the weight may be tied to the input embedding) and the sampled tokens
-``targets`` [K],
+For final hidden states ``hidden`` [K, H], the LM-head ``weight`` [V, H] (optional ``bias`` [V]) and sampled
+tokens ``targets`` [K]:
 
     z      = hidden @ weight.T (+ bias)                       [K, V], computed in float32
     logp_k = z_{k, y_k} / T - logsumexp_v(z_{k, v} / T)       (T = temperature)
     H_k    = logsumexp(z_k / T) - sum_v softmax(z_k / T)_v * z_{k, v} / T      (entropy, no gradient)
 
-which is what `fspo.update.logprobs.response_log_probs` computes from dense logits (``logits.float() /
-temperature``, logsumexp, gather). Gradients follow from
-
-    d logp_k / d z_{k, v} = (onehot(y_k)_v - softmax(z_k / T)_v) / T
-
-so with g = the incoming gradient [K] and D = g[:, None] * (onehot(y) - softmax(z / T)) / T [K, V]:
+and, with g the incoming gradient [K] and D = g[:, None] * (onehot(y) - softmax(z / T)) / T [K, V]:
 
     d hidden = D @ weight          d weight = D.T @ hidden          d bias = D.sum(0)
 
-Owns: `chunked_token_logprobs`, a `torch.autograd.Function` whose forward loops over row chunks of
-``hidden`` (``chunk_size`` rows each) and keeps only logsumexp and the target logit per row (and the
-entropy), saving ``hidden``, ``weight``, ``bias``, ``targets`` and ``logz`` [K]; its backward
-recomputes each chunk's logits and softmax and accumulates the weight (and bias) gradient in float32.
-bf16 / fp16 inputs are multiplied in their dtype (as the model's LM head would) and the logits cast
-to float32 before the softmax; d hidden is multiplied in the weight's dtype (as autograd through
-``.float()`` would), d weight accumulated in float32; the gradients come back in the inputs' dtypes.
-float64 inputs are computed, and returned, in float64 (for ``torch.autograd.gradcheck``). Under
-``torch.autocast`` (``ppo.autocast=bf16``) the inputs are cast to the autocast dtype first, as autocast
-casts a linear layer's, and the chunks run with autocast off: forward and backward use the same product.
-
-Leaves out: running the model's body (the caller passes the final hidden states at the K response
-positions), the [B, T] layout and response mask (the caller scatters the [K] result), packing, and
-any tensor / vocabulary parallelism (``weight`` is the full [V, H] matrix on this device; under FSDP2
-the caller runs this inside the root module's forward, where FSDP has gathered it:
-`fspo.update.logprobs.in_root_forward`).
-
-Memory: the peak extra memory is about ``chunk_size * V * 4 bytes * 2`` (one chunk's float32
-logits plus its softmax / gradient) plus the [V, H] weight gradient (a float32 accumulator for a
-bf16 weight), instead of ``K * V * 4 * (2-3)`` for the dense path (logits, float32 copy / scaled
-logits, softmax saved for backward). For V = 151,936, K = 8192 and chunk_size = 1024 that is ~1.2 GiB instead of ~10-15
-GiB.
+The forward keeps only logsumexp and the target logit per row; the backward recomputes each chunk's logits.
+Products run in the inputs' dtype, logits and the weight gradient in float32 (float64 for float64 inputs). Peak
+extra memory ~ ``chunk_size * V * 8`` bytes plus the weight gradient (docs/memory.md). ``weight`` must be whole
+on this device (under FSDP2 the caller runs inside the root's forward: `in_root_forward`).
 """
 from __future__ import annotations
 
@@ -132,9 +108,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                            chunk_size: int = 4096, bias: Optional[Tensor] = None,
                            with_entropy: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """(logp [K] float32 (float64 for float64 inputs), entropy [K] or None) of ``targets`` under softmax((hidden @
-    weight.T (+ bias)) / temperature), computed ``chunk_size`` rows at a time (see the module docstring). Differentiable
-    w.r.t. ``hidden``, ``weight`` and ``bias``; the entropy carries no gradient."""
+    """(logp [K] float32 (float64 for float64 inputs), entropy [K] or None) of ``targets`` under
+    softmax((hidden @ weight.T (+ bias)) / temperature), ``chunk_size`` rows at a time; differentiable w.r.t.
+    ``hidden``, ``weight`` and ``bias``, the entropy carrying no gradient."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [K, H] and weight [V, H] expected, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -148,9 +124,8 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     device = hidden.device.type
     if not torch.is_autocast_enabled(device):
         return _ChunkedTokenLogprobs.apply(hidden, weight, bias, *args)
-    # under autocast (ppo.autocast=bf16): cast the inputs as autocast casts a linear's (the casts are autograd
-    # ops, so the gradients reach the float32 weights as float32), then run with autocast off, so the
-    # forward and the backward's recomputed logits both come from the same bf16 product
+    # under autocast: cast as autocast casts a linear's (autograd ops: float32 gradients reach the weights),
+    # then run with autocast off, so forward and backward's recomputed logits use the same bf16 product
     dtype = torch.get_autocast_dtype(device)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = bias.to(dtype) if bias is not None else None

@@ -1,25 +1,12 @@
-"""Per-token log-probabilities of sampled responses under a causal LM.
-
-Owns: `response_log_probs`, the one forward pass the trainer uses both for old log-probs and
-for the policy loss (so both sides of the ratio come from the same computation), and
-`in_root_forward`, which runs the chunked LM head (lm_head.py) inside the model's own
-forward call so that it works under FSDP2 as well as on one device.
+"""Per-token log-probabilities of sampled responses under a causal LM: the one forward pass behind both old
+log-probs and the policy loss, so both sides of the ratio come from the same computation.
 
     logp[i, t] = log softmax(logits[i, P - 1 + t] / temperature)[response_ids[i, t]]
 
-computed in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Only the K
-positions that predict response tokens are turned into log-probs (a [K, V] float32 tensor, never
-[B, T, V] with the padding of the response layout; with the one-row layout the LM head itself
-runs on those K positions only), which matters for real vocabularies (151,936 for Qwen3). Position ids
-are ``cumsum(attention_mask) - 1`` so left padding does not shift positions, as in generation.
-Optionally returns the per-token entropy of the same distribution (no gradient).
-
-With ``pack_width`` set, the sequences are packed without padding and the response logits are
-gathered back to the [B, T] layout, so the result is the same as the padded pass: into one row
-with causal attention per sequence when the model uses segment attention
-(fspo/models/segment_attention.py; ``pack_width`` is then ignored), else into rows of
-``pack_width`` with block-diagonal attention from restarting position ids (packing.py). ``usage`` (a
-`fspo.update.packing.TokenUsage`) counts the token slots computed vs real tokens (padding waste).
+in float32 whatever the model's dtype, 0 where ``response_mask`` is 0. Only the K positions that predict response
+tokens become log-probs ([K, V], never [B, T, V]); position ids are ``cumsum(attention_mask) - 1``, as in
+generation. With ``pack_width`` set the sequences are packed without padding (packing.py) and the result is the
+same as the padded pass's.
 """
 from __future__ import annotations
 
@@ -38,23 +25,10 @@ R = TypeVar("R")
 
 
 def in_root_forward(model, fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` run as ``model``'s own forward call ``model(*args, **kwargs)``:
-    ``model.forward`` is shadowed for that one call, so every hook on the root module runs around ``fn``
-    as around a normal forward, and sees the call's inputs.
-
-    Why: under FSDP2 (``fully_shard`` on the decoder layers and the root, fspo/runtime/launch/distributed.py)
-    the root's parameters (embeddings, final norm, LM head; tied or not) are sharded DTensors outside
-    its forward. The root's pre-forward hook all-gathers them (and runs FSDP's lazy root init), its
-    post-forward hook registers the pre-backward hook on the outputs that re-gathers them for backward
-    and the root's post-backward reduce-scatters their gradients. Calling ``model.get_decoder()`` and
-    reading ``lm_head.weight`` from outside would bypass all three (verl patches the model class's
-    forward for its fused log-prob kernels for the same reason). On an unsharded model this is a plain
-    call of ``fn``.
-
-    At least one positional input is required: on CUDA, FSDP2's root pre-forward moves the inputs to the
-    device with ``torch.distributed.utils._to_kwargs`` and reads ``args_tuple[0]``, which is an
-    IndexError for a call with no inputs in torch < 2.13 (pytorch#183943); the inputs passed here are
-    the ones FSDP moves and hands on to ``fn``."""
+    """``fn(*args, **kwargs)`` run as ``model``'s own forward call, ``model.forward`` shadowed for that call,
+    so the root module's hooks run around ``fn``: under FSDP2 they gather the root's sharded parameters (the
+    LM head's weight) for forward and backward and reduce-scatter their gradients. At least one positional
+    input is required: FSDP2's root pre-forward reads ``args[0]`` (IndexError in torch < 2.13)."""
     if not args:
         raise ValueError("in_root_forward needs at least one positional input (e.g. input_ids): FSDP2's root "
                          "pre-forward indexes the inputs it moves to the device")
@@ -70,9 +44,8 @@ def in_root_forward(model, fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 def _run(model, select: Callable[[Tensor], Tensor], head: Optional[Callable[[Tensor], R]] = None, **kw):
-    """``select(logits)`` of the model (``head`` None); with ``head``, ``head(select(h))`` of the final
-    hidden states ``h`` of the model's body, computed inside the model's own forward call
-    (`in_root_forward`, with the inputs passed through it: the LM head's weight is gathered under FSDP)."""
+    """``select(logits)`` of the model; with ``head``, ``head(select(h))`` of the body's final hidden states,
+    inside the model's own forward call (`in_root_forward`)."""
     if head is None:
         return select(model(use_cache=False, **kw).logits)
     kw.pop("logits_to_keep", None)
@@ -85,8 +58,7 @@ def _run(model, select: Callable[[Tensor], Tensor], head: Optional[Callable[[Ten
 
 
 def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head=None):
-    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass
-    (with ``head``: ``head`` of the [K, H] final hidden states at those positions, `_run`)."""
+    """[K, V]: the logits predicting the K response tokens (``response_mask`` order), padded pass."""
     input_ids = batch.input_ids()
     attn = batch.attention_mask()
     if usage is not None:
@@ -99,8 +71,7 @@ def _padded_logits(model, batch: RolloutBatch, usage: Optional[TokenUsage], head
 
 
 def _packed_logits(model, batch: RolloutBatch, width: int, usage: Optional[TokenUsage], head=None):
-    """[K, V] as `_padded_logits`, from a packed pass; the one-row layout computes the LM head only
-    at those K positions (``logits_to_keep``)."""
+    """[K, V] as `_padded_logits`, from a packed pass (the one-row layout: the LM head at those K only)."""
     mask = batch.response_mask.bool()
     if uses_segment_attention(model):  # one unpadded row; the placeholder 4D mask stops mask building
         lay = pack_segments(batch)
@@ -121,11 +92,8 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
                        pack_width: Optional[int] = None,
                        usage: Optional[TokenUsage] = None,
                        head_chunk_rows: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
-    """(logp [B, T] float32, entropy [B, T] float32 or None) for ``batch``'s responses.
-
-    ``pack_width``: None for the padded pass, else the packed row width (at least the longest
-    sequence; see the module docstring). ``head_chunk_rows`` > 0: the LM head runs in chunks of that
-    many positions (lm_head.py), so the [K, V] float32 logits are never held at once."""
+    """(logp [B, T] float32, entropy [B, T] (no gradient) or None). ``pack_width``: None for the padded pass,
+    else the packed row width; ``head_chunk_rows`` > 0: the LM head runs in chunks of that many positions."""
     mask = batch.response_mask.bool()
     if head_chunk_rows > 0:
         def head(hidden: Tensor):  # inside the model's forward call: the head's weight is gathered under FSDP

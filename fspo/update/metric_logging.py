@@ -1,17 +1,9 @@
-"""Where a step's metrics go: the experiment loggers (MLflow, and any of conf/logger/) and Lightning's callback metrics.
+"""Where a step's metrics go: the experiment loggers and Lightning's callback metrics.
 
-Owns: `emit_metrics`. Leaves out: computing the metrics (module.py, stats.py,
-fspo/diagnostics) and the logger itself (conf/logger).
-
-Every metric is written once to each experiment logger (``module.loggers``) at step ``step`` (its key laid
-out by fspo/diagnostics/metric_keys.py: one MLflow chart section per family) (our RL step, not
-Lightning's counter) and made visible to callbacks in ``trainer.callback_metrics`` (what
-ModelCheckpoint / EarlyStopping ``monitor`` read). Only the progress-bar metrics (and epoch-level
-ones, e.g. validation) go through ``LightningModule.log``: each ``log`` call costs ~0.6 ms on CPU
-(Lightning wraps every value in a torchmetrics result and moves it to the device), which for the
-~90 metrics of an RL step was ~60 ms a step, 8% of the default step on a 2-core CPU. The others are
-set in ``trainer.callback_metrics`` (the dict Lightning keeps and returns; it resets it only when
-a fit or sanity check starts) as float32 CPU tensors, the type ``log`` would have stored.
+Every metric is written once to each of ``module.loggers`` at our RL step (its key laid out by
+fspo/diagnostics/metric_keys.py) and put in ``trainer.callback_metrics`` (what ModelCheckpoint and EarlyStopping
+``monitor`` read) as a float32 CPU tensor, the type ``LightningModule.log`` stores. Only progress-bar and
+epoch-level metrics go through ``log``, which costs ~0.6 ms a call (~8% of the default CPU step for ~90 metrics).
 """
 from __future__ import annotations
 
@@ -25,8 +17,7 @@ from fspo.runtime.launch.distributed import attached_trainer
 
 def emit_metrics(module, metrics: Dict[str, float], step: int, prog_bar: Iterable[str] = (),
                  on_step: bool = True) -> None:
-    """Log ``metrics`` to each of ``module.loggers`` at ``step`` and mirror them into Lightning (see module
-    docstring)."""
+    """Log ``metrics`` to each of ``module.loggers`` at ``step`` and mirror them into Lightning."""
     shown = {display_key(k): v for k, v in metrics.items()}
     shown.update(headline(metrics))  # copies in the first chart section (metric_keys.py)
     for logger in module.loggers:

@@ -1,22 +1,9 @@
 """Splitting a rollout batch into PPO mini-batches and token-budget micro-batches.
 
-Owns: the PPO mini-batches of a step
-(`minibatch_plan`: `minibatch_indices` shuffles sequences, `group_minibatch_indices` whole prompt
-groups; `check_mini_batch` validates the batch settings), `balanced_rank_rows` (each data-parallel
-rank's rows of a mini-batch, balanced by tokens) and `token_budget_micro_batches` (micro-batches for
-the forward/backward passes). Leaves out: the loss itself (module.py,
-fspo/losses.py) and which prompts a step sees (fspo/data/sampler.py).
-
-Units: ``prompts_per_step`` counts prompts; the step's batch is ``prompts_per_step * n`` sequences
-(n = ``rollout.sampling.n``). ``ppo.mini_batch_size`` counts what ``ppo.mini_batch_unit`` says:
-``sequences`` (rows shuffled one by one) or ``prompts`` (verl's ``ppo_mini_batch_size``: that many
-whole groups of n, i.e. ``mini_batch_size * n`` sequences, so the 1/G group average of the
-objective lies inside one mini-batch).
-
-Micro-batches follow verl's dynamic batch size: sequences are sorted by total length
-(prompt + response) and packed greedily so that ``rows * longest_row <= max_tokens`` (the padded
-size of the micro-batch), with at most ``max_seqs`` rows. Sorting keeps padding waste low for any
-length mix; a single sequence longer than the budget gets a micro-batch of its own.
+``ppo.mini_batch_size`` counts ``ppo.mini_batch_unit``s: ``sequences`` (rows shuffled one by one) or ``prompts``
+(verl's ``ppo_mini_batch_size``: whole groups of n, so the 1/G group average lies inside one mini-batch).
+Micro-batches follow verl's dynamic batch size: sequences sorted by prompt + response length, packed greedily so
+that ``rows * longest_row <= max_tokens``; a sequence longer than the budget gets a micro-batch of its own.
 """
 from __future__ import annotations
 
@@ -45,12 +32,8 @@ def minibatch_plan(batch_size: int, mini_batch_size: int, epochs: int = 1, gener
 
 def group_minibatch_indices(group_ids: Tensor, mini_batch_size: int, generator: Optional[torch.Generator] = None,
                             shuffle: bool = True) -> List[Tensor]:
-    """Partition the rows into mini-batches of ``mini_batch_size`` whole groups (last may have fewer).
-
-    ``group_ids`` [B]: the prompt each row answers (`fspo.types.RolloutBatch.group_ids`). The groups,
-    not the rows, are shuffled; a mini-batch lists its groups' rows group after group, each group's
-    rows in batch order. Every row lands in exactly one mini-batch.
-    """
+    """Partition the rows into mini-batches of ``mini_batch_size`` whole groups of ``group_ids`` [B] (last may
+    have fewer). The groups are shuffled; a mini-batch lists its groups' rows group after group, in batch order."""
     if mini_batch_size < 1:
         raise ValueError(f"ppo.mini_batch_size must be >= 1, got {mini_batch_size}")
     uniq, inv = torch.unique(group_ids.reshape(-1).cpu(), return_inverse=True)
@@ -75,14 +58,9 @@ def minibatch_indices(batch_size: int, mini_batch_size: int, generator: Optional
 
 
 def balanced_rank_rows(tokens: Tensor, rank: int, size: int) -> Tensor:
-    """This rank's rows (ascending) of a mini-batch whose row i holds ``tokens[i]`` tokens (prompt + response),
-    split over ``size`` data-parallel ranks by tokens, not rows (verl balances its ranks by sequence length).
-
-    Greedy longest-processing-time: rows by length descending (ties: lower index first), each to the rank with
-    the fewest tokens so far (ties: fewer rows, then lower rank). Every row goes to exactly one rank and every
-    rank computes the same partition from the same ``tokens``. Bound: max_r load_r - min_r load_r <= max_i
-    tokens_i, and max_r load_r <= 4/3 of the best possible (Graham 1969); e.g. tokens [10, 9, 2, 1] on 2 ranks
-    give rows {0, 3} and {1, 2}, 11 tokens each, where the contiguous halves hold 19 and 3. ``size`` 1: all rows."""
+    """This rank's rows (ascending) of a mini-batch whose row i holds ``tokens[i]`` tokens, split over ``size``
+    ranks by tokens. Greedy longest-processing-time: rows by length descending (ties: lower index), each to the
+    rank with the fewest tokens so far (ties: fewer rows, lower rank); max load <= 4/3 of the best (Graham 1969)."""
     if size <= 1:
         return torch.arange(tokens.numel())
     loads, counts, mine = [0] * size, [0] * size, []
@@ -97,11 +75,8 @@ def balanced_rank_rows(tokens: Tensor, rank: int, size: int) -> Tensor:
 
 
 def token_budget_micro_batches(total_lengths: Tensor, max_tokens: int, max_seqs: int = 1 << 30) -> List[Tensor]:
-    """Index groups with ``len(group) * max(total_lengths[group]) <= max_tokens`` (padded tokens).
-
-    ``total_lengths`` [B] is each row's prompt+response token count. Returns index tensors into
-    the batch, each sorted by length descending.
-    """
+    """Index groups, each sorted by length descending, with ``len(group) * max(total_lengths[group]) <=
+    max_tokens`` (``total_lengths`` [B]: prompt + response tokens)."""
     if max_tokens < 1:
         raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
     order = torch.argsort(total_lengths, descending=True, stable=True)

@@ -1,31 +1,13 @@
-"""The LightningModule: holds the policy and optimizer and runs the PPO-style update on a rollout batch.
+"""The LightningModule: the policy, its optimizer and the PPO-style update on a rollout batch.
 
-Owns: `RLModule` (training step: old log-probs -> mini-batches -> micro-batches -> clip rule ->
-aggregation -> backward -> optimizer step; validation step logging accuracy). Its settings are
-`fspo.update.settings.PPOConfig`. Leaves out: generation, rewards and advantages (fspo/rollout/callback.py fills
-``batch["rollout"]``), the clipping rule itself (any `fspo.clipping.base.ClipRule`), aggregation (fspo/losses.py), the
-forward passes and their micro-batch layouts (forward.py) and the diagnostics (fspo/diagnostics) — the step
-only wires them together, with no per-method code.
-
-Per RL step, with B = prompts_per_step * G sequences, for each of ``epochs`` passes the batch is
-shuffled into mini-batches of ``mini_batch_size`` units of ``mini_batch_unit`` (``sequences``: rows
-shuffled one by one; ``prompts``: whole groups of G, as verl counts ``ppo_mini_batch_size``;
-microbatches.py); each mini-batch is one optimizer step, its loss accumulated over token-budget
-micro-batches with the mini-batch's total token and sequence counts as denominators, so
-micro-batching never changes the loss. Old log-probs
-(``ppo.old_log_probs``): ``engine`` takes the rollout engine's log-probs of the sampled tokens
-(same policy, no extra pass; the train-inference gap is logged as ``rollout/logprob_gap``);
-``recompute`` runs this module's own no-grad forward pass before the first update, leaving out,
-with one epoch, the rows of the step's first mini-batch: the policy has not changed since
-generation when that mini-batch is trained, so its loss pass's own detached log-probs are the
-old ones (ratio 1 exactly). With k mini-batches this skips 1/k of the old-log-prob forward; with
-one update per step it skips all of it. Old log-probs already in the batch are used as given.
-Which mini-batch is on-policy (S = 0: left out of the log-ratio statistics, the acceptance counts and
-the running band's ``observe``): only a step's first one, and only when its old log-probs are the
-current weights' (recomputed, or the engine's with ``batch["policy_lag"]`` 0, whose S is the float gap
-~1e-7). Under ``rollout.overlap`` the engine's weights are ``policy_lag`` (k) steps behind: the first
-mini-batch's ratio is against the policy that generated the batch and it is measured like the others
-(it is stale, not on-policy).
+Per RL step (B = prompts_per_step * G sequences), for each of ``epochs`` passes the batch is shuffled into
+mini-batches of ``mini_batch_size`` ``mini_batch_unit``s (microbatches.py); each is one optimizer step, its loss
+accumulated over token-budget micro-batches with the mini-batch's token and sequence counts as denominators, so
+micro-batching never changes the loss. Old log-probs: ``engine`` takes the engine's (the train-inference gap is
+logged as ``rollout/logprob_gap``); ``recompute`` runs a no-grad pass, skipping (with one epoch) the first
+mini-batch's rows, whose loss pass's detached log-probs are the old ones (ratio 1). The first mini-batch is
+on-policy (S = 0: left out of the log-ratio statistics and the band's ``observe``) only when its old log-probs are
+the current weights' (recomputed, or the engine's with ``policy_lag`` 0); under ``rollout.overlap`` it is stale.
 """
 from __future__ import annotations
 
@@ -61,14 +43,9 @@ from fspo.update.update_ratio import UpdateRatio
 
 
 class RLModule(L.LightningModule):
-    """Policy + optimizer + the clipped policy-gradient update.
-
-    ``policy`` is an HF causal LM; ``clip`` a `ClipRule`; ``aggregator`` maps
-    (token_loss, response_mask, total_tokens=, total_seqs=) to an object with ``.loss``;
-    ``diagnostics`` a `FairnessMetrics` (per-step, reset every step) and ``run_diagnostics`` a
-    second one accumulated over the whole run (for end-of-run plots); ``ledger`` a `SequenceLedger`
-    (fspo/diagnostics/ledger.py) that records every measured sequence for the length-law statistics, or None.
-    """
+    """``policy`` an HF causal LM; ``clip`` a `ClipRule`; ``aggregator`` maps (token_loss, response_mask,
+    total_tokens=, total_seqs=) to an object with ``.loss``; ``diagnostics`` a per-step `FairnessMetrics`,
+    ``run_diagnostics`` one over the whole run; ``ledger`` a `SequenceLedger` or None."""
 
     def __init__(self, policy, clip, aggregator, ppo: PPOConfig, diagnostics, run_diagnostics=None,
                  seed: int = 0, guard: Optional[DivergenceGuard] = None, correction=None, probe_every: int = 0,
@@ -79,7 +56,7 @@ class RLModule(L.LightningModule):
         if self.probe_every < 0:
             raise ValueError(f"diagnostics.grad_probe_every must be >= 0 (0: off), got {probe_every!r}")
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
-        # train-inference mismatch weights (fspo/rollout/correction.py); None or mode none: off
+        # train-inference mismatch weights; None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
         if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
             raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
@@ -97,8 +74,7 @@ class RLModule(L.LightningModule):
         self.automatic_optimization = False
         self.timings: Dict[str, float] = {}  # this step's seconds per phase: the rollout's, then the update's
         self.register_buffer("skipped_updates", torch.zeros((), dtype=torch.long))
-        # RL steps completed; MLflow step of both the step's training metrics (logged before the
-        # increment) and of validations run after it, so "step s" always means "after s updates".
+        # RL steps completed: the logged step of a step's metrics and later validations ("after s updates")
         self.register_buffer("rl_step", torch.zeros((), dtype=torch.long))
         self._val_sums: Dict[str, float] = {}
 
@@ -113,15 +89,14 @@ class RLModule(L.LightningModule):
         return [opt], [sched]
 
     def configure_model(self):
-        """Shard the policy under `trainer=fsdp` (fspo/runtime/launch/distributed.py); a no-op on one device."""
+        """Shard the policy under `trainer=fsdp`; a no-op on one device."""
         configure_sharding(self)
 
     def _diagnostics(self):
         return [d for d in (self.diagnostics, self.run_diagnostics) if d is not None]
 
     def _has_gap(self, batch: RolloutBatch) -> bool:
-        """Whether the train-inference gap can be measured: the engine reported log-probs (vLLM's are
-        raw, i.e. at temperature 1) and the trainer's are at temperature 1 too."""
+        """The engine reported log-probs (at temperature 1) and the trainer's are at temperature 1 too."""
         return batch.engine_log_probs is not None and float(self.ppo.logprob_temperature) == 1.0
 
     # ---------------------------------------------------------------- training
@@ -138,8 +113,7 @@ class RLModule(L.LightningModule):
         moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio
         if moved is not None:
             moved.snapshot(self.policy.parameters())
-        # data parallel (fspo/runtime/launch/distributed.py): each rank generated its share of the prompts; after its
-        # old log-probs the whole batch is gathered and mini-batches are drawn from it as on one process
+        # data parallel: each rank generated its share; after its old log-probs the batch is gathered
         rank, world = dp_rank_size(self)
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
@@ -159,10 +133,8 @@ class RLModule(L.LightningModule):
             rollout.old_log_probs = rollout.engine_log_probs.float() * rollout.response_mask
         supplied = rollout.old_log_probs is not None
         if not supplied:
-            # the first mini-batch is trained before any update: its loss pass gives its old log-probs
-            # (with one epoch; with more, its rows recur after updates and need theirs computed here)
+            # one epoch: the first mini-batch's loss pass gives its old log-probs (a correction needs all rows')
             offset = rank_offset(rollout.batch_size, rank, world, self.device)
-            # (a mismatch correction needs every row's recomputed old log-probs before the first update)
             first = plan[0] - offset if self.ppo.epochs == 1 and self.correction is None else plan[0][:0]
             first = first[(first >= 0) & (first < rollout.batch_size)]
             rollout.old_log_probs = passes.old_log_probs(self, rollout, usage=stats.usage_old, skip=first)
@@ -176,9 +148,6 @@ class RLModule(L.LightningModule):
         self.timings["time/old_log_probs"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        # the first mini-batch is on-policy (S = 0 up to the engine's float gap) when its old log-probs are
-        # the current weights': recomputed, or the engine's with no policy lag; a stale batch (rollout.overlap:
-        # the engine's weights ``policy_lag`` steps behind) is measured like every other mini-batch
         lag = int(batch.get("policy_lag", 0))
         probed: Dict[str, float] = {}
         # each rank's rows of a mini-batch are balanced by tokens (one host read per step, with several ranks)
@@ -203,15 +172,10 @@ class RLModule(L.LightningModule):
 
     def _update(self, mb: RolloutBatch, opt, stats: "StepStats", on_policy: bool, old_from_loss: bool = False,
                 rows=None, gap: bool = False, update: int = 0) -> None:
-        """One optimizer step on mini-batch ``mb`` (loss accumulated over micro-batches); with
-        ``old_from_loss`` (no update yet this step) the loss pass's detached log-probs are the old ones;
-        with ``gap`` the loss pass's log-probs are compared with the engine's (``rollout/logprob_gap``).
-
-        The denominators are ``mb``'s; this rank runs only ``mb``'s ``rows`` (its data-parallel share;
-        FSDP sums the ranks' gradients). Non-finite values: each micro-batch's loss flag stays on the device
-        and is read once, with the gradient norm, before the optimizer step (one host read per update, any
-        rank's flag counting on every rank); a non-finite loss or gradient skips the step (or raises:
-        ``ppo.nonfinite``) and the statistics keep the micro-batches before the first non-finite loss."""
+        """One optimizer step on ``mb`` (this rank runs its ``rows``; the denominators are ``mb``'s). With
+        ``old_from_loss`` the loss pass's detached log-probs are the old ones; with ``gap`` they are compared with
+        the engine's. Loss and gradient finiteness is read once per update, over ranks; a non-finite one skips the
+        step (or raises: ``ppo.nonfinite``), the statistics keeping the micro-batches before it."""
         total_tokens = mb.lengths.sum().clamp(min=1)
         total_seqs = mb.batch_size
         norm_len = mb.response_mask.shape[-1]  # seq-mean-token-sum-norm: the mini-batch's width, not a micro-batch's
@@ -244,8 +208,7 @@ class RLModule(L.LightningModule):
             meter.add(res.token_loss, logp, old, micro.response_mask)
             observed.append((res.seq_log_ratio, micro.lengths, (logp.detach() - old), micro.response_mask))
         grad_norm = clip_grad_norm(self.policy.parameters(), self.ppo.max_grad_norm)
-        # one host read per optimizer step (max over ranks: every rank takes the same branch): which
-        # micro-batch's loss was non-finite, whether the gradient norm is, and its value
+        # one host read (max over ranks): which micro-batch's loss was non-finite, the gradient norm's finiteness
         z = torch.zeros((), device=grad_norm.device)
         flags = max_over_ranks(torch.stack([(~f).float() for f in finite] + [(~torch.isfinite(grad_norm)).float(),
                                            torch.where(torch.isfinite(grad_norm), grad_norm.float(), z)]))
@@ -254,26 +217,22 @@ class RLModule(L.LightningModule):
         for pos, micro, *rec in records:  # as if the loop had stopped at the first non-finite loss
             if pos <= first_bad:
                 self._record(micro, *rec, stats, on_policy, gap, update, loss_ok=pos < first_bad)
-        if stats.nonfinite or flags[-2]:
-            if self.ppo.nonfinite == "raise":
-                raise FloatingPointError(
-                    "non-finite loss or gradient in the policy update; set ppo.nonfinite=skip to skip such "
-                    "updates instead (the last checkpoint is intact)")
+        skip = bool(stats.nonfinite or flags[-2])
+        if skip and self.ppo.nonfinite == "raise":
+            raise FloatingPointError(
+                "non-finite loss or gradient in the policy update; set ppo.nonfinite=skip to skip such "
+                "updates instead (the last checkpoint is intact)")
+        if not skip and self.guard is not None:  # collective: every rank checks every update, same verdict
+            update = len(stats.grad_norms) + stats.skipped + 1  # this step's updates so far, stepped or skipped
+            verdict = self.guard.check(grad_norm, meter, self.device, lr=float(opt.param_groups[0]["lr"]),
+                                       where=f"RL step {int(self.rl_step)}, update {update}")
+            stats.guard_trips += verdict != "step"
+            skip = verdict == "skip"
+        if skip:  # exactly no update: gradients dropped, no optimizer step
             opt.zero_grad()
             self.skipped_updates += 1
             stats.skipped += 1
             return
-        if self.guard is not None:  # collective: every rank checks every update and gets the same verdict
-            update = len(stats.grad_norms) + stats.skipped + 1  # this step's updates so far, stepped or skipped
-            verdict = self.guard.check(grad_norm, meter, self.device, lr=float(opt.param_groups[0]["lr"]),
-                                       where=f"RL step {int(self.rl_step)}, update {update}")
-            if verdict != "step":
-                stats.guard_trips += 1
-            if verdict == "skip":  # exactly no update: gradients dropped, no optimizer step
-                opt.zero_grad()
-                self.skipped_updates += 1
-                stats.skipped += 1
-                return
         opt.step()
         stats.grad_norms.append(flags[-1])
         # on-policy mini-batches have S == 0 exactly: no information on sigma; with several ranks every
@@ -287,8 +246,7 @@ class RLModule(L.LightningModule):
             self.clip.observe(seq, lengths, tok, torch.ones_like(tok))
 
     def _record(self, micro, loss, logp, old, ent, res, stats, on_policy, gap, update, loss_ok=True) -> None:
-        """A micro-batch's statistics, diagnostics and ledger records (``loss_ok`` False: its loss was
-        non-finite, only the train-inference gap is taken, as the gap precedes the loss)."""
+        """A micro-batch's statistics, diagnostics and ledger records (``loss_ok`` False: only the gap)."""
         if gap and self._has_gap(micro):  # no update yet: the policy the engine sampled
             stats.add_gap(micro.engine_log_probs, logp, micro.response_mask)
         if not loss_ok:
@@ -328,12 +286,8 @@ class RLModule(L.LightningModule):
         metrics["perf/peak_memory_mib"] = peak_memory_mib(self.device)
         metrics["perf/loss_metrics_share"] = (stats.loss_time + self.timings["time/metrics"]) / max(step_time, 1e-9)
         metrics["perf/response_tokens_per_s"] = tokens / max(step_time, 1e-9)
-        self._emit(metrics, prog_bar={"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"})
-
-    def _emit(self, metrics: Dict[str, float], prog_bar=(), on_step: bool = True) -> None:
-        """To the experiment logger at step ``rl_step`` and ``trainer.callback_metrics``
-        (metric_logging.py)."""
-        emit_metrics(self, metrics, int(self.rl_step), prog_bar, on_step)
+        prog_bar = {"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"}
+        emit_metrics(self, metrics, int(self.rl_step), prog_bar)
 
     # ---------------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
@@ -355,4 +309,4 @@ class RLModule(L.LightningModule):
                 t = torch.tensor([n] + [sums[k] for k in sorted(sums)], dtype=torch.float64, device=self.device)
                 t = self.trainer.strategy.reduce(t, reduce_op="sum")
                 metrics = {k: float(t[i + 1] / t[0].clamp(min=1)) for i, k in enumerate(sorted(sums))}
-            self._emit(metrics, prog_bar={"val/accuracy"}, on_step=False)
+            emit_metrics(self, metrics, int(self.rl_step), {"val/accuracy"}, on_step=False)

@@ -1,28 +1,13 @@
 """Sequence packing: several (prompt + response) sequences per row, no padding between them.
 
-Owns: `pack_rows` (first-fit-decreasing bin packing of lengths into rows of a fixed width),
-`packed_micro_batches` (token-budget micro-batches of packed rows), `PackedLayout` / `pack_batch`
-(the model inputs of a packed micro-batch and where each response token's logit sits),
-`segment_micro_batches` / `pack_segments` (the one-row layout for segment attention) and
-`TokenUsage` (padded slots vs real tokens, the padding-waste counter).
-
-Two layouts. For models using segment attention (fspo/models/segment_attention.py: sdpa models
-under ``ppo.packing``, the default) a micro-batch is ONE row holding its sequences back to back
-(budget = real tokens, no padding, waste 0) and attention runs per sequence. Otherwise
-(flash-attention or eager models) the sequences are packed into rows of a common width:
-
-How the model sees a packed row: ``attention_mask=None`` and ``position_ids`` restarting at 0 for
-every sequence. Hugging Face models then build a block-diagonal causal mask from the position ids
-(``transformers.masking_utils.find_packed_sequence_indices``: a position step other than +1 starts
-a new sequence; flash-attention kernels use the same ids as varlen boundaries), so each token
-attends only to earlier tokens of its own sequence and RoPE positions are those of the sequence
-alone: the log-probs equal the padded computation's (tests/test_packing.py pins this to 1e-5).
-The unused tail of a row is filler whose positions restart at 0 (its own block, ignored).
+Two layouts. Under segment attention (sdpa models) a micro-batch is ONE row of its sequences back to back (budget
+= real tokens, waste 0), attention running per sequence. Otherwise the sequences are packed into rows of a common
+width with ``attention_mask=None`` and ``position_ids`` restarting at 0 per sequence: Hugging Face models then
+build a block-diagonal causal mask from the position ids (``transformers.masking_utils.find_packed_sequence_indices``;
+flash-attention uses them as varlen boundaries), so the log-probs equal the padded computation's. A row's unused
+tail is filler with its own positions.
 
     padding waste = (rows * width - real tokens) / real tokens
-
-Leaves out: the log-prob arithmetic (logprobs.py) and which micro-batches the trainer runs
-(module.py).
 """
 from __future__ import annotations
 
@@ -54,10 +39,8 @@ class TokenUsage:
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> List[List[int]]:
-    """First-fit decreasing: index lists, one per row, each row's lengths summing to <= ``width``.
-
-    Sequences are placed longest first into the first row with room; ``width`` must be at least
-    the longest length. Deterministic (ties keep index order)."""
+    """First-fit decreasing: index lists, one per row, each row's lengths summing to <= ``width`` (at least the
+    longest length); longest first into the first row with room, ties in index order."""
     lengths = [int(x) for x in lengths]
     if lengths and max(lengths) > width:
         raise ValueError(f"pack_rows: a sequence of {max(lengths)} tokens does not fit rows of width {width}")
@@ -81,15 +64,9 @@ WIDTH_FACTORS = (1.0, 1.25, 1.5, 1.75, 2.0)
 
 def row_width(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0, tolerance: float = 0.03) -> int:
     """Packed row width: the narrowest of ``f`` x the longest sequence (f in `WIDTH_FACTORS` up to
-    ``row_factor``, within [longest, max(longest, max_tokens)]) whose packed slot count
-    ``rows * width`` is within ``tolerance`` of the fewest slots any of them needs.
-
-    Rows of exactly the longest length pack badly when lengths exceed half of it (a sequence of
-    0.8 x longest shares its row with nothing): at 4x spread that wastes ~10%, twice the longest
-    ~3-5% (tests/test_packing.py). But wider rows cost attention work where the kernel computes the
-    masked block-diagonal attention in full (sdpa with a mask; flash-attention varlen does not):
-    per slot it grows with the width, so with equal slots the narrower row wins (equal lengths:
-    rows of exactly one sequence, no waste, ~10% faster forward-backward on the tiny model than 2x)."""
+    ``row_factor``, within [longest, max(longest, max_tokens)]) whose slot count ``rows * width`` is within
+    ``tolerance`` of the fewest. Rows of the longest length pack badly when lengths exceed half of it; wider
+    rows cost attention work where the kernel computes the masked attention in full, so ties go narrow."""
     longest = int(total_lengths.max()) if total_lengths.numel() else 1
     cap = max(longest, int(max_tokens))
     factors = [f for f in WIDTH_FACTORS if f < row_factor] + [row_factor]
@@ -104,12 +81,9 @@ def row_width(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0, t
 
 def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0,
                          width: Optional[int] = None) -> List[Tensor]:
-    """Micro-batches whose packed size ``rows * width <= max_tokens`` (``width``: given by the
-    caller, or `row_width`).
-
-    The sequences are packed into rows (`pack_rows`) and consecutive rows are grouped
-    ``max(1, max_tokens // width)`` at a time; returns index tensors into the batch (one per
-    micro-batch). Pack each micro-batch with `pack_batch(..., width)` at the same width."""
+    """Index tensors of micro-batches whose packed size ``rows * width <= max_tokens`` (``width`` or
+    `row_width`): rows by `pack_rows`, grouped ``max(1, max_tokens // width)`` at a time; pack each with
+    `pack_batch(..., width)`."""
     if max_tokens < 1:
         raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
     if total_lengths.numel() == 0:
@@ -123,10 +97,8 @@ def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: flo
 
 @dataclass
 class PackedLayout:
-    """Model inputs of a packed micro-batch and the map back to the [B, T] response layout.
-
-    ``input_ids`` / ``position_ids`` [R, W]; ``logit_index`` [B, T]: flat index into the R * W
-    positions of the logit that predicts response token t of sequence i (0 on response padding)."""
+    """``input_ids`` / ``position_ids`` [R, W] of a packed micro-batch; ``logit_index`` [B, T]: flat index of the
+    logit that predicts response token t of sequence i (0 on response padding)."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -169,8 +141,8 @@ def pack_batch(batch: RolloutBatch, width: int = 0, pad_token_id: int = 0) -> Pa
 
 
 def segment_micro_batches(total_lengths: Tensor, max_tokens: int) -> List[Tensor]:
-    """Micro-batches of at most ``max_tokens`` real tokens (one longer sequence goes alone), each
-    packed into ONE row by `pack_segments`: first-fit decreasing, so no row is padded at all."""
+    """Micro-batches of at most ``max_tokens`` real tokens by first-fit decreasing (a longer sequence alone),
+    each packed into ONE row by `pack_segments`."""
     if max_tokens < 1:
         raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
     if total_lengths.numel() == 0:
@@ -183,9 +155,8 @@ def segment_micro_batches(total_lengths: Tensor, max_tokens: int) -> List[Tensor
 
 
 def pack_segments(batch: RolloutBatch) -> PackedLayout:
-    """All of ``batch``'s sequences in one row [1, N] (N = real tokens), longest first so equal
-    lengths are adjacent, positions restarting at 0 per sequence, and ``segments`` = their runs
-    for segment attention (fspo/models/segment_attention.py)."""
+    """All of ``batch``'s sequences in one row [1, N] (N real tokens), longest first, positions restarting at 0
+    per sequence, ``segments`` their runs for segment attention."""
     p_len = batch.prompt_mask.sum(-1).tolist()
     r_len = batch.response_mask.sum(-1).tolist()
     totals = [int(p) + int(r) for p, r in zip(p_len, r_len)]

@@ -1,24 +1,15 @@
-"""Per-step training statistics that are not length diagnostics: loss, KL, entropy, grad norm.
-
-Owns: `StepStats`, a small accumulator the training step feeds once per micro-batch, `k3_sum`
-(the KL estimate below, also the divergence guard's) and `peak_memory_mib`. Token
-statistics are token-weighted over every micro-batch of every update in the step:
+"""Per-step training statistics besides the length diagnostics, token-weighted over the step's micro-batches:
 
     train/kl       = mean_t k3_t,  k3_t = r_t - 1 - log r_t,  r_t = exp(logp_new - logp_old)
                      (unbiased, non-negative estimate of KL(pi_old || pi_new) on samples from pi_old)
     train/entropy  = mean_t H(pi_theta(. | h_t))
     train/loss     = sum over updates of each mini-batch loss / number of updates
-    train/update_ratio = ||theta_new - theta_old|| / ||theta_old|| over the step (update_ratio.py)
-    guard/trips    = updates that exceeded a divergence limit (guard.py; skipped ones also count
-                     in train/skipped_updates)
     perf/padding_waste = (token slots - real tokens) / real tokens over the step's forward passes
-                     (old log-probs and training; packing.py); perf/train_tokens and
-                     perf/old_log_probs_tokens count the real (prompt + response) tokens of each pass
-    rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| over sampled response tokens: the
-                     train-inference mismatch (logged only when the engine reports log-probs)
+    rollout/logprob_gap = mean_t |logp_engine_t - logp_trainer_t| (when the engine reports log-probs)
 """
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -117,19 +108,11 @@ def k3_sum_tensor(logp: Tensor, old: Tensor, mask: Tensor) -> Tensor:
     return ((torch.exp(d) - 1 - d) * m).sum()
 
 
-def k3_sum(logp: Tensor, old: Tensor, mask: Tensor) -> float:
-    """`k3_sum_tensor` as a float."""
-    return float(k3_sum_tensor(logp, old, mask))
-
-
 def peak_memory_mib(device) -> float:
-    """Peak memory since the last call: CUDA max allocated (then reset) on a GPU, else the process's
-    peak resident set size so far (Linux ``ru_maxrss``, which never decreases)."""
+    """Peak memory since the last call: CUDA max allocated (then reset), else the process's peak RSS so far."""
     device = torch.device(device)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
         return peak
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,18 +1,10 @@
-"""How far one RL step moved the trainable weights: ``train/update_ratio``, logged every step by every method.
-
-Owns: `UpdateRatio` (snapshot the trainable weights when a step starts; the relative change when it
-ends). Leaves out: the update itself (module.py) and where the metric goes
-(metric_logging.py).
+"""How far one RL step moved the trainable weights, logged every step:
 
     train/update_ratio = ||theta_new - theta_old|| / ||theta_old||
 
-over every trainable parameter (``requires_grad``) together, theta_old the weights the step's rollouts
-were sampled with, theta_new those after the step's optimizer updates. A run whose updates round away
-(bfloat16 weights at lr 1e-6: fspo/runtime/launch/precision.py) or whose every update is skipped shows 0 at
-once; a healthy AdamW step at lr moves it by about lr / |w| (1e-6 / 0.02 = 5e-5 for Qwen3).
-Under FSDP each rank holds its shards (DTensor local tensors): the two squared norms are summed over
-the ranks' shards (one all-reduce of two numbers). The snapshot costs one copy of the rank's trainable
-weights, on their device (fspo/runtime/launch/memory_plan.py counts it).
+over every trainable parameter together, theta_old the weights the step's rollouts were sampled with. Updates
+that round away (bfloat16 weights at small lr) or are all skipped show 0; a healthy AdamW step moves it by
+about lr / |w|. Under FSDP the squared norms are summed over the ranks' shards.
 """
 from __future__ import annotations
 
@@ -42,8 +34,7 @@ class UpdateRatio:
 
     @torch.no_grad()
     def compute(self, params: Iterable[Tensor], device=None) -> float:
-        """||theta_new - theta_old|| / ||theta_old|| (float64 sums, all ranks), then drop the snapshot;
-        0.0 when the weights are all zero. Call on every rank (a collective under torch.distributed)."""
+        """The ratio (float64 sums over ranks; 0.0 for all-zero weights), dropping the snapshot. Collective."""
         if self._old is None:
             raise RuntimeError("UpdateRatio.compute called before snapshot")
         new = [_local(p).detach() for p in params if p.requires_grad]
