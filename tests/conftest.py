@@ -155,6 +155,11 @@ def mlflow_uri(mlflow_dir) -> str:
     return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
 
 
+def clip_config(option: str) -> DictConfig:
+    """The ``clip:`` node that ``clip=<option>`` composes (conf/clip/<option>.yaml on its stored schema)."""
+    return compose_config([f"clip={option}"]).clip
+
+
 @pytest.fixture
 def compose_cfg(tmp_path, mlflow_dir, mlflow_uri) -> Callable[..., DictConfig]:
     """``compose_cfg(overrides)`` -> composed config with output_dir=<tmp_path>/out and the MLflow
