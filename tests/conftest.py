@@ -128,6 +128,8 @@ def compose_config(overrides: Iterable[str] = (), output_dir: Optional[Path] = N
     """
     from hydra import compose, initialize_config_dir
 
+    import fspo  # noqa: F401  (stores the config schemas that conf/ extends)
+
     overrides = list(overrides)
     if Path(config_dir).resolve() != CONF:
         overrides = [f"hydra.searchpath=[file://{CONF}]", *overrides]

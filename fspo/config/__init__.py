@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 from dataclasses import MISSING, field, fields, is_dataclass, make_dataclass
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, get_type_hints
 
 from hydra.core.config_store import ConfigStore
