@@ -6,10 +6,15 @@ Leaves out: the update itself (fspo/update/module.py) and the mini-batch plans (
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 MINI_BATCH_UNITS = ("sequences", "prompts")
+# the numeric settings' ranges: field -> (lowest value, whether the lowest is excluded); nan and inf are refused
+RANGES = {"mini_batch_size": (1, False), "epochs": (1, False), "micro_batch_max_tokens": (1, False),
+          "pack_row_factor": (1, False), "max_grad_norm": (0, True), "lr": (0, True), "weight_decay": (0, False),
+          "warmup_steps": (0, False), "lm_head_chunk_rows": (0, False)}
 
 
 def check_mini_batch(prompts_per_step: int, n: int, mini_batch_size: int, unit: str = "sequences") -> int:
@@ -80,13 +85,14 @@ class PPOConfig:
     nonfinite: str = "skip"  # what a NaN/inf loss or gradient does: skip (drop the update, counted) | raise
 
     def __post_init__(self):
-        if self.epochs < 1:
-            raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
+        for name, (lo, strict) in RANGES.items():
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < lo or (strict and value == lo):
+                raise ValueError(f"ppo.{name}={value:g}: must be a number {'>' if strict else '>='} {lo}; "
+                                 f"set ppo.{name}={getattr(PPOConfig, name):g}")
         if self.mini_batch_unit not in MINI_BATCH_UNITS:
             raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, "
                              f"got {self.mini_batch_unit!r}")
-        if self.mini_batch_size < 1:
-            raise ValueError(f"ppo.mini_batch_size must be >= 1, got {self.mini_batch_size}")
         if self.prompts_per_step is not None and self.samples_per_prompt is not None:
             check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
                              self.mini_batch_unit)
@@ -96,8 +102,6 @@ class PPOConfig:
             raise ValueError("ppo.autocast=bf16 with ppo.old_log_probs=engine: the engine's float32 log-probs would "
                              "differ from the trainer's bf16 ones by rounding, not by the policy: set "
                              "ppo.old_log_probs=recompute")
-        if int(self.lm_head_chunk_rows) < 0:
-            raise ValueError(f"ppo.lm_head_chunk_rows must be >= 0 (0: dense LM head), got {self.lm_head_chunk_rows}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         if self.old_log_probs not in ("recompute", "engine"):

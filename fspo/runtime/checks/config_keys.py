@@ -137,8 +137,8 @@ def early_value_error(cfg: DictConfig) -> Optional[str]:
     if isinstance(ppo, DictConfig) and str(ppo.get("_target_")) == TORCH_FREE_PPO:
         from hydra.utils import get_class
 
+        values = OmegaConf.to_container(ppo, resolve=True)  # one that does not resolve yet: the run's to judge
         try:
-            values = OmegaConf.to_container(ppo, resolve=True)
             get_class(TORCH_FREE_PPO)(**{k: v for k, v in values.items() if k != "_target_"})
         except ValueError as e:  # the batch arithmetic, autocast with engine log-probs, ...: messages name the keys
             return str(e)
