@@ -144,6 +144,9 @@ def test_settings_pin_the_rules():
         args = set(inspect.signature(rule.__init__).parameters) - {"self"}
         fields = {f.name for f in dataclasses.fields(cls)} - {"owner"}
         assert args <= fields, (target, args - fields)
+        for name in args:  # the signature's default is the settings class's: stated once, in settings.py
+            default = inspect.signature(rule.__init__).parameters[name].default
+            assert default is inspect.Parameter.empty or default == getattr(cls, name, default), (target, name)
 
 
 @pytest.mark.parametrize("argv,msg", [

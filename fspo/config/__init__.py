@@ -1,7 +1,8 @@
 """The run's typed config: the settings dataclasses stored as schemas in Hydra's ConfigStore, and their docs.
 
 Owns: `register` (run when fspo is imported, so every composition of conf/ finds the schemas its defaults lists
-name): ``ppo_schema`` (the root's ``ppo:``: `PPOConfig`) and ``clip/<rule>_schema`` (each rule's settings class
+name): ``ppo_schema`` (the root's ``ppo:``: `PPOConfig`), ``diagnostics_schema``, ``memory_plan_schema`` and
+``progress_schema`` (fspo/config/groups.py) and ``clip/<rule>_schema`` (each rule's settings class
 of fspo/clipping/settings.py with its ``_target_``; ``fspo_calibrated_schema`` adds the calibrated bands'
 ``calibration``). A schema types its node and closes it: an unknown key or a value of the wrong type does not
 compose. `schema` (a settings dataclass as stored: ``_target_`` first), `field_docs` (a field's one-line doc: the
@@ -22,11 +23,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from fspo.clipping.settings import SETTINGS, FSPOSettings
+from fspo.config.groups import DiagnosticsConfig, MemoryPlanConfig, ProgressConfig
 from fspo.update.settings import PPOConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 BEGIN, END = "<!-- generated from the schemas: python -m fspo.config -->", "<!-- end of generated -->"
 PPO_TARGET = "fspo.update.settings.PPOConfig"
+PACKAGES = {DiagnosticsConfig: "diagnostics", MemoryPlanConfig: "memory_plan", ProgressConfig: "progress"}
 FSPO_TARGET = "fspo.clipping.fspo.FSPOClip"
 
 
@@ -43,6 +46,8 @@ def schema(cls: type, target: str, drop: Sequence[str] = ("owner",)) -> type:
 def stored() -> Iterator[Tuple[str, Optional[str], type, type]]:
     """(name, group, settings class, schema) of every stored schema."""
     yield "ppo_schema", None, PPOConfig, schema(PPOConfig, PPO_TARGET, drop=("betas",))
+    for cls in (DiagnosticsConfig, MemoryPlanConfig, ProgressConfig):
+        yield f"{PACKAGES[cls]}_schema", None, cls, cls
     for target, (cls, _) in SETTINGS.items():
         yield f"{target.split('.')[2]}_schema", "clip", cls, schema(cls, target, drop=("owner", "calibration"))
     yield "fspo_calibrated_schema", "clip", FSPOSettings, schema(FSPOSettings, FSPO_TARGET)
@@ -51,7 +56,7 @@ def stored() -> Iterator[Tuple[str, Optional[str], type, type]]:
 def register() -> None:
     cs = ConfigStore.instance()
     for name, group, _, node in stored():
-        cs.store(name=name, group=group, node=node, package="ppo" if group is None else None)
+        cs.store(name=name, group=group, node=node, package=name[:-len("_schema")] if group is None else None)
 
 
 def field_docs(cls: type) -> Dict[str, str]:
@@ -72,14 +77,23 @@ def render() -> str:
     for path in sorted((DOCS.parents[1] / "conf" / "clip").glob("*.yaml")):
         picks.setdefault(str(OmegaConf.load(path).defaults[0]), []).append(path.stem)
     for name, group, cls, node in stored():
-        key = f"clip={','.join(picks.get(name, ['?']))}" if group else "ppo"
+        key = f"clip={','.join(picks.get(name, ['?']))}" if group else name[:-len("_schema")]
         out.append(f"{key}: {cls.__name__} (fspo/{inspect.getsourcefile(cls).rsplit('/fspo/', 1)[-1]})")
-        docs = field_docs(cls)
-        for f in fields(node):
-            if f.name != "_target_":
-                value = "???" if f.default is MISSING else OmegaConf.to_yaml({"v": f.default})[3:].strip()
-                out.append(f"  {f.name}: {value}" + (f"  # {docs[f.name]}" if f.name in docs else ""))
+        out += _field_lines(node, field_docs(cls), "  ")
     return "\n".join(out)
+
+
+def _field_lines(node: type, docs: Dict[str, str], indent: str) -> List[str]:
+    out = []
+    for f in fields(node):
+        doc = f"  # {docs[f.name]}" if f.name in docs else ""
+        if is_dataclass(f.default_factory):  # a nested schema: its fields below
+            out += [f"{indent}{f.name}:{doc}", *_field_lines(f.default_factory, field_docs(f.default_factory),
+                                                             indent + "  ")]
+        elif f.name != "_target_":
+            value = "???" if f.default is MISSING else OmegaConf.to_yaml({"v": f.default})[3:].strip()
+            out.append(f"{indent}{f.name}: {value}{doc}")
+    return out
 
 
 def docs_page(text: str) -> str:

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Set
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
@@ -159,7 +160,11 @@ def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
     seen: Set[Path] = set()
     todo = [config_name]
     while todo:
-        path = _yaml(todo.pop().lstrip("/"), dirs)
+        name = todo.pop().lstrip("/")
+        path = _yaml(name, dirs)
+        if path is None:  # a schema stored in Hydra's ConfigStore (fspo/config): the key it fills
+            stored = ConfigStore.instance().repo.get(f"{name}.yaml")
+            keys |= {stored.package} if stored is not None and stored.package else set()
         if path is None or path in seen:
             continue
         seen.add(path)
