@@ -34,7 +34,7 @@ def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = Fa
     v = float(value)
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {v:g}")
     return v
 
 
