@@ -124,13 +124,10 @@ def early_value_error(cfg: DictConfig) -> Optional[str]:
     """The first value of ``cfg`` that the up-front rules (the key table and the clip rule's settings)
     refuse, as one line; None when all pass. Imports no torch."""
     from fspo.clipping.settings import settings_error
-    from fspo.runtime.checks.config_rules import ABSENT, RULES, ConfigError, check_rule, get_setting
+    from fspo.runtime.checks.config_rules import ConfigError, check_rules
 
     try:
-        for rule in RULES:
-            value = get_setting(cfg, rule.key)
-            if value is not ABSENT:
-                check_rule(rule, value)
+        check_rules(cfg)
     except ConfigError as e:
         return str(e)
     ppo = OmegaConf.select(cfg, "ppo")

@@ -153,6 +153,14 @@ def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
 
 
+def check_rules(cfg: DictConfig) -> None:
+    """Every rule of `RULES` whose key ``cfg`` has: the first value out of its rule raises `ConfigError`."""
+    for rule in RULES:
+        value = get_setting(cfg, rule.key)
+        if value is not ABSENT:
+            check_rule(rule, value)
+
+
 def check_rule(rule: Rule, value: Any) -> None:
     fix = f"set {rule.key}={rule.example}" if rule.example is not None else f"set {rule.key}"
     meaning = f" ({rule.meaning})" if rule.meaning else ""
