@@ -2,7 +2,8 @@
 
 Owns: `register` (run when fspo is imported, so every composition of conf/ finds the schemas its defaults lists
 name): ``ppo_schema`` (the root's ``ppo:``: `PPOConfig`), ``diagnostics_schema``, ``memory_plan_schema`` and
-``progress_schema`` (fspo/config/groups.py) and ``clip/<rule>_schema`` (each rule's settings class
+``progress_schema`` (fspo/config/groups.py), ``sampling/schema`` (``rollout.sampling``) and
+``clip/<rule>_schema`` (each rule's settings class
 of fspo/clipping/settings.py with its ``_target_``; ``fspo_calibrated_schema`` adds the calibrated bands'
 ``calibration``). A schema types its node and closes it: an unknown key or a value of the wrong type does not
 compose. `schema` (a settings dataclass as stored: ``_target_`` first), `field_docs` (a field's one-line doc: the
@@ -24,11 +25,13 @@ from omegaconf import OmegaConf
 
 from fspo.clipping.settings import SETTINGS, FSPOSettings
 from fspo.config.groups import DiagnosticsConfig, MemoryPlanConfig, ProgressConfig
+from fspo.rollout.settings import SamplingConfig
 from fspo.update.settings import PPOConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 BEGIN, END = "<!-- generated from the schemas: python -m fspo.config -->", "<!-- end of generated -->"
 PPO_TARGET = "fspo.update.settings.PPOConfig"
+SAMPLING_TARGET = "fspo.rollout.base.SamplingConfig"  # (re-exported there: stored configs name it so)
 PACKAGES = {DiagnosticsConfig: "diagnostics", MemoryPlanConfig: "memory_plan", ProgressConfig: "progress"}
 FSPO_TARGET = "fspo.clipping.fspo.FSPOClip"
 
@@ -51,6 +54,7 @@ def stored() -> Iterator[Tuple[str, Optional[str], type, type]]:
     for target, (cls, _) in SETTINGS.items():
         yield f"{target.split('.')[2]}_schema", "clip", cls, schema(cls, target, drop=("owner", "calibration"))
     yield "fspo_calibrated_schema", "clip", FSPOSettings, schema(FSPOSettings, FSPO_TARGET)
+    yield "schema", "sampling", SamplingConfig, schema(SamplingConfig, SAMPLING_TARGET, drop=("seed",))
 
 
 def register() -> None:
@@ -77,7 +81,8 @@ def render() -> str:
     for path in sorted((DOCS.parents[1] / "conf" / "clip").glob("*.yaml")):
         picks.setdefault(str(OmegaConf.load(path).defaults[0]), []).append(path.stem)
     for name, group, cls, node in stored():
-        key = f"clip={','.join(picks.get(name, ['?']))}" if group else name[:-len("_schema")]
+        key = {"clip": f"clip={','.join(picks.get(name, ['?']))}", "sampling": "rollout.sampling",
+               None: name[:-len("_schema")]}[group]
         out.append(f"{key}: {cls.__name__} (fspo/{inspect.getsourcefile(cls).rsplit('/fspo/', 1)[-1]})")
         out += _field_lines(node, field_docs(cls), "  ")
     return "\n".join(out)
