@@ -173,7 +173,12 @@ def test_defaults_are_stated_once():
         return [k for k in literal if k in defaults and node[k] == defaults[k]]
 
     schemas = {name: node for name, _, _, node in fspo.config.stored()}
-    assert restated(OmegaConf.load(REPO / "conf" / "config.yaml").ppo, schemas["ppo_schema"]) == []
+    root = OmegaConf.load(REPO / "conf" / "config.yaml")
+    for key in ("ppo", "diagnostics"):
+        assert restated(root[key], schemas[f"{key}_schema"]) == [], key
+    assert "memory_plan" not in root and "progress" not in root
+    hf = OmegaConf.load(REPO / "conf" / "rollout" / "hf.yaml")
+    assert restated(hf.get("sampling") or OmegaConf.create(), schemas["schema"]) == []
     for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):
         node = OmegaConf.load(path)
         assert list(node.defaults) == [node.defaults[0], "_self_"] and "_target_" not in node, path.name
