@@ -57,6 +57,8 @@ def compose(overrides: Sequence[str]):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
+    import fspo  # noqa: F401  (stores the config schemas that conf/ extends)
+
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hcompose("config", overrides=list(overrides))
 

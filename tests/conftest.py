@@ -128,6 +128,8 @@ def compose_config(overrides: Iterable[str] = (), output_dir: Optional[Path] = N
     """
     from hydra import compose, initialize_config_dir
 
+    import fspo  # noqa: F401  (stores the config schemas that conf/ extends)
+
     overrides = list(overrides)
     if Path(config_dir).resolve() != CONF:
         overrides = [f"hydra.searchpath=[file://{CONF}]", *overrides]
@@ -153,6 +155,11 @@ def mlflow_dir(tmp_path_factory) -> Path:
 def mlflow_uri(mlflow_dir) -> str:
     """``sqlite:///<tmp>/mlflow.db``, shared by the session's tests (see the module docstring)."""
     return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+
+
+def clip_config(option: str) -> DictConfig:
+    """The ``clip:`` node that ``clip=<option>`` composes (conf/clip/<option>.yaml on its stored schema)."""
+    return compose_config([f"clip={option}"]).clip
 
 
 @pytest.fixture

@@ -30,10 +30,11 @@ LAYERS: List[Set[str]] = [
     {"models", "rewards", "data"},
     {"runtime"},
     {"rollout", "update"},
+    {"config"},
     {"tracking"},
     {"evaluation"},
     {"cli"},
-    {"train", "sweeps"},
+    {"train", "sweeps", ""},  # "": fspo/__init__.py, which stores the config schemas (fspo/config)
 ]
 TOP_LEVEL_MODULES = {"types", "seeds", "losses", "advantages", "train", "cli", "sweeps"}
 

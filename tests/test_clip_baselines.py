@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
+from conftest import clip_config
 from fspo.clipping import ClipRule, FSPOClip, GRPOClip, GSPOClip, RLOOClip
 from fspo.losses import aggregate
 
@@ -190,7 +190,7 @@ def test_paper_defaults_and_rloo_ablation_range():
 
 @pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)
 def test_clip_yamls_instantiate(path):
-    rule = instantiate(OmegaConf.load(path))
+    rule = instantiate(clip_config(path.stem))
     assert isinstance(rule, ClipRule) and rule.level in ("token", "sequence")
     lp, olp, a, m = make([(0.01, 3, 1.0), (-0.02, 5, -1.0)])
     res = rule(lp, olp, a, m)
@@ -199,7 +199,7 @@ def test_clip_yamls_instantiate(path):
 
 def test_clip_yamls_spell_out_paper_defaults():
     assert {p.stem for p in CONF.glob("*.yaml")} >= {"fspo", "fspo_ema", "grpo", "rloo", "gspo"}
-    f = instantiate(OmegaConf.load(CONF / "fspo.yaml"))
+    f = instantiate(clip_config("fspo"))
     assert isinstance(f, FSPOClip) and (f.c_upper, f.c_lower, f.c_dual, f.band) == (0.03, 0.03, 0.03, "fixed")
-    e = instantiate(OmegaConf.load(CONF / "fspo_ema.yaml"))
+    e = instantiate(clip_config("fspo_ema"))
     assert (e.band, e.z, e.sigma_hat.item()) == ("ema", 1.0, pytest.approx(0.03))

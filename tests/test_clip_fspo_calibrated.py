@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from conftest import CONF
+from conftest import clip_config
 from fspo.clipping import FSPOClip
 
 TARGET = 2 * 0.5 * math.erfc(1 / math.sqrt(2))  # 2 Phi(-1) = 0.3173
@@ -82,7 +81,7 @@ def test_loss_uses_the_calibrated_band():
 
 @pytest.mark.parametrize("name", ["fspo_power", "fspo_per_bin"])
 def test_yamls_instantiate(name):
-    rule = instantiate(OmegaConf.load(CONF / "clip" / f"{name}.yaml"))
+    rule = instantiate(clip_config(name))
     assert rule.band == name.split("_", 1)[1] and rule.calibrator is not None
     assert any(k.startswith("clip/band_") for k in rule.extra_metrics())
 

@@ -120,14 +120,23 @@ def check_components(cfg, tmp_path) -> None:
         assert type(logger).__name__ == lcfg._target_.rsplit(".", 1)[1]  # constructing it touches no store
 
 
+def option_target(group: str, option: str) -> str:
+    """The ``_target_`` that ``group/option`` states, or that the schema it extends (fspo/config) states."""
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.load(CONF / group / f"{option}.yaml")
+    if "_target_" in node:
+        return node._target_
+    return ConfigStore.instance().load(f"{group}/{node.defaults[0]}.yaml").node._target_
+
+
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}/{o}" for g, o in OPTIONS])
 def test_every_option_composes_and_instantiates(group, option, tmp_path):
     cfg = compose_config([selector(group, option)])
     # the option landed where Hydra puts it (its package) and the whole config still builds
     check_components(cfg, tmp_path)
     if group in ("clip", "advantage", "reward"):
-        picked = OmegaConf.load(CONF / group / f"{option}.yaml")["_target_"]
-        assert cfg[group]._target_ == picked
+        assert cfg[group]._target_ == option_target(group, option)
     if group == "method":
         assert cfg.method == option
 
@@ -165,7 +174,7 @@ def test_every_method_with_every_model(method, model, tmp_path):
     else:
         picked = [d["override /clip"] for d in OmegaConf.load(CONF / "method" / f"{method}.yaml").defaults
                   if "override /clip" in d]
-        assert picked and cfg.clip._target_ == OmegaConf.load(CONF / "clip" / f"{picked[0]}.yaml")._target_
+        assert picked and cfg.clip._target_ == option_target("clip", picked[0])
     expected_hub = PAPER_HUB[model] if model in PAPER_HUB else OmegaConf.load(CONF / "model" / f"{model}.yaml").hub_id
     assert cfg.model.hub_id == expected_hub
     assert cfg.model.source in ("warmstart", "random", "pretrained")

@@ -109,12 +109,12 @@ def test_run_py_refuses_in_seconds(args, expect):
 
 def test_every_clip_rule_has_settings():
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
+    from conftest import clip_config
     from fspo.clipping.settings import SETTINGS
 
     for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):
-        node = OmegaConf.load(path)
+        node = clip_config(path.stem)
         assert node._target_ in SETTINGS, path.name
         instantiate(node)  # each option's values pass its rule, and its settings class (the early check) agrees
         assert value_error([f"clip={path.stem}"]) is None, path.name
@@ -144,6 +144,9 @@ def test_settings_pin_the_rules():
         args = set(inspect.signature(rule.__init__).parameters) - {"self"}
         fields = {f.name for f in dataclasses.fields(cls)} - {"owner"}
         assert args <= fields, (target, args - fields)
+        for name in args:  # the signature's default is the settings class's: stated once, in settings.py
+            default = inspect.signature(rule.__init__).parameters[name].default
+            assert default is inspect.Parameter.empty or default == getattr(cls, name, default), (target, name)
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -154,21 +157,30 @@ def test_update_settings_refused_before_anything_loads(argv, msg):
     assert value_error(argv).startswith(msg)
 
 
-def test_stated_defaults_agree():
-    """conf/config.yaml's ``ppo:`` and conf/clip/fspo.yaml state the same values as `PPOConfig` and
-    `FSPOSettings` (the run's composed values win where they differed: ``ppo.lr`` is 2e-5)."""
+def test_defaults_are_stated_once():
+    """conf/config.yaml's ``ppo:`` and conf/clip/*.yaml state no value their schema (fspo/config) states: each
+    keeps what selects its schema, interpolations and the values that differ."""
     import dataclasses
 
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from fspo.clipping.settings import FSPOSettings
-    from fspo.update.settings import PPOConfig
+    import fspo.config
 
-    defaults = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
-    ppo = OmegaConf.load(REPO / "conf" / "config.yaml").ppo
-    literal = [k for k in ppo if k != "_target_" and not ppo._get_node(k)._is_interpolation()]
-    assert "lr" in literal
-    assert {k: ppo[k] for k in literal} == {k: defaults[k] for k in literal}
-    clip = OmegaConf.load(REPO / "conf" / "clip" / "fspo.yaml")
-    keys = [k for k in clip if k != "_target_"]
-    assert {k: clip[k] for k in keys} == {k: getattr(FSPOSettings, k) for k in keys}
+    def restated(node, schema):
+        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        literal = [k for k in node if k != "defaults" and not node._get_node(k)._is_interpolation()]
+        return [k for k in literal if k in defaults and node[k] == defaults[k]]
+
+    schemas = {name: node for name, _, _, node in fspo.config.stored()}
+    root = OmegaConf.load(REPO / "conf" / "config.yaml")
+    for key in ("ppo", "diagnostics"):
+        assert restated(root[key], schemas[f"{key}_schema"]) == [], key
+    assert "memory_plan" not in root and "progress" not in root
+    hf = OmegaConf.load(REPO / "conf" / "rollout" / "hf.yaml")
+    assert restated(hf.get("sampling") or OmegaConf.create(), schemas["schema"]) == []
+    for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):
+        node = OmegaConf.load(path)
+        assert list(node.defaults) == [node.defaults[0], "_self_"] and "_target_" not in node, path.name
+        stored = ConfigStore.instance().load(f"clip/{node.defaults[0]}.yaml").node
+        assert restated(node, schemas[node.defaults[0]]) == [] and stored._target_, path.name

@@ -21,10 +21,9 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from conftest import CONF
+from conftest import clip_config
 from fspo.diagnostics import FairnessMetrics, LengthBins
 from fspo.losses import Aggregator
 from fspo.models.tiny import build_tiny_model
@@ -100,7 +99,7 @@ def run_update(rollout: RolloutBatch, clip_name: str = "fspo", agg_mode: str = "
                     lr=0.1 if sgd else 1e-3, max_grad_norm=1.0)
     settings.update(ppo)
     bins = LengthBins(width=4, max_len=12)
-    clip = instantiate(OmegaConf.load(CONF / "clip" / f"{clip_name}.yaml"))
+    clip = instantiate(clip_config(clip_name))
     module = (SGDModule if sgd else RLModule)(policy=build_tiny_model(seed=0), clip=clip,
                                               aggregator=Aggregator(agg_mode), ppo=PPOConfig(**settings),
                                               diagnostics=FairnessMetrics(bins), run_diagnostics=None, seed=0)

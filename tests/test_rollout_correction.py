@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from test_module_update import B, make_rollout, run_update
 
-from conftest import CONF, compose_config
+from conftest import clip_config, compose_config
 from fspo.losses import Aggregator
 from fspo.rollout.correction import RolloutCorrection, mismatch
 from fspo.runtime.checks.config_check import ConfigError, check_config
@@ -109,7 +108,7 @@ def test_gradient_masked_sequence_is_zero_and_token_tis_scales_by_min_ratio_cap(
     old = (engine + d) * mask
     adv = torch.tensor([1.0, -0.7, 0.4])
     b = batch_of(old, engine, mask, adv)
-    clip = instantiate(OmegaConf.load(CONF / "clip" / "grpo.yaml"))
+    clip = instantiate(clip_config("grpo"))
     agg = Aggregator("token-mean")
 
     def grad(weights=None):

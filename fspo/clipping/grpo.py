@@ -16,6 +16,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult
+from fspo.clipping.settings import RatioClipSettings as GRPO
 
 
 class GRPOClip(RatioClipRule):
@@ -25,8 +26,8 @@ class GRPOClip(RatioClipRule):
 
     level = "token"
 
-    def __init__(self, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.28,
-                 clip_ratio_c: Optional[float] = 3.0) -> None:
+    def __init__(self, clip_ratio_low: float = GRPO.clip_ratio_low, clip_ratio_high: float = GRPO.clip_ratio_high,
+                 clip_ratio_c: Optional[float] = GRPO.clip_ratio_c) -> None:
         super().__init__(clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,

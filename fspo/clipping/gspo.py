@@ -16,6 +16,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult
+from fspo.clipping.settings import GSPOSettings
 
 #: verl clamps GSPO's log ratio from above only, at 10.
 GSPO_MAX_LOG_RATIO = 10.0
@@ -28,7 +29,8 @@ class GSPOClip(RatioClipRule):
 
     level = "sequence"
 
-    def __init__(self, clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4) -> None:
+    def __init__(self, clip_ratio_low: float = GSPOSettings.clip_ratio_low,
+                 clip_ratio_high: float = GSPOSettings.clip_ratio_high) -> None:
         super().__init__(clip_ratio_low, clip_ratio_high, None)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,

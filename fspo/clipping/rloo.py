@@ -19,6 +19,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult
+from fspo.clipping.settings import RLOOSettings as RLOO
 
 
 class RLOOClip(RatioClipRule):
@@ -30,8 +31,8 @@ class RLOOClip(RatioClipRule):
     settings = RatioClipRule.settings + ("ratio_grad",)
     level = "sequence"
 
-    def __init__(self, clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.667,
-                 clip_ratio_c: Optional[float] = 3.0, ratio_grad: str = "per_token") -> None:
+    def __init__(self, clip_ratio_low: float = RLOO.clip_ratio_low, clip_ratio_high: float = RLOO.clip_ratio_high,
+                 clip_ratio_c: Optional[float] = RLOO.clip_ratio_c, ratio_grad: str = RLOO.ratio_grad) -> None:
         super().__init__(clip_ratio_low, clip_ratio_high, clip_ratio_c)
         self.ratio_grad = check_choice(type(self).__name__, "ratio_grad", ratio_grad, RATIO_GRADS)
 

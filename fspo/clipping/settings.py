@@ -1,19 +1,19 @@
 """The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
 
 Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
-settings dataclasses `FSPOSettings`, `RatioClipSettings` (GRPO, RLOO, GSPO), `CISPOSettings`, `SAPOSettings`,
-`GMPOSettings`, `DPPOSettings`, `CPPOSettings`, `VESPOSettings` and `CTPOSettings` (every rule of
-conf/clip/; LUSPO takes GSPO's), whose fields are the
-rules' constructor arguments and whose ``__post_init__`` is the rules' argument check (the rules build
-them in ``__init__``), `SETTINGS` (the ``clip._target_`` of conf/clip/*.yaml -> its
-settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
-fspo/runtime/checks/config_keys.py). Importing this module imports no torch (fspo/clipping/__init__.py is lazy).
+settings dataclasses `FSPOSettings`, `GSPOSettings` (GSPO, LUSPO), `RatioClipSettings` (GRPO), `RLOOSettings`,
+`CISPOSettings`, `SAPOSettings`, `GMPOSettings`, `DPPOSettings`, `CPPOSettings`, `VESPOSettings` and `CTPOSettings`,
+whose fields are the rules' constructor arguments with their defaults and one-line docs (stored as the schemas of
+conf/clip/ by fspo/config) and whose ``__post_init__`` is the rules' argument check (the rules build them in
+``__init__``), `SETTINGS` (a rule's ``clip._target_`` -> its settings class) and `settings_error` (a ``clip:``
+node checked before anything loads: fspo/runtime/checks/config_keys.py). Importing this module imports no torch
+(fspo/clipping/__init__.py is lazy).
 Leaves out: the rules themselves.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 RATIO_GRADS = ("per_token", "length_weighted")
@@ -34,7 +34,7 @@ def check_positive(owner: str, name: str, value: float, *, allow_zero: bool = Fa
     v = float(value)
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be {bound} and finite, got {v:g}")
     return v
 
 
@@ -63,14 +63,14 @@ class FSPOSettings:
     owner: str = "FSPOClip"  # the rule named in the messages
 
     def __post_init__(self) -> None:
-        own, upper = self.owner, self.c_upper
+        own = self.owner
         self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
         self.c_upper = check_positive(own, "c_upper", self.c_upper)
         self.c_lower = check_positive(own, "c_lower", self.c_lower)
         if self.c_dual is not None:
             check_positive(own, "c_dual", self.c_dual)
             if float(self.c_dual) < self.c_upper:
-                raise ValueError(f"{own}: c_dual ({self.c_dual!r}) must be >= c_upper ({upper!r}) so the "
+                raise ValueError(f"{own}: c_dual ({float(self.c_dual):g}) must be >= c_upper ({self.c_upper:g}) so the "
                                  f"dual bound is never inside the band; or null to disable it")
             self.c_dual = float(self.c_dual)
         self.band = check_choice(own, "band", self.band, FSPO_BANDS)
@@ -84,15 +84,13 @@ class FSPOSettings:
 
 
 @dataclass
-class RatioClipSettings:
-    """The ratio-space rules' settings (GRPO, RLOO, GSPO; verl's names): ``clip_ratio_low`` in [0, 1) (the
-    ratio floor 1 - low stays positive), ``clip_ratio_high`` >= 0, ``clip_ratio_c`` > 1 or null (dual clip off)."""
+class GSPOSettings:
+    """The ratio band of the ratio-space rules (verl's names; GSPO's and LUSPO's values): ``clip_ratio_low`` in
+    [0, 1) (the ratio floor 1 - low stays positive), ``clip_ratio_high`` >= 0."""
 
-    clip_ratio_low: float  # the ratio floor is 1 - clip_ratio_low
-    clip_ratio_high: float  # the ratio ceiling is 1 + clip_ratio_high
-    clip_ratio_c: Optional[float] = None  # dual clip for A < 0 at this ratio (> 1); null: off
-    ratio_grad: str = "per_token"  # RLOO only: per_token | length_weighted
-    owner: str = "RatioClipRule"  # the rule named in the messages
+    clip_ratio_low: float = 3e-4  # the ratio floor is 1 - clip_ratio_low, in [0, 1)
+    clip_ratio_high: float = 4e-4  # the ratio ceiling is 1 + clip_ratio_high, >= 0
+    owner: str = field(default="RatioClipRule", kw_only=True)  # the rule named in the messages
 
     def __post_init__(self) -> None:
         own, low = self.owner, self.clip_ratio_low
@@ -101,10 +99,35 @@ class RatioClipSettings:
             raise ValueError(f"{own}: clip_ratio_low must be < 1 (the ratio floor 1 - clip_ratio_low "
                              f"must stay > 0), got {low!r}")
         self.clip_ratio_high = check_positive(own, "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+
+
+@dataclass
+class RatioClipSettings(GSPOSettings):
+    """GRPOClip's settings (conf/clip/grpo.yaml; DAPO's clip-higher, verl's dual clip): the band and ``clip_ratio_c``
+    > 1 or null (dual clip off)."""
+
+    clip_ratio_low: float = 0.2  # the ratio floor is 1 - clip_ratio_low, in [0, 1)
+    clip_ratio_high: float = 0.28  # the ratio ceiling is 1 + clip_ratio_high, >= 0
+    clip_ratio_c: Optional[float] = 3.0  # dual clip for A < 0 at this ratio (> 1); null: off
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.clip_ratio_c is not None and not float(self.clip_ratio_c) > 1.0:
-            raise ValueError(f"{own}: clip_ratio_c (dual clip) must be > 1 or null, got {self.clip_ratio_c!r}")
+            raise ValueError(f"{self.owner}: clip_ratio_c (dual clip) must be > 1 or null, got {self.clip_ratio_c!r}")
         self.clip_ratio_c = None if self.clip_ratio_c is None else float(self.clip_ratio_c)
-        self.ratio_grad = check_choice(own, "ratio_grad", self.ratio_grad, RATIO_GRADS)
+
+
+@dataclass
+class RLOOSettings(RatioClipSettings):
+    """RLOOClip's settings (conf/clip/rloo.yaml): GRPO's on the sequence ratio exp(S), and its gradient form."""
+
+    clip_ratio_low: float = 0.4  # the ratio floor is 1 - clip_ratio_low, in [0, 1)
+    clip_ratio_high: float = 0.667  # the ratio ceiling is 1 + clip_ratio_high, >= 0
+    ratio_grad: str = "per_token"  # per_token: the paper's sequence weight (verl form) | length_weighted: L_i x that
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ratio_grad = check_choice(self.owner, "ratio_grad", self.ratio_grad, RATIO_GRADS)
 
 
 @dataclass
@@ -245,8 +268,8 @@ class CTPOSettings:
 SETTINGS = {
     "fspo.clipping.fspo.FSPOClip": (FSPOSettings, "FSPOClip"),
     "fspo.clipping.grpo.GRPOClip": (RatioClipSettings, "GRPOClip"),
-    "fspo.clipping.rloo.RLOOClip": (RatioClipSettings, "RLOOClip"),
-    "fspo.clipping.gspo.GSPOClip": (RatioClipSettings, "GSPOClip"),
+    "fspo.clipping.rloo.RLOOClip": (RLOOSettings, "RLOOClip"),
+    "fspo.clipping.gspo.GSPOClip": (GSPOSettings, "GSPOClip"),
     "fspo.clipping.cispo.CISPOClip": (CISPOSettings, "CISPOClip"),
     "fspo.clipping.sapo.SAPOClip": (SAPOSettings, "SAPOClip"),
     "fspo.clipping.gmpo.GMPOClip": (GMPOSettings, "GMPOClip"),
@@ -254,7 +277,7 @@ SETTINGS = {
     "fspo.clipping.cppo.CPPOClip": (CPPOSettings, "CPPOClip"),
     "fspo.clipping.vespo.VESPOClip": (VESPOSettings, "VESPOClip"),
     "fspo.clipping.ctpo.CTPOClip": (CTPOSettings, "CTPOClip"),
-    "fspo.clipping.luspo.LUSPOClip": (RatioClipSettings, "LUSPOClip"),
+    "fspo.clipping.luspo.LUSPOClip": (GSPOSettings, "LUSPOClip"),
 }
 
 
@@ -272,6 +295,7 @@ def settings_error(node: Mapping[str, Any], key: str = "clip") -> Optional[str]:
         return None
     except ValueError as e:
         bad = next((k for k in kwargs if f" {k} " in f" {str(e).split(': ', 1)[-1]}"), None)
-        shown = f"{key}.{bad}={kwargs[bad]}" if bad is not None else key
+        value = kwargs.get(bad)
+        shown = f"{key}.{bad}={f'{value:g}' if isinstance(value, float) else value}" if bad is not None else key
         return f"{shown}: {e}"
     return None

@@ -5,40 +5,14 @@ Lifecycle, driven by the rollout callback: ``setup(model, tokenizer, workdir)`` 
 params)``: ``len(prompts) * params.n`` completions, those of prompt k in rows ``k*n .. k*n+n-1`` with
 ``group_ids == k``, prompts left-padded, responses right-padded (EOS in the mask), optionally
 ``engine_log_probs``; ``sleep()`` / ``wake(tags)`` free engine memory around training (engine_memory.py).
+The sampling settings, `SamplingConfig`, live in settings.py (torch-free: the config schemas store them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from fspo.rollout.settings import SamplingConfig
 from fspo.types import RolloutBatch
-
-
-@dataclass
-class SamplingConfig:
-    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters; ``min_new_tokens`` suppresses
-    EOS until that many tokens are generated."""
-
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
-    seed: Optional[int] = None
-    min_new_tokens: int = 0
-
-    def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"rollout.sampling.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"rollout.sampling.min_new_tokens must be in [0, max_new_tokens="
-                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
 
 
 class RolloutEngine:

@@ -6,10 +6,15 @@ Leaves out: the update itself (fspo/update/module.py) and the mini-batch plans (
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 MINI_BATCH_UNITS = ("sequences", "prompts")
+# the numeric settings' ranges: field -> (lowest value, whether the lowest is excluded); nan and inf are refused
+RANGES = {"mini_batch_size": (1, False), "epochs": (1, False), "micro_batch_max_tokens": (1, False),
+          "pack_row_factor": (1, False), "max_grad_norm": (0, True), "lr": (0, True), "weight_decay": (0, False),
+          "warmup_steps": (0, False), "lm_head_chunk_rows": (0, False)}
 
 
 def check_mini_batch(prompts_per_step: int, n: int, mini_batch_size: int, unit: str = "sequences") -> int:
@@ -58,35 +63,36 @@ class PPOConfig:
     are checked on construction (`fspo.update.microbatches.check_mini_batch`), before any model loads.
     """
 
-    mini_batch_size: int = 4
-    mini_batch_unit: str = "prompts"  # what mini_batch_size counts: "prompts" | "sequences"
-    prompts_per_step: Optional[int] = None
-    samples_per_prompt: Optional[int] = None
-    epochs: int = 1
-    micro_batch_max_tokens: int = 8192
-    packing: bool = True         # no padding: one row per micro-batch, or rows (fspo/update/forward.py)
-    pack_row_factor: float = 2.0  # rows layout: widest = this x the longest (fspo.update.packing.row_width picks)
-    max_grad_norm: float = 1.0
-    lr: float = 2e-5  # AdamW's learning rate (the tiny model's; the Qwen3 presets: the paper's 1e-6)
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    warmup_steps: int = 0
-    logprob_temperature: float = 1.0
-    lm_head_chunk_rows: int = 0  # > 0: LM-head log-probs in chunks of this many positions (fspo/update/lm_head.py)
-    autocast: Optional[str] = None  # "bf16": forward passes under torch.autocast(bfloat16), fp32 master weights
-    old_log_probs: str = "recompute"  # "engine": the rollout engine's log-probs (no extra forward)
-    log_entropy: bool = True
-    update_ratio: bool = True  # log train/update_ratio every step (one copy of the trainable weights; update_ratio.py)
-    nonfinite: str = "skip"  # "skip": drop the update and count it; "raise": stop with an error
+    mini_batch_size: int = 4  # one optimizer update's share of the step's batch, counted in mini_batch_unit
+    mini_batch_unit: str = "prompts"  # prompts: whole groups of n | sequences: rows shuffled singly
+    prompts_per_step: Optional[int] = None  # mirror of the root prompts_per_step (set that one)
+    samples_per_prompt: Optional[int] = None  # mirror of rollout.sampling.n (set that one)
+    epochs: int = 1  # passes over each step's batch
+    micro_batch_max_tokens: int = 8192  # token budget of one forward/backward (real tokens of the packed row)
+    packing: bool = True  # no padding: one row + per-sequence attention (sdpa), or rows; false: padded, sorted
+    pack_row_factor: float = 2.0  # non-sdpa models' rows: widest = this x the longest sequence
+    max_grad_norm: float = 1.0  # the gradient norm clipped to
+    lr: float = 2e-5  # AdamW's learning rate (tiny model: 5e-5 was unstable; the Qwen3 presets: the paper's 1e-6)
+    weight_decay: float = 0.0  # AdamW's weight decay
+    betas: tuple = (0.9, 0.999)  # AdamW's betas
+    warmup_steps: int = 0  # linear learning-rate warm-up in RL steps
+    logprob_temperature: float = 1.0  # temperature of the trained log-probs (follows rollout.sampling.temperature)
+    autocast: Optional[str] = None  # bf16: forward passes under torch.autocast(bfloat16), fp32 master weights
+    lm_head_chunk_rows: int = 0  # > 0: the LM head's log-probs in chunks of this many positions (docs/memory.md)
+    old_log_probs: str = "recompute"  # recompute: one more forward | engine: the rollout engine's log-probs
+    log_entropy: bool = True  # log the policy's token entropy
+    update_ratio: bool = True  # log train/update_ratio = ||theta_new - theta_old|| / ||theta_old|| every step
+    nonfinite: str = "skip"  # what a NaN/inf loss or gradient does: skip (drop the update, counted) | raise
 
     def __post_init__(self):
-        if self.epochs < 1:
-            raise ValueError(f"ppo.epochs must be >= 1, got {self.epochs}")
+        for name, (lo, strict) in RANGES.items():
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < lo or (strict and value == lo):
+                raise ValueError(f"ppo.{name}={value:g}: must be a number {'>' if strict else '>='} {lo}; "
+                                 f"set ppo.{name}={getattr(PPOConfig, name):g}")
         if self.mini_batch_unit not in MINI_BATCH_UNITS:
             raise ValueError(f"ppo.mini_batch_unit must be one of {', '.join(MINI_BATCH_UNITS)}, "
                              f"got {self.mini_batch_unit!r}")
-        if self.mini_batch_size < 1:
-            raise ValueError(f"ppo.mini_batch_size must be >= 1, got {self.mini_batch_size}")
         if self.prompts_per_step is not None and self.samples_per_prompt is not None:
             check_mini_batch(int(self.prompts_per_step), int(self.samples_per_prompt), self.mini_batch_size,
                              self.mini_batch_unit)
@@ -96,8 +102,6 @@ class PPOConfig:
             raise ValueError("ppo.autocast=bf16 with ppo.old_log_probs=engine: the engine's float32 log-probs would "
                              "differ from the trainer's bf16 ones by rounding, not by the policy: set "
                              "ppo.old_log_probs=recompute")
-        if int(self.lm_head_chunk_rows) < 0:
-            raise ValueError(f"ppo.lm_head_chunk_rows must be >= 0 (0: dense LM head), got {self.lm_head_chunk_rows}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"ppo.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         if self.old_log_probs not in ("recompute", "engine"):

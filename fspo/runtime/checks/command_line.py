@@ -21,7 +21,9 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Set
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from fspo.runtime.checks.config_keys import compose_for_check, early_value_error, nested_key_error
 from fspo.runtime.checks.method_aliases import legacy_forms
@@ -160,7 +162,11 @@ def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
     seen: Set[Path] = set()
     todo = [config_name]
     while todo:
-        path = _yaml(todo.pop().lstrip("/"), dirs)
+        name = todo.pop().lstrip("/")
+        path = _yaml(name, dirs)
+        if path is None:  # a schema stored in Hydra's ConfigStore (fspo/config): the key it fills
+            stored = ConfigStore.instance().repo.get(f"{name}.yaml")
+            keys |= {stored.package} if stored is not None and stored.package else set()
         if path is None or path in seen:
             continue
         seen.add(path)
@@ -213,14 +219,25 @@ def _key_args(argv: Sequence[str]) -> List[str]:
     return [a for a in argv if "=" in a and not a.startswith(("-", "~", "++", "hydra.", "+hydra."))]
 
 
-def _compositions(argv: Sequence[str], name: str, dirs: Sequence[Path], with_values: bool = False) -> list:
-    """The configs Hydra would compose from ``argv`` (fspo/runtime/checks/config_keys.py), [] when it cannot."""
+def _compositions(argv: Sequence[str], name: str, dirs: Sequence[Path], with_values: bool = False,
+                  errors: Optional[list] = None) -> list:
+    """The configs Hydra would compose from ``argv`` (fspo/runtime/checks/config_keys.py), [] when it cannot
+    (the reason appended to ``errors``)."""
     groups = {p.name for d in dirs if Path(d).is_dir() for p in Path(d).iterdir() if p.is_dir()}
     try:
         return list(compose_for_check(normalize_group_overrides(argv, name, dirs[-1]), name, dirs, sorted(groups),
                                       with_values))
-    except Exception:  # noqa: BLE001 - a command line that does not compose: Hydra reports it as before
+    except Exception as e:  # noqa: BLE001 - a command line that does not compose: Hydra reports it as before
+        (errors if errors is not None else []).append(e)
         return []
+
+
+def _type_error(errors: list) -> Optional[str]:
+    """A value of the wrong type for its schema (``clip.c_upper=abc``) as one line, else None."""
+    cause = errors[0].__cause__ if errors else None
+    if not isinstance(cause, ValidationError):
+        return None
+    return f"{str(errors[0]).split()[-1]}: {str(cause).splitlines()[0]}; --help lists each typed key with its default"
 
 
 def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
@@ -234,9 +251,10 @@ def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path
     name, dirs = _config_location(argv, config_name)
     if conf_dir not in dirs:
         dirs.append(conf_dir)
-    cfgs = _compositions(argv, name, dirs, with_values=True)
-    if not cfgs:  # a key Hydra cannot set: the closest one named (or Hydra's own message)
-        return unknown_key_error(argv, config_name, conf_dir)
+    errors: list = []
+    cfgs = _compositions(argv, name, dirs, with_values=True, errors=errors)
+    if not cfgs:  # a key Hydra cannot set: the closest one named; a wrong type; else Hydra's own message
+        return unknown_key_error(argv, config_name, conf_dir) or _type_error(errors)
     return nested_key_error(argv, cfgs, applied=True) or _values(cfgs[0])
 
 

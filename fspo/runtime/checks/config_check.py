@@ -31,10 +31,9 @@ from fspo.runtime.checks.config_rules import (
     FLOAT32_MAX,
     GROUP_ADVANTAGES,
     LR_WARN,
-    RULES,
     SETTINGS_OBJECTS,
     ConfigError,
-    check_rule,
+    check_rules,
     get_setting,
     setting_error,
 )
@@ -169,10 +168,7 @@ def _build_settings(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> List[str]:
     """Raise `ConfigError` for the first bad setting of ``cfg`` (see the module docstring); return the
     warnings, each also logged."""
-    for rule in RULES:
-        value = get_setting(cfg, rule.key)
-        if value is not ABSENT:
-            check_rule(rule, value)
+    check_rules(cfg)
     warnings: List[str] = []
     _cross_checks(cfg, warnings)
     _build_settings(cfg)

@@ -124,21 +124,18 @@ def early_value_error(cfg: DictConfig) -> Optional[str]:
     """The first value of ``cfg`` that the up-front rules (the key table and the clip rule's settings)
     refuse, as one line; None when all pass. Imports no torch."""
     from fspo.clipping.settings import settings_error
-    from fspo.runtime.checks.config_rules import ABSENT, RULES, ConfigError, check_rule, get_setting
+    from fspo.runtime.checks.config_rules import ConfigError, check_rules
 
     try:
-        for rule in RULES:
-            value = get_setting(cfg, rule.key)
-            if value is not ABSENT:
-                check_rule(rule, value)
+        check_rules(cfg)
     except ConfigError as e:
         return str(e)
     ppo = OmegaConf.select(cfg, "ppo")
     if isinstance(ppo, DictConfig) and str(ppo.get("_target_")) == TORCH_FREE_PPO:
         from hydra.utils import get_class
 
+        values = OmegaConf.to_container(ppo, resolve=True)  # one that does not resolve yet: the run's to judge
         try:
-            values = OmegaConf.to_container(ppo, resolve=True)
             get_class(TORCH_FREE_PPO)(**{k: v for k, v in values.items() if k != "_target_"})
         except ValueError as e:  # the batch arithmetic, autocast with engine log-probs, ...: messages name the keys
             return str(e)

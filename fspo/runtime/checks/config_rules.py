@@ -94,23 +94,6 @@ RULES: Tuple[Rule, ...] = (
          example=1.0),
     _int("rollout.sampling.top_k", None, "top-k filter (<= 0: off)", 0),
     _int("rollout.engine.batch_size", 1, "sequences the engine decodes at once", 256),
-    # the update
-    _int("ppo.mini_batch_size", 1, "one optimizer update's share of the step's batch", 32),
-    Rule("ppo.mini_batch_unit", "choice", choices=("sequences", "prompts"), meaning="what "
-         "ppo.mini_batch_size counts", example="sequences"),
-    _int("ppo.epochs", 1, "passes over each step's batch", 1),
-    _int("ppo.micro_batch_max_tokens", 1, "the token budget of one forward/backward", 8192),
-    _int("ppo.lm_head_chunk_rows", 0, "positions per chunk of the chunked LM-head log-prob; 0: dense", 1024),
-    Rule("ppo.pack_row_factor", "number", lo=1, meaning="packed row width relative to the longest "
-         "sequence", example=2.0),
-    _pos("ppo.lr", "AdamW's learning rate", 2e-5),
-    _pos("ppo.max_grad_norm", "the gradient norm clipped to", 1.0),
-    Rule("ppo.weight_decay", "number", lo=0, meaning="AdamW's weight decay", example=0.0),
-    _int("ppo.warmup_steps", 0, "linear learning-rate warm-up in RL steps", 0),
-    Rule("ppo.nonfinite", "choice", choices=("skip", "raise"), meaning="what a NaN/inf loss or gradient "
-         "does", example="skip"),
-    Rule("ppo.old_log_probs", "choice", choices=("engine", "recompute"), meaning="where old log-probs "
-         "come from", example="recompute"),
     # validation and diagnostics
     _int("val.size", 0, "held-out prompts; 0 turns validation off", 256),
     _int("val.every_n_steps", 1, "RL steps between validations", 20),
@@ -166,8 +149,16 @@ def get_setting(cfg: DictConfig, key: str) -> Any:
 
 
 def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
-    shown = "null" if value is None else value
+    shown = "null" if value is None else f"{value:g}" if isinstance(value, float) else value
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """Every rule of `RULES` whose key ``cfg`` has: the first value out of its rule raises `ConfigError`."""
+    for rule in RULES:
+        value = get_setting(cfg, rule.key)
+        if value is not ABSENT:
+            check_rule(rule, value)
 
 
 def check_rule(rule: Rule, value: Any) -> None:

@@ -1,0 +1,38 @@
+"""The rollout's sampling settings as a plain value, checked without torch (stored as a schema by fspo/config).
+
+Owns: `SamplingConfig` (``rollout.sampling`` and ``val.sampling``). Leaves out: the engines that sample
+(base.py's `RolloutEngine`, hf.py, vllm.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings; ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
+
+    ``min_new_tokens`` suppresses EOS until that many tokens are generated (HF ``min_new_tokens``,
+    vLLM ``min_tokens``); benchmarks set it to ``max_new_tokens`` for fixed-length responses."""
+
+    n: int = 8  # completions per prompt, the group of the advantages (G; the paper: 16)
+    temperature: float = 1.0  # sampling temperature (validation: 0 is greedy)
+    top_p: float = 1.0  # nucleus mass, in (0, 1]; 1: off
+    top_k: int = 0  # top-k filter; <= 0: off
+    max_new_tokens: int = 128  # the longest response sampled
+    seed: Optional[int] = None  # the engine's sampling seed (set by the run, not in conf/)
+    min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: = max_new_tokens)
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"rollout.sampling.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"rollout.sampling.min_new_tokens must be in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
