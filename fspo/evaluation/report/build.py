@@ -113,7 +113,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     figs = F.clip_by_length_figures(groups)
     seq_records = download_records(tracking_uri, groups, out / "records")  # runs' diagnostics/sequences.csv
     if seq_records:  # the length-law lab: CIs, tests and the sweep's targets (law_lab.py)
-        rows = lab_rows(seq_records, min_count=LAB_MIN_COUNT, own_bands={g: own_band(rs[0]) for g, rs in groups.items()})
+        own = {g: own_band(rs[0]) for g, rs in groups.items()}
+        rows = lab_rows(seq_records, min_count=LAB_MIN_COUNT, own_bands=own)
         lab_md = lab_markdown(rows, targets(rows))
         (out / "law_lab.md").write_text(lab_md)
         length_md += "\n## The length law, per sequence (law_lab.md)\n\n" + lab_md
