@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.loggers.logger import DummyExperiment, Logger
 
 
 def launch_rank() -> int:
@@ -27,8 +27,21 @@ def is_rank_zero() -> bool:
     return getattr(rank_zero_only, "rank", launch_rank()) == 0
 
 
-class RankZeroStub(DummyLogger):
-    """The logger of ranks other than 0 (every call does nothing, ``run_id`` is None): building the MLflow
-    client on every rank would race on the store and open runs that never get data."""
+class RankZeroStub(Logger):
+    """The logger of ranks other than 0: every call does nothing, ``run_id`` is None. Building the MLflow
+    client on every rank would race on the store and open runs that never get data. (Not Lightning's
+    `DummyLogger`: its catch-all ``__getattr__`` breaks Hydra's ``instantiate(..., logger=[...])``.)"""
 
     run_id = None
+    name = "rank_zero_stub"
+    version = 0
+
+    @property
+    def experiment(self):
+        return DummyExperiment()
+
+    def log_metrics(self, metrics, step=None) -> None:
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
