@@ -35,8 +35,7 @@ def _alive(pid: int, started: float) -> bool:
 
 
 def end_orphans(client, experiment_id: str) -> List[str]:
-    """Set KILLED every RUNNING run of ``experiment_id`` whose writing process is gone; returns their ids.
-    Never raises."""
+    """Set KILLED every RUNNING run whose writing process is gone; returns their ids. Never raises."""
     ended: List[str] = []
     try:
         runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200)

@@ -19,8 +19,7 @@ TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
 @dataclass
 class BufferFile:
-    """A buffer as read: its tracking URI and run, the rows to import, and ``bad``: (line number, why) of each
-    line not imported."""
+    """A buffer as read: its URI and run, the rows to import, ``bad``: (line number, why) of the others."""
 
     uri: Optional[str] = None
     run_id: Optional[str] = None

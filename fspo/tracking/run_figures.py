@@ -26,8 +26,7 @@ def history_series(client, run_id: str, key: str) -> Tuple[List[int], List[float
 
 
 def lre_by_step_figure(series: Dict[str, Tuple[Sequence[int], Sequence[float]]]) -> Figure:
-    """Two panels (LRE, clip fractions) against the RL step from ``{metric: (steps, values)}``; a panel
-    whose metrics were never logged says so."""
+    """Two panels (LRE, clip fractions) against the RL step from ``{metric: (steps, values)}``."""
     fig = Figure(figsize=(7.0, 6.4), dpi=100)
     FigureCanvasAgg(fig)
     for i, (title, ylabel, keys) in enumerate(LRE_BY_STEP):

@@ -93,8 +93,7 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
                      experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
                      metrics: Optional[Mapping[str, float]] = None, start_accuracy: Optional[float] = None,
                      steps: Optional[Tuple[int, int]] = None, run_lre: Optional[float] = None) -> str:
-    """The block a training run ends on: where everything is, held-out accuracy ``start -> end``, the run's LRE
-    and how to open it."""
+    """The block a training run ends on: where everything is, accuracy ``start -> end``, LRE, how to open it."""
     end_acc = (metrics or {}).get("val/accuracy")
     exp = (f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None
            else experiment_name)

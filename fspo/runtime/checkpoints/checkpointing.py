@@ -121,8 +121,7 @@ class StepCheckpoint(Checkpoint):
             self._restore = None
 
     def _check_finite(self, trainer, pl_module) -> None:
-        """Stop before the first step when the loaded parameters hold NaN/inf: the checkpoint is moved to
-        ``damaged/`` (when it is one of this run's) so that resume=auto takes the previous one next time."""
+        """Stop when the loaded parameters hold NaN/inf; this run's own checkpoint goes to ``damaged/``."""
         from fspo.runtime.launch.distributed import any_rank
 
         bad = nonfinite_tensors(pl_module.named_parameters())

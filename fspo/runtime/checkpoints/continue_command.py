@@ -85,8 +85,7 @@ def newest_interrupted_run(root, exclude=None) -> Optional[tuple]:
 
 
 def fresh_folder_resume_error(output_dir, argv: Optional[Sequence[str]] = None) -> str:
-    """The one line for ``resume=auto`` in a new Hydra run folder: names the newest interrupted run next to it
-    and the command that continues it."""
+    """The one line for ``resume=auto`` in a new run folder, naming the newest interrupted run beside it."""
     out = Path(output_dir)
     root = out.parent.parent
     hit = newest_interrupted_run(root, exclude=out)

@@ -37,8 +37,7 @@ def set_rng_states(s: Dict[str, Any]) -> None:
 
 
 def metric_states(root: torch.nn.Module) -> Dict[str, Any]:
-    """``{module name: {"state": tensors, "updates": n}}`` for every torchmetrics Metric under ``root``
-    (states made persistent just for the copy)."""
+    """``{module name: {"state": tensors, "updates": n}}`` for every torchmetrics Metric under ``root``."""
     from torchmetrics import Metric
 
     out = {}

@@ -73,8 +73,7 @@ def _sweep_leftovers(path: Path) -> None:
 
 
 def ensure_sqlite_store(path: Path, uri: str) -> Optional[Path]:
-    """Make ``path`` hold a complete MLflow store (the caller holds the folder lock); returns where an
-    interrupted store was moved, else None."""
+    """Make ``path`` hold a complete MLflow store (under the folder lock); returns where a broken one went."""
     _sweep_leftovers(path)
     if not path.exists() or path.stat().st_size == 0:
         _build(path)
