@@ -1,12 +1,9 @@
 """What a training run logs besides its step metrics: flattened params and end-of-run artifacts.
 
-Owns: `flatten_params` (nested config -> ``a/b/c`` keys MLflow accepts, long values truncated)
-and `log_final_artifacts` (run-level diagnostics as ``run/...`` metrics, their figures with the
-clip rule's theory curve as ``plots/<name>.png``, the resolved config as ``config.yaml`` and a uniform
-sample of the run's (L_i, S_i) as ``logratio_samples.csv``, to every logger of the run). Leaves out: the per-step
-metrics (logged by the module through Lightning) and how each kind of logger stores a figure or a file
-(sinks.py). With the MLflow server down (outage_buffer.py) the run metrics are buffered and
-the figures/config skipped for MLflow, in one warning line.
+At the end of a run every logger gets the run-level diagnostics as ``run/...`` metrics, their figures (with the
+clip rule's theory curve) as ``plots/<name>.png``, the resolved ``config.yaml`` and a uniform sample of the
+run's (L_i, S_i) as ``logratio_samples.csv``. With the MLflow server down the run metrics are buffered and the
+files skipped for MLflow, in one warning line.
 """
 from __future__ import annotations
 
@@ -79,14 +76,14 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
         p.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         files = [p]
         samples = logratio_samples(diag)
-        if samples is not None:  # the (L, S) reservoir: the report's Figure 1 scatter (evaluation/report/scatter.py)
+        if samples is not None:  # the (L, S) reservoir: the report's Figure 1 scatter
             files.append(Path(tmp) / SAMPLES_FILE)
             np.savetxt(files[-1], samples, delimiter=",", header="length,seq_log_ratio", comments="", fmt="%.9g")
         for lg in loggers:
             for f in files:
                 _unless_down(down, f.name, sinks.log_file, lg, f, step)
     if records is not None and cfg.get("output_dir") and getattr(trainer, "is_global_zero", True):
-        # the records behind run/law/* (fspo/diagnostics/ledger.py), in the output folder and the MLflow run
+        # the records behind run/law/*, in the output folder and the MLflow run
         p = write_csv(records, Path(cfg.output_dir) / "diagnostics" / "sequences.csv")
         if ml is not None and ml.run_id is not None:  # MLflow: artifact diagnostics/sequences.csv
             _unless_down(down, "diagnostics/sequences.csv", ml.experiment.log_artifact, ml.run_id, str(p),
@@ -98,7 +95,7 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
 
 
 def _law_metrics(records, cfg) -> Dict[str, float]:
-    """``law/*`` of the run's sequence records (fspo/diagnostics/law_summary.py); {} without records."""
+    """``law/*`` of the run's sequence records; {} without records."""
     if records is None:
         return {}
     law = OmegaConf.select(cfg, "diagnostics.law", default=None) or {}
@@ -114,8 +111,7 @@ SAMPLES_FILE = "logratio_samples.csv"  # length,seq_log_ratio: a uniform sample 
 
 
 def logratio_samples(diag) -> Any:
-    """[n, 2] float array (L_i, S_i) of the run diagnostics' reservoir (a uniform sample of this rank's
-    sequences, fspo/diagnostics/log_ratio.py), or None when there is none."""
+    """[n, 2] float array (L_i, S_i) of the run diagnostics' reservoir (a uniform sample), or None."""
     lr = getattr(diag, "log_ratio", None)
     if lr is None or getattr(lr, "reservoir_size", 0) == 0:
         return None
@@ -126,8 +122,7 @@ def logratio_samples(diag) -> Any:
 
 
 def _unless_down(down: list, what: str, fn, *args) -> None:
-    """``fn(*args)``; a `TrackingServerDown` (an MLflow outage, outage_buffer.py) adds ``what``
-    to ``down`` instead of ending the run."""
+    """``fn(*args)``; an MLflow outage (`TrackingServerDown`) adds ``what`` to ``down`` instead."""
     try:
         fn(*args)
     except TrackingServerDown:

@@ -1,8 +1,9 @@
-"""The file an MLflow run's writes go to while its tracking server is down: `OutageBuffer`.
+"""The file an MLflow run's writes go to while its tracking server is down.
 
-Owns: `OutageBuffer` (append-only JSONL rows, header first, bounded by ``max_bytes``; rows of one run), `BUFFER_FILE`
-and `MAX_BYTES`. Leaves out: when rows are buffered and sent (outage_buffer.py) and reading and
-importing them (replay.py, which also defines the row shapes).
+JSONL: a header ``{"op": "header", "tracking_uri", "run_id"}``, then ``{"op": "log_batch", "run_id", "metrics":
+[[key, value, timestamp_ms, step]...], "params": [[k, v]...], "tags": [[k, v]...]}`` and ``{"op":
+"set_terminated", "run_id", "status", "end_time"}`` rows. Once ``max_bytes`` is reached newer metric rows are
+refused and counted (the history kept is the start of the outage); status rows are always kept.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class OutageBuffer:
         return json.dumps({"op": "header", "tracking_uri": self.tracking_uri, "run_id": run_id}) + "\n"
 
     def append(self, row: Dict[str, Any]) -> bool:
-        """Append ``row``; False (and counted) when a metric row would pass ``max_bytes``. A line torn by a
-        killed process is ended first, so that it never swallows this row."""
+        """Append ``row``; False (and counted) when a metric row would pass ``max_bytes``. A torn last line is
+        ended first, so that it never swallows this row."""
         line = json.dumps(row, separators=(",", ":")) + "\n"
         with self.lock:
             size = self.path.stat().st_size if self.path.exists() else 0
@@ -62,8 +63,8 @@ class OutageBuffer:
             return True
 
     def drop_first(self, n: int) -> int:
-        """Remove the first ``n`` rows (they reached the server); returns how many rows remain. Lines that are
-        not rows of the buffer's run are appended to `aside_path` (counted in ``set_aside``), not dropped."""
+        """Remove the first ``n`` rows (sent); returns how many remain. Lines that are not rows of the buffer's
+        run go to `aside_path`, not dropped."""
         from fspo.tracking.replay import read_buffer
 
         with self.lock:

@@ -1,29 +1,14 @@
-"""The experiment loggers of a training run: built from ``logger:`` and ``extra_loggers:``; continuing a
+"""The experiment loggers of a training run, built from ``logger:`` and ``extra_loggers:``; continuing a
 resumed MLflow run.
 
-Owns: `build_logger` (the list of configured loggers: ``logger`` (conf/logger/: mlflow, csv, tensorboard,
-wandb) then each of ``extra_loggers`` (conf/extra_loggers/, ``+extra_loggers=[csv,tensorboard]``); each
-gets only the arguments it accepts, ``save_dir: null`` becomes the run's output_dir. For the MLflow logger
-only: checking that the tracking server answers and that the store can be written,
-fspo/runtime/checks/store_check.py; continuing the resume plan's MLflow run; optional fallback to a local SQLite
-store; a new run named by `default_run_name` unless ``run_name`` is set, its experiment described once,
-naming.py), `mlflow_logger`, `record_run_id`, `log_params_once`, `mark_preempted`,
-`check_tracking_uri` and `TrackingURIUnreachable`. Leaves out: which checkpoint and run a launch continues
-(fspo/runtime/checkpoints/resume.py, `ResumePlan`) and the end-of-run artifacts (artifacts.py,
-sinks.py) and what happens when an http server dies mid-run (outage_buffer.py).
-
-Exactly-once metrics: a killed run may have logged steps after its last checkpoint; the resumed
-run computes them again. On resume the logger skips every (metric, step) pair the MLflow run
-already holds at or after the checkpoint's step (the first write wins, as with W&B's resume), so
-each step keeps one value per metric; with deterministic training both writes are equal.
-The run id lives in ``<output_dir>/mlflow_run_id`` (`RUN_ID_FILE`, written at start) and in every checkpoint.
+Exactly-once metrics: a killed run may have logged steps after its last checkpoint, which the resumed run
+computes again. On resume the logger skips every (metric, step) pair the MLflow run already holds at or after
+the checkpoint's step (the first write wins, as with W&B's resume); with deterministic training both are equal.
 """
 from __future__ import annotations
 
 import logging
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
@@ -36,6 +21,7 @@ from fspo.runtime.checkpoints.resume import ResumePlan
 from fspo.runtime.checks.store_check import NotAnMLflowServer, prepare_store
 from fspo.runtime.launch.rank_zero import is_rank_zero
 from fspo.tracking.naming import default_run_name, describe_experiment
+from fspo.tracking.outage_buffer import health_error
 from fspo.tracking.outage_buffer import install as install_buffer
 
 log = logging.getLogger(__name__)
@@ -47,23 +33,16 @@ class TrackingURIUnreachable(ValueError):
 
 def check_tracking_uri(uri: Optional[str], timeout_s: float = 5.0, attempts: int = 2,
                        key: str = "logger.tracking_uri", fallback: bool = True) -> None:
-    """Raise `TrackingURIUnreachable` unless an http(s) tracking server answers ``GET /health``
-    (any HTTP status counts as an answer) within ``attempts`` tries of ``timeout_s``. Other URIs
-    (sqlite, file, databricks) are not probed. ``key`` names the setting in the message; ``fallback``:
-    mention ``logger_fallback=local`` (training runs only)."""
+    """Raise `TrackingURIUnreachable` unless an http(s) ``uri`` answers ``GET /health`` (any HTTP status) within
+    ``attempts`` tries; other URIs are not probed. ``fallback``: mention ``logger_fallback=local``."""
     if not uri or urlparse(str(uri)).scheme not in ("http", "https"):
         return
-    url, reason = str(uri).rstrip("/") + "/health", ""
     for i in range(attempts):
-        try:
-            urllib.request.urlopen(url, timeout=timeout_s).close()
+        reason = health_error(uri, timeout_s)
+        if reason is None:
             return
-        except urllib.error.HTTPError:
-            return
-        except (urllib.error.URLError, OSError) as e:
-            reason = str(getattr(e, "reason", e))
-            if i + 1 < attempts:
-                time.sleep(1.0)
+        if i + 1 < attempts:
+            time.sleep(1.0)
     raise TrackingURIUnreachable(
         f"MLflow tracking server {uri} did not answer ({reason}): start it, fix {key}"
         + (", or set logger_fallback=local to log to a SQLite store in the output folder" if fallback else
@@ -75,10 +54,8 @@ def _is_mlflow(lcfg) -> bool:
 
 
 def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: ResumePlan) -> List[Any]:
-    """The run's loggers, ``cfg.logger`` first then ``cfg.extra_loggers`` (a dict name -> logger config), for
-    Lightning's ``Trainer(logger=[...])``. At most one MLflow logger; for it: probe the tracking URI (fallback
-    per ``logger_fallback``), continue ``plan.run_id`` (status back to RUNNING, already logged steps skipped).
-    A new MLflow run is created lazily, at the first logging call, as before."""
+    """The run's loggers, ``cfg.logger`` then ``cfg.extra_loggers``, each given the arguments it accepts; at most
+    one MLflow logger, which checks its store and continues ``plan.run_id``."""
     extra = OmegaConf.select(cfg, "extra_loggers", default=None)
     extra = OmegaConf.create({}) if extra is None else extra
     if not OmegaConf.is_dict(extra):
@@ -93,8 +70,7 @@ def build_logger(cfg: DictConfig, tags: Dict[str, str], output_dir, plan: Resume
 
 
 def check_wandb_login(offline: bool) -> None:
-    """Raise ValueError (one line) when W&B would need a login it does not have: online mode, no
-    ``WANDB_API_KEY`` and no ``wandb login`` entry in ~/.netrc for ``WANDB_BASE_URL``'s host."""
+    """Raise ValueError when W&B runs online with neither ``WANDB_API_KEY`` nor a ~/.netrc entry for its host."""
     import netrc
     import os
     import urllib.parse
@@ -114,8 +90,7 @@ def check_wandb_login(offline: bool) -> None:
 
 
 def _build_other(lcfg, tags: Dict[str, str], output_dir) -> Any:
-    """A non-MLflow logger: ``save_dir: null`` -> the run's output_dir; W&B gets the tags as ``key=value``
-    strings (CSV and TensorBoard take none)."""
+    """A non-MLflow logger: ``save_dir: null`` -> the run's output_dir; W&B gets the tags as ``key=value``."""
     kwargs: Dict[str, Any] = {}
     if "save_dir" in lcfg and lcfg.get("save_dir") is None:
         kwargs["save_dir"] = str(Path(output_dir))
@@ -177,11 +152,9 @@ def _build_mlflow(cfg: DictConfig, lcfg, tags: Dict[str, str], output_dir, plan:
 
 
 def drop_logged_steps(uri: str, run_id: str, from_step: int) -> bool:
-    """Delete run ``run_id``'s metric values at steps >= ``from_step`` from a SQLite store (and rebuild its
-    latest values), so that the steps a resume re-runs log their new values in place of the killed
-    attempt's; pipelined rollouts (rollout.overlap) re-run those steps with other rollouts, so their
-    values differ. True when done; False for other stores (MLflow has no API to delete metric values:
-    the killed attempt's values are kept there, with a warning)."""
+    """Delete run ``run_id``'s metric values at steps >= ``from_step`` from a SQLite store (rebuilding its latest
+    values): pipelined rollouts re-run those steps with other values. False for other stores (MLflow has no
+    API to delete metric values)."""
     import sqlite3
 
     from fspo.runtime.checks.store_check import _sqlite_path
@@ -226,9 +199,8 @@ def record_run_id(loggers, output_dir) -> None:
 
 
 def _skip_logged(logger, from_step: int) -> None:
-    """Make the logger's MLflow client drop (key, step) pairs the run already holds for steps >=
-    ``from_step``: both paths metrics take (``log_batch`` from the logger, ``log_metric`` from
-    artifacts.py's run-level metrics)."""
+    """Make the logger's MLflow client (``log_batch`` and ``log_metric``) drop (key, step) pairs the run already
+    holds for steps >= ``from_step``."""
     client, run_id = logger.experiment, logger.run_id
     seen = {k: {m.step for m in client.get_metric_history(run_id, k) if m.step >= from_step}
             for k in client.get_run(run_id).data.metrics}
@@ -259,23 +231,20 @@ PER_LAUNCH = ("resume", "output_dir")  # differ between the launches of one run 
 
 def log_params_once(loggers, params: Dict[str, str]) -> None:
     """Log ``params`` to each logger; to MLflow on a continued run only the keys it does not hold yet (MLflow
-    params are immutable: a changed value, such as ``resume``, keeps its first value and is reported)."""
+    params are immutable: a changed value keeps its first value and is reported)."""
     for logger in as_list(loggers):
-        _log_params(logger, params)
-
-
-def _log_params(logger, params: Dict[str, str]) -> None:
-    if not (_is_mlflow_logger(logger) and is_rank_zero()):
-        logger.log_hyperparams(params)  # rank-zero-only itself
-        return
-    have = logger.experiment.get_run(logger.run_id).data.params
-    new = {k: v for k, v in params.items() if k not in have}
-    changed = sorted(k for k, v in params.items() if k in have and have[k] != str(v)[:250] and k not in PER_LAUNCH)
-    if changed:  # the changes a resume may make are recorded as fspo.resume.* tags
-        log.info("continued run: MLflow params keep their first value (%s); this launch's values are in the "
-                 "fspo.resume.* tags", ", ".join(changed))
-    if new:
-        logger.log_hyperparams(new)
+        if not (_is_mlflow_logger(logger) and is_rank_zero()):
+            logger.log_hyperparams(params)  # rank-zero-only itself
+            continue
+        have = logger.experiment.get_run(logger.run_id).data.params
+        new = {k: v for k, v in params.items() if k not in have}
+        changed = sorted(k for k, v in params.items()
+                         if k in have and have[k] != str(v)[:250] and k not in PER_LAUNCH)
+        if changed:  # the changes a resume may make are recorded as fspo.resume.* tags
+            log.info("continued run: MLflow params keep their first value (%s); this launch's values are in the "
+                     "fspo.resume.* tags", ", ".join(changed))
+        if new:
+            logger.log_hyperparams(new)
 
 
 def _is_mlflow_logger(logger) -> bool:

@@ -1,14 +1,7 @@
 """What a training run and its MLflow experiment are called and say about themselves.
 
-Owns: `default_run_name` (``<method>-<model>-s<seed>-<MMDD>-<HHMMSS>`` when ``run_name`` is null),
-`EXPERIMENT_NOTE` and `describe_experiment` (the experiment's description, MLflow tag
-``mlflow.note.content``, set when the experiment has none, and its kind ``mlflow.experimentKind``). Leaves out: building
-the logger (logger.py) and the metric key layout (fspo/diagnostics/metric_keys.py).
-
-Why our own name: MLflow's random names (``capable-auk-759``) come from Python's global ``random``,
-which ``seed_everything(cfg.seed)`` has seeded before the run is created, so every launch with the
-same seed got the same name. The default name says what ran and when, and the time makes two
-launches of the same command distinct (to the second).
+MLflow's random run names come from Python's global ``random``, which ``seed_everything`` has seeded, so every
+launch with the same seed got the same name: the default name says what ran and when instead.
 """
 from __future__ import annotations
 
@@ -47,11 +40,8 @@ def default_run_name(method: str, model: str, seed, now: Optional[float] = None)
 
 def describe_experiment(tracking_uri: Optional[str], experiment_name: Optional[str],
                         note: str = EXPERIMENT_NOTE) -> bool:
-    """Set the description of the experiment ``experiment_name`` unless it has one (a user's is never
-    overwritten) or does not exist yet; True if set. Also tag it ``mlflow.experimentKind =
-    custom_model_development`` when it has no kind: MLflow 3.17's UI reads that tag for its default view
-    where the GenAI / Model training switch is off; where the switch is on, only the URL's
-    ``?workflowType=machine_learning`` decides (run_summary.py prints such URLs)."""
+    """Set the description of an existing experiment unless it has one; True if set. Also tag its kind
+    (``mlflow.experimentKind``) when it has none: MLflow's UI picks its default view from it."""
     from mlflow.tracking import MlflowClient
 
     if not experiment_name:

@@ -1,14 +1,7 @@
 """MLflow runs whose process died without ending them (``kill -9``, a lost node): found and marked KILLED.
 
-Owns: `owner_tags` (``fspo.pid``, ``fspo.host``, ``fspo.started``: what a run records about the process that
-writes it) and `end_orphans` (every RUNNING run of an experiment whose tags name a process on this host that no
-longer exists is set KILLED, with tag ``fspo.ended_by`` saying why). Leaves out: ending a run its own process
-still holds (fspo/evaluation/summary.py's recorder, Lightning's logger).
-
-Contract: only runs carrying these tags are touched, only from the host that ran them (a pid means nothing on
-another host), and a pid that is alive again (reused by another process started after the run) counts as dead
-only when its start time is later than the run's ``fspo.started``; a run whose process may still live is left
-RUNNING.
+Only runs carrying `owner_tags` are touched, only from the host that ran them, and a pid that is alive again
+counts as dead only when its process started after the run; a run whose process may still live stays RUNNING.
 """
 from __future__ import annotations
 
@@ -42,8 +35,7 @@ def _alive(pid: int, started: float) -> bool:
 
 
 def end_orphans(client, experiment_id: str) -> List[str]:
-    """Set KILLED every RUNNING run of ``experiment_id`` whose writing process (`owner_tags`) is gone; returns
-    their ids. Never raises: a failing lookup leaves the runs as they are."""
+    """Set KILLED every RUNNING run whose writing process is gone; returns their ids. Never raises."""
     ended: List[str] = []
     try:
         runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200)

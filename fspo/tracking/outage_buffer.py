@@ -1,21 +1,9 @@
-"""Keeping an MLflow run's writes while its tracking server is down mid-run.
+"""Keeping an MLflow run's writes while its http(s) tracking server is down mid-run.
 
-Owns: `OutageBuffer` (a bounded JSONL file of the writes a run could not send, in order),
-`BufferedClient` (wraps the MlflowClient of Lightning's MLFlowLogger for an http(s) server: a write that
-fails while the server does not answer ``/health`` goes to the buffer, and so does every later write
-until a background thread, probing with backoff, has replayed the buffer into the run; calls that
-cannot be buffered (reads, artifacts) raise `TrackingServerDown` at once during an outage, except
-``get_run`` of a run seen before, which answers as last seen),
-`install` (put one on a logger; short in-line HTTP retries, see `SHORT_RETRIES`) and `flush_or_report`
-(end of run: flush, or one line naming the buffer and the import command). Leaves out: how rows are
-written into a run (fspo/tracking/replay.py, also the import command) and building the loggers
-(fspo/tracking/logger.py). SQLite / file stores are local: nothing is installed for them.
-
-Rows (one JSON object a line after a header ``{"op": "header", "tracking_uri": ...}``): ``{"op":
-"log_batch", "run_id", "metrics": [[key, value, timestamp_ms, step]...], "params": [[k, v]...], "tags":
-[[k, v]...]}`` and ``{"op": "set_terminated", "run_id", "status", "end_time"}``. Bound: ``max_bytes``
-(default 64 MiB); once full, newer metric rows are REFUSED and counted (the history kept is the contiguous
-start of the outage; the end-of-run line says how many were refused); status rows are always kept.
+A write that fails while the server does not answer ``/health`` goes to a bounded JSONL buffer (buffer_file.py),
+and so does every later write until a background thread, probing with backoff, has replayed the buffer into the
+run (replay.py). Calls that cannot be buffered (reads, artifacts) raise `TrackingServerDown` during an outage,
+except ``get_run`` of a run seen before, which answers as last seen. Local stores need none of this.
 """
 from __future__ import annotations
 
@@ -32,8 +20,6 @@ from typing import Any, Dict, Optional
 from fspo.tracking.buffer_file import BUFFER_FILE, MAX_BYTES, OutageBuffer
 
 log = logging.getLogger(__name__)
-__all__ = ["BUFFER_FILE", "MAX_BYTES", "OutageBuffer", "BufferedClient", "TrackingServerDown", "install",
-           "flush_or_report", "server_answers"]
 
 # While the buffer takes over, MLflow's own in-line retries (7, backoff factor 2: minutes per call) only
 # stall training: a few short tries, unless the user set these variables.
@@ -45,15 +31,19 @@ class TrackingServerDown(RuntimeError):
     """The tracking server is down and the call cannot be buffered (a read, an artifact)."""
 
 
-def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
-    """True when ``GET <uri>/health`` gets any HTTP answer within ``timeout_s``."""
+def health_error(uri: str, timeout_s: float = 2.0) -> Optional[str]:
+    """None when ``GET <uri>/health`` gets any HTTP answer within ``timeout_s``, else why not."""
     try:
         urllib.request.urlopen(str(uri).rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
-        return True
-    except (urllib.error.URLError, OSError):
-        return False
-    return True
+        return None
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+    return None
+
+
+def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
+    return health_error(uri, timeout_s) is None
 
 
 def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
@@ -63,7 +53,7 @@ def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
 
 
 class BufferedClient:
-    """An MlflowClient whose writes survive an outage of its http(s) server (see the module docstring)."""
+    """An MlflowClient whose writes survive an outage of its http(s) server."""
 
     WRITES = ("log_batch", "log_metric", "log_param", "set_tag", "set_terminated", "update_run")
 
@@ -78,8 +68,7 @@ class BufferedClient:
             self._send_leftover()
 
     def _send_leftover(self) -> None:
-        """A buffer of an earlier attempt: sent now when the server answers (reads then work at once); rows the
-        answering server rejects are moved aside with one line (nothing deleted); buffered while it is down."""
+        """An earlier attempt's buffer: sent now when the server answers; rows it rejects are moved aside."""
         buf = self._buffer
         if not server_answers(buf.tracking_uri):
             self._start_outage()
@@ -110,7 +99,7 @@ class BufferedClient:
             return down
         return attr
 
-    # -- the run, as last seen (Lightning's finalize asks for it before marking it terminated) ----
+    # the run as last seen: Lightning's finalize asks for it before marking it terminated
     def get_run(self, run_id):
         if self._outage.is_set() and run_id in self._runs:
             return self._runs[run_id]  # as last seen: metrics/params/status may be stale
@@ -122,7 +111,6 @@ class BufferedClient:
         self._runs[run.info.run_id] = run
         return run
 
-    # -- the writes -----------------------------------------------------------------------------
     def log_batch(self, run_id, metrics=(), params=(), tags=(), **kw):
         self._write(lambda: self._client.log_batch(run_id, metrics=metrics, params=params, tags=tags, **kw),
                     _metric_rows(run_id, metrics, params, tags))
@@ -172,7 +160,6 @@ class BufferedClient:
                 self._buffer.append(row)
                 self._start_outage()
 
-    # -- the background retry -------------------------------------------------------------------
     def _start_outage(self) -> None:
         self._outage.set()
         if self._thread is None or not self._thread.is_alive():
@@ -191,30 +178,27 @@ class BufferedClient:
         """Replay the buffered rows into the server; True when the buffer is empty and the outage over."""
         from fspo.tracking.replay import replay_rows
 
+        buf = self._buffer
         with self._flushing:  # one flush at a time (the thread's and the end of run's)
-            return self._flush(replay_rows)
-
-    def _flush(self, replay_rows) -> bool:
-        if self._buffer.path.exists() and not self._buffer.rows():  # only unreadable lines: set them aside
-            with self._buffer.lock:
-                self._buffer.drop_first(0)
-        try:
-            while True:
-                with self._buffer.lock:
-                    rows = self._buffer.rows()
-                    if not rows:
-                        self._outage.clear()
-                        return True
-                replay_rows(self._client, rows)
-                with self._buffer.lock:
-                    if self._buffer.drop_first(len(rows)) == 0:
-                        self._outage.clear()
-                        log.warning("MLflow server %s is back: the buffered metrics were sent",
-                                    self._buffer.tracking_uri)
-                        return True
-        except Exception as e:  # noqa: BLE001 - still down (or down again): keep the rows, retry later
-            log.debug("flushing the MLflow buffer failed: %s", e)
-            return False
+            if buf.path.exists() and not buf.rows():  # only unreadable lines: set them aside
+                with buf.lock:
+                    buf.drop_first(0)
+            try:
+                while True:
+                    with buf.lock:
+                        rows = buf.rows()
+                        if not rows:
+                            self._outage.clear()
+                            return True
+                    replay_rows(self._client, rows)
+                    with buf.lock:
+                        if buf.drop_first(len(rows)) == 0:
+                            self._outage.clear()
+                            log.warning("MLflow server %s is back: the buffered metrics were sent", buf.tracking_uri)
+                            return True
+            except Exception as e:  # noqa: BLE001 - still down (or down again): keep the rows, retry later
+                log.debug("flushing the MLflow buffer failed: %s", e)
+                return False
 
     def close(self) -> None:
         self._stop.set()
@@ -223,8 +207,7 @@ class BufferedClient:
 
 
 def install(logger, output_dir, max_bytes: int = MAX_BYTES) -> Optional[BufferedClient]:
-    """Wrap ``logger``'s MLflow client in a `BufferedClient` (buffer ``<output_dir>/mlflow_buffer.jsonl``)
-    when its tracking URI is http(s); also set `SHORT_RETRIES` (unless set). Others: None, nothing changed."""
+    """Wrap an http(s) ``logger``'s MLflow client in a `BufferedClient` and set `SHORT_RETRIES`; else None."""
     uri = str(getattr(logger, "_tracking_uri", "") or "")
     if not uri.startswith(("http://", "https://")):
         return None
@@ -236,8 +219,7 @@ def install(logger, output_dir, max_bytes: int = MAX_BYTES) -> Optional[Buffered
 
 
 def flush_or_report(logger) -> None:
-    """End of run: if ``logger``'s client holds buffered rows, flush them when the server answers, else
-    log one line naming the buffer and the command that imports it."""
+    """End of run: flush the buffered rows, or log one line naming the buffer and the command that imports it."""
     client = getattr(logger, "_mlflow_client", None)
     if not isinstance(client, BufferedClient):
         return

@@ -1,17 +1,8 @@
 """The console progress of a training run, in RL steps: a bar on a terminal, one log line every N steps elsewhere.
 
-Owns: `make_progress(mode, every_n_steps, total)` (what fspo/train.py adds to the Trainer in place of
-Lightning's default bar; ``progress:`` in conf/config.yaml), `StepBar` (a tqdm bar: ``RL step 20/60``,
-elapsed < ETA, s/step, and the headline metrics under short names, no ``v_num``), `StepLines` (no tqdm:
-``step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | binding clip 0.070 | LRE 0.036 | len 43.4``
-logged every ``every_n_steps`` RL steps and at the last one, for logs, pipes and batch jobs; a step's line waits
-for the validation that follows it, so it shows that step's held-out accuracy), and the
-pure formatting `progress_line` / `format_eta`. s/step is the mean wall time per RL step since this
-fit started (validations included, so the ETA counts them too); ETA = steps left x s/step. The short names
-are the MLflow Headline charts' (``binding clip``: ``clip/seq_frac``, the binding-clip fraction; the
-out-of-band fraction is ``band/out_frac``, docs/metrics.md).
-Leaves out: computing and logging the metrics (fspo/update/module.py marks the progress-bar ones;
-fspo/update/metric_logging.py) and third-party console noise (fspo/runtime/checks/console.py).
+A line reads ``step 20/60 | 1.75 s/step | ETA 1:10 | reward 0.438 | val acc 0.607 | binding clip 0.070 | ...``
+and waits for the validation that follows its step. s/step is the mean wall time per RL step since this fit
+started (validations included); ETA = steps left x s/step. The short names are the MLflow Headline charts'.
 """
 from __future__ import annotations
 
@@ -46,11 +37,7 @@ def format_eta(seconds: float) -> str:
 
 def short_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
     """The FIELDS present in ``metrics`` (floats or 1-element tensors), short name -> formatted value."""
-    out = {}
-    for key, name, fmt in FIELDS:
-        if key in metrics:
-            out[name] = fmt.format(float(metrics[key]))
-    return out
+    return {name: fmt.format(float(metrics[key])) for key, name, fmt in FIELDS if key in metrics}
 
 
 def progress_line(step: int, total: int, sec_per_step: Optional[float], metrics: Mapping[str, Any]) -> str:
@@ -85,8 +72,8 @@ class StepBar(TQDMProgressBar):
 
     BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
 
-    def __init__(self, total: int, refresh_rate: int = 1) -> None:
-        super().__init__(refresh_rate=refresh_rate)
+    def __init__(self, total: int) -> None:
+        super().__init__(refresh_rate=1)
         self.total = int(total)
         self._latest = _LatestMetrics()
 
@@ -185,8 +172,7 @@ def _columns() -> int:
 
 def make_progress(mode: str, every_n_steps: int, total: int, is_tty: Optional[bool] = None,
                   columns: Optional[int] = None) -> Optional[ProgressBar]:
-    """The progress callback for ``mode`` (``auto``: a bar when stdout is a terminal that reports a width,
-    else lines: a terminal of 0 columns, as some job consoles report, cannot draw a bar); None for ``off``."""
+    """The progress callback for ``mode`` (``auto``: a bar on a terminal that reports a width, else lines)."""
     if mode not in MODES:
         raise ValueError(f"progress.mode={mode!r}: not one of {', '.join(MODES)}; set progress.mode=auto")
     if mode == "auto":

@@ -1,14 +1,8 @@
 """Importing an MLflow outage buffer into its run: ``python -m fspo.tracking.replay <buffer> [--tracking-uri URI]``.
 
-Owns: `read_buffer` / `read_rows` (the header and rows of a buffer written by outage_buffer.py;
-a torn line -- a process killed while writing --, a malformed row or a row for another run than the buffer's
-is listed with its line number and never imported), `row_problem`, `replay_rows` (write rows into their runs,
-in order, idempotently: a (metric, step) pair the run already holds and a param it already has are
-skipped, tags and statuses are set again) and `main` (the import command; the buffer's own tracking URI
-unless ``--tracking-uri`` is given; the file is kept, importing it again adds nothing; exit 1 and a line naming
-the lines not imported when there are any, else the file is said to be deletable; 2 with one line on an
-unreadable file or a failing import). Leaves out:
-when rows are buffered (outage_buffer.py).
+Rows are written in order and idempotently (a (metric, step) pair or param the run already holds is skipped),
+so importing again adds nothing. A torn, malformed or foreign line is listed with its number and never
+imported (exit 1); an unreadable file or a failing import exits 2 with one line.
 """
 from __future__ import annotations
 
@@ -20,16 +14,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 BATCH = 800  # metrics per log_batch: with 100 params and 100 tags within MLflow's 1000 entries a request
-
-
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 
 
 @dataclass
 class BufferFile:
-    """A buffer as read: its tracking URI and run (header; the first row's run for a header without one),
-    the rows to import, and ``bad``: (line number, why) of each line not imported -- torn (a process killed
-    while writing), malformed, or for another run than the buffer's."""
+    """A buffer as read: its URI and run, the rows to import, ``bad``: (line number, why) of the others."""
 
     uri: Optional[str] = None
     run_id: Optional[str] = None
@@ -71,8 +61,7 @@ def row_problem(row: Any) -> Optional[str]:
 
 
 def read_buffer(path) -> BufferFile:
-    """The `BufferFile` at ``path``; a line that is not a well-formed row of the buffer's run is listed in
-    ``bad``, never imported and never silently dropped."""
+    """The `BufferFile` at ``path``; a line that is not a well-formed row of the buffer's run goes to ``bad``."""
     out = BufferFile()
     for i, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
         if not line.strip():
@@ -121,10 +110,9 @@ class _Present:
 
 
 def replay_rows(client, rows: List[Dict[str, Any]]) -> Dict[str, int]:
-    """Write ``rows`` into their runs with ``client`` (an MlflowClient), in order; returns counts
-    ``imported`` / ``present`` (metric values), ``params``, ``tags``, ``statuses`` and ``stale`` (status rows
-    not applied: the run's status on the server is a terminal one, set after the row was buffered and not by
-    this replay -- importing an old buffer never reopens a FINISHED run)."""
+    """Write ``rows`` into their runs with an MlflowClient, in order; returns counts ``imported`` / ``present``
+    (metric values), ``params``, ``tags``, ``statuses`` and ``stale`` (status rows older than the run's terminal
+    status: an old buffer never reopens a FINISHED run)."""
     from mlflow.entities import Metric, Param, RunTag
 
     have, n = _Present(client), {"imported": 0, "present": 0, "params": 0, "tags": 0, "statuses": 0, "stale": 0}

@@ -1,10 +1,5 @@
-"""Per-run figures drawn from the run's own MLflow history at the end of training.
-
-Owns: `LRE_BY_STEP` (the keys drawn), `history_series` and `lre_by_step_figure` (the length
-reweighting error and the clip fractions against the RL step: whether the run stayed length-fair
-all along, not only on the whole-run pool). Leaves out: the by-length figures of the run-level
-pool (fspo/diagnostics/collection.py `figures`) and logging the artifacts (artifacts.py).
-"""
+"""Per-run figures from the run's own MLflow history: LRE and clip fractions against the RL step (whether the
+run stayed length-fair all along, not only on the whole-run pool)."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -31,8 +26,7 @@ def history_series(client, run_id: str, key: str) -> Tuple[List[int], List[float
 
 
 def lre_by_step_figure(series: Dict[str, Tuple[Sequence[int], Sequence[float]]]) -> Figure:
-    """Two panels (LRE, clip fractions) against the RL step from ``{metric: (steps, values)}``; a panel
-    whose metrics were never logged (e.g. one mini-batch per step: no off-policy ratios) says so."""
+    """Two panels (LRE, clip fractions) against the RL step from ``{metric: (steps, values)}``."""
     fig = Figure(figsize=(7.0, 6.4), dpi=100)
     FigureCanvasAgg(fig)
     for i, (title, ylabel, keys) in enumerate(LRE_BY_STEP):

@@ -1,12 +1,8 @@
 """Where the results went: the few lines printed at the end of a training run, a sweep and an evaluation.
 
-Owns: `open_rows` / `open_hint` (how to open a run in MLflow: ``mlflow ui --backend-store-uri <uri>``
-for a file / SQLite store, with relative SQLite paths made absolute so the command works from any
-folder, then the experiment and run URLs, on ``mlflow ui``'s default address or on the http(s) server;
-every URL carries ``?workflowType=machine_learning``, without which MLflow 3.x opens the GenAI view),
-`format_block` (the plain-text block) and `training_summary` / `sweep_summary` / `eval_summary`
-(what each end prints). Used by fspo/train.py (rank zero), sweep_parent.py (the sweep
-parent) and experiments/evaluate.py. Leaves out: logging anything (callers print the block).
+A file / SQLite store is opened with ``mlflow ui --backend-store-uri <absolute uri>`` (so the command works
+from any folder); every URL carries ``?workflowType=machine_learning``, without which MLflow 3.x opens the
+GenAI view.
 """
 from __future__ import annotations
 
@@ -26,8 +22,6 @@ def absolute_uri(uri: Optional[str]) -> Optional[str]:
     if not uri:
         return uri
     u = str(uri)
-    if u.startswith("databricks") or u.startswith("uc:"):
-        return u
     if u.startswith("sqlite:///") and not u.startswith("sqlite:////"):
         return "sqlite:///" + str(Path(u[len("sqlite:///"):]).resolve())
     if u.startswith("file:") or _is_path(u):
@@ -41,21 +35,19 @@ ML_VIEW = "workflowType=machine_learning"  # MLflow 3.x opens an experiment on i
 
 
 def experiment_url(base: str, experiment_id) -> str:
-    """The experiment's runs list in MLflow's "Model training" view: ``<base>/#/experiments/<id>/runs?
-    workflowType=machine_learning`` (MLflow 3.17 shows "Traces 0" and a GenAI popup on the plain URL)."""
+    """The experiment's runs list in MLflow's "Model training" view."""
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{ML_VIEW}"
 
 
 def run_url(base: str, experiment_id, run_id: str) -> str:
-    """The run's chart tab: ``<base>/#/experiments/<id>/runs/<run id>/model-metrics?workflowType=machine_learning``."""
+    """The run's chart tab in MLflow's "Model training" view."""
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{ML_VIEW}"
 
 
 def open_rows(uri: Optional[str], experiment_id: Optional[str] = None,
               run_id: Optional[str] = None) -> List[Tuple[str, str]]:
-    """How to open the results, as (label, text) rows. File / SQLite store: ("open with", ``mlflow ui
-    --backend-store-uri <absolute uri>``), then the experiment and run URLs on ``mlflow ui``'s default
-    address; http(s) server: the experiment and run URLs on it. URLs only where the ids are known."""
+    """How to open the results, as (label, text) rows: for a local store the ``mlflow ui`` command, then the
+    experiment and run URLs (on ``mlflow ui``'s default address or on the http(s) server) where ids are known."""
     u = str(uri or "")
     if u.startswith(("http://", "https://")):
         base, rows = u.rstrip("/"), []
@@ -101,8 +93,7 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
                      experiment_id: Optional[str], run_name: Optional[str], run_id: Optional[str],
                      metrics: Optional[Mapping[str, float]] = None, start_accuracy: Optional[float] = None,
                      steps: Optional[Tuple[int, int]] = None, run_lre: Optional[float] = None) -> str:
-    """The block a training run ends on: where everything is, held-out accuracy at the first and last
-    validation (``start -> end``), the run's LRE (paper eq. LRE over all its steps) and how to open it."""
+    """The block a training run ends on: where everything is, accuracy ``start -> end``, LRE, how to open it."""
     end_acc = (metrics or {}).get("val/accuracy")
     exp = (f"{experiment_name} (id {experiment_id})" if experiment_name and experiment_id is not None
            else experiment_name)
@@ -122,8 +113,7 @@ def training_summary(output_dir, checkpoint_dir, tracking_uri: Optional[str], ex
 def sweep_summary(sweep: str, sweep_dir: Optional[str], tracking_uri: Optional[str], experiment_name: Optional[str],
                   experiment_id: Optional[str], parent_name: Optional[str], parent_id: Optional[str],
                   jobs_ok: int, jobs_failed: int, status: str, group_by: str = "method") -> str:
-    """The block a sweep (Hydra multirun) ends on; its report command groups runs by ``group_by`` (the
-    sweep's ``sweep.group_by``: ``c`` for fspo_c, so the four c values are four rows, not one)."""
+    """The block a sweep (Hydra multirun) ends on; its report command groups runs by ``group_by``."""
     return format_block(f"sweep {sweep} {status.lower()}: {jobs_ok} jobs finished, {jobs_failed} failed", [
         ("sweep dir", str(Path(sweep_dir).resolve()) if sweep_dir else None),
         ("tracking URI", absolute_uri(tracking_uri)),

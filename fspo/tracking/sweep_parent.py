@@ -1,15 +1,10 @@
 """Hydra callbacks for sweeps: one MLflow parent run per launch, the jobs nested under it.
 
-Owns: `MLflowSweepParent`, registered by ``sweeps/_base.yaml`` under ``hydra.callbacks``. Before the
-first job it creates a parent run in the sweep's experiment (``logger.experiment_name`` at the
-``logger.tracking_uri`` of the launch config) and exports its id as ``FSPO_MLFLOW_PARENT_RUN_ID``;
-the sweep configs set the tag ``mlflow.parentRunId: ${oc.env:FSPO_MLFLOW_PARENT_RUN_ID}``, which
-makes every job's run a child run. When the sweep ends the parent is marked FINISHED, or FAILED
-if a job failed or the process exited early. Leaves out: the jobs themselves (fspo/train.py) and
-the sweep grids (sweeps/*.yaml).
-
-The jobs read the id from the environment, so it reaches them with Hydra's basic launcher (jobs in
-this process) and with launchers that start workers after the callback ran (they inherit it).
+`MLflowSweepParent` (``hydra.callbacks`` of ``sweeps/_base.yaml``) creates the parent run before the first job
+and exports its id as ``FSPO_MLFLOW_PARENT_RUN_ID``; the sweep configs set the tag ``mlflow.parentRunId:
+${oc.env:FSPO_MLFLOW_PARENT_RUN_ID}``, which makes every job's run a child run (also for launchers that start
+workers later: they inherit the environment). At the end the parent is FINISHED, or FAILED if a job failed
+or the process exited early.
 """
 from __future__ import annotations
 
@@ -28,26 +23,9 @@ PARENT_ENV = "FSPO_MLFLOW_PARENT_RUN_ID"
 ROLE_TAG = "fspo.role"  # "sweep_parent" on parents, "report" on report runs; jobs have none
 
 
-def _get_or_create_experiment(client, name: str, artifact_location: Optional[str] = None) -> str:
-    """Experiment id of ``name``, creating it (tolerating a concurrent creation)."""
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except Exception:  # noqa: BLE001 - someone else created it in between
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
-
-
 def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """``OmegaConf.select`` that returns ``default`` for missing keys and failed interpolations."""
-    try:
-        v = OmegaConf.select(cfg, key, default=default)
-    except Exception:  # noqa: BLE001 - e.g. an env interpolation not resolvable yet
-        return default
+    """``OmegaConf.select`` that returns ``default`` for missing keys and failed interpolations (env not set yet)."""
+    v = OmegaConf.select(cfg, key, default=default, throw_on_resolution_failure=False)
     return default if v is None else v
 
 
@@ -63,13 +41,9 @@ def effective_grid(params: Any, task_overrides: Any) -> dict:
 
 
 class MLflowSweepParent(Callback):
-    """Create the MLflow parent run of a sweep and export its id to the jobs (module docstring).
-
-    Parent run: name ``<sweep.name>`` (or ``run_name_prefix`` + time), tags ``fspo.role =
-    sweep_parent``, ``sweep``, ``model``, ``sweep.grid`` (the ``hydra.sweeper.params``) and
-    ``sweep.overrides`` (the command-line overrides); at the end metrics ``sweep/jobs_ok`` and
-    ``sweep/jobs_failed``. ``env_var`` names the variable the jobs read.
-    """
+    """Create the MLflow parent run of a sweep (tags ``fspo.role=sweep_parent``, ``sweep``, ``model``,
+    ``sweep.grid``, ``sweep.overrides``; at the end metrics ``sweep/jobs_ok``, ``sweep/jobs_failed``) and export
+    its id to the jobs in ``env_var``."""
 
     def __init__(self, env_var: str = PARENT_ENV) -> None:
         self.env_var = env_var
@@ -80,36 +54,30 @@ class MLflowSweepParent(Callback):
         self._closed = False
         self._where: dict = {}  # what the end-of-sweep block names
 
-    # -- Hydra hooks -------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Create the parent run before the sweeper composes and launches the jobs."""
         self._start(config, "hydra.sweep.dir")
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """A sweep config run without ``-m`` (one job) still gets its parent run."""
+        # a sweep config run without -m (one job) still gets its parent run
         self._start(config, "hydra.run.dir")
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        """Count finished / failed jobs (any failure makes the parent FAILED at the end)."""
         if job_return is not None and job_return.status == JobStatus.FAILED:
             self.failed += 1
         else:
             self.ok += 1
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Mark the parent FINISHED (FAILED if any job failed)."""
         self._finish()
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Same as `on_multirun_end` for a single run."""
         self._finish()
 
-    # -- internals ---------------------------------------------------------------------------
     def _start(self, config: DictConfig, dir_key: str) -> None:
         from mlflow.tracking import MlflowClient
 
         from fspo.runtime.checks.console import quiet_mlflow
-        from fspo.runtime.checks.store_check import prepare_store
+        from fspo.runtime.checks.store_check import ensure_experiment, prepare_store
 
         quiet_mlflow()  # no schema-creation lines when the parent run creates the store
         uri = _select(config, "logger.tracking_uri")
@@ -127,11 +95,11 @@ class MLflowSweepParent(Callback):
                 "mlflow.note.content": f"Parent run of sweep {sweep}; the jobs are its child runs.\n"
                                        f"grid: {grid}\noverrides: {overrides}"}
         art = _select(config, "logger.artifact_location")  # as the jobs' MLFlowLogger would create it
-        # the store and experiment under the store folder's lock, as a run's start does: two sweeps
-        # started together on a fresh store wait for each other
-        prepare_store(str(uri), str(exp_name), None if art is None else str(art))
+        art = None if art is None else str(art)
+        prepare_store(str(uri), str(exp_name), art)  # under the store folder's lock, as a run's start
         self.client = MlflowClient(tracking_uri=str(uri))
-        exp_id = _get_or_create_experiment(self.client, str(exp_name), None if art is None else str(art))
+        exp = ensure_experiment(str(uri), str(exp_name), art)  # None: deleted, left to MLflow's error
+        exp_id = (exp or self.client.get_experiment_by_name(str(exp_name))).experiment_id
         run = self.client.create_run(exp_id, run_name=f"{sweep}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
         self.run_id = run.info.run_id
         self._where = {"sweep": sweep, "sweep_dir": _select(config, dir_key), "tracking_uri": str(uri),

@@ -1,30 +1,12 @@
 """Resumable checkpoints: every N RL steps, on SIGTERM / SIGUSR1, written atomically, keep-last-k.
 
-Owns: `StepCheckpoint` (the Lightning callback) and `slurm_plugins`. Leaves out:
-reading checkpoints (fspo/runtime/checkpoints/files.py), choosing the checkpoint to resume from
-(fspo/runtime/checkpoints/resume.py) and the MLflow run (fspo/tracking/logger.py).
-
-``<output_dir>/checkpoints/step_000040.ckpt`` is the state after RL step 40 and its validation:
-what Lightning saves (module state dict with the policy, FSPO's ``sigma_hat``/``kl_bar`` buffers,
-``rl_step``, ``skipped_updates``; optimizer; LR scheduler; loop progress; the sampler position)
-plus ``checkpoint["fspo_resume"]``: every torchmetrics state of the module (``run_diagnostics``
-accumulates over the run; its states are non-persistent), the RNG states (both:
-fspo/runtime/checkpoints/resume_state.py), the MLflow run id and the run's config (``run_config``, YAML:
-fspo/runtime/checks/run_config.py restores it on resume). Sampling seeds and mini-batch shuffles derive from
-``rl_step``, so they follow.
-
-Writing: Lightning writes ``step_N.ckpt.partial`` (a file, or a folder of shards under FSDP); it is
-fsynced and ``os.replace``d to ``step_N.ckpt``, after its SHA-256 manifest ``step_N.ckpt.sha256``
-(fspo/runtime/checkpoints/integrity.py; under FSDP each rank hashes its own shards). A crash mid-write leaves
-only the ``.partial``, which nothing reads and the next save removes. Pruning (keep-last-k) deletes
-only checkpoints of this run that nothing failed to load; damaged ones live in ``damaged/``.
-Signals: SIGTERM (``trainer.received_sigterm``, set by fspo/runtime/checkpoints/stop_signal.py's handler, which replaces
-Lightning's collective one during fit) and ``signals`` (SIGUSR1: SLURM's ``--signal=USR1@90``) through ours;
-a signal during a step's rollout abandons the step (fspo/runtime/checkpoints/stop_signal.py) and the last completed step
-is saved at once; otherwise the step finishes, the checkpoint is written at its boundary, and Lightning's
-``SIGTERMException`` (``SystemExit``, code 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue
-handler, which saves mid-step inside the signal handler and later prefers its ``hpc_ckpt_*.ckpt`` over ours
-(Lightning-AI/pytorch-lightning#13773).
+``checkpoints/step_000040.ckpt`` is the state after RL step 40 and its validation: what Lightning saves plus
+``checkpoint["fspo_resume"]`` (every torchmetrics state, the RNG states, the MLflow run id, the run's config);
+sampling seeds and mini-batch shuffles derive from ``rl_step``. Lightning writes ``step_N.ckpt.partial``, which
+is fsynced and renamed after its SHA-256 manifest is written: a crash leaves only a ``.partial`` nothing reads.
+A stop signal saves the last completed step at the next step boundary, then Lightning's ``SIGTERMException``
+(exit 0) stops the run. Under SLURM `slurm_plugins` disables Lightning's requeue handler, which saves mid-step
+inside the signal handler (Lightning-AI/pytorch-lightning#13773).
 """
 from __future__ import annotations
 
@@ -71,7 +53,7 @@ def _remove(path: Path) -> None:
 
 
 def slurm_plugins() -> list:
-    """``[SLURMEnvironment(auto_requeue=False)]`` when running under SLURM (see the module docstring), else []."""
+    """``[SLURMEnvironment(auto_requeue=False)]`` when running under SLURM, else []."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
@@ -86,13 +68,9 @@ def validation_follows(trainer) -> bool:
 
 
 class StepCheckpoint(Checkpoint):
-    """Saves ``step_N.ckpt`` after every ``every_n_steps`` RL steps (0: never periodically), after the
-    last step (``save_last``) and at the first step boundary after a stop signal, then stops (exit 0).
-    Keeps the newest ``keep_last`` checkpoints. ``run_id_fn`` returns the MLflow run id to store.
-    With ``slurm_requeue`` a signalled job under SLURM is requeued (``scontrol requeue``) after saving.
-    With ``checksum`` each checkpoint gets its SHA-256 manifest (fspo/runtime/checkpoints/integrity.py);
-    ``run_config`` (the run's config as YAML) is stored in every checkpoint for fspo/runtime/checks/run_config.py;
-    ``continue_command`` (fspo/runtime/checkpoints/continue_command.py) is what its stop lines tell to run.
+    """Saves ``step_N.ckpt`` every ``every_n_steps`` RL steps (0: never), after the last step (``save_last``)
+    and at the first step boundary after a stop signal, then stops (exit 0); keeps the newest ``keep_last``.
+    ``slurm_requeue``: requeue a signalled SLURM job after saving. ``continue_command``: what stop lines print.
     A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
     """
 
@@ -122,10 +100,9 @@ class StepCheckpoint(Checkpoint):
         self._old_handlers: Dict[int, Any] = {}
         self.last_path: Optional[Path] = None
 
-    # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
-        stops.request_stop(self._signal)  # cuts a step's rollout short (fspo/runtime/checkpoints/stop_signal.py)
+        stops.request_stop(self._signal)  # cuts a step's rollout short
 
     def on_train_start(self, trainer, pl_module) -> None:
         stops.reset()
@@ -144,8 +121,7 @@ class StepCheckpoint(Checkpoint):
             self._restore = None
 
     def _check_finite(self, trainer, pl_module) -> None:
-        """Stop before the first step when the loaded parameters hold NaN/inf: the checkpoint is moved to
-        ``damaged/`` (when it is one of this run's) so that resume=auto takes the previous one next time."""
+        """Stop when the loaded parameters hold NaN/inf; this run's own checkpoint goes to ``damaged/``."""
         from fspo.runtime.launch.distributed import any_rank
 
         bad = nonfinite_tensors(pl_module.named_parameters())
@@ -179,7 +155,6 @@ class StepCheckpoint(Checkpoint):
         local = self._signal is not None or bool(trainer.received_sigterm) or stops.stop_requested()
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
-    # ------------------------------------------------------------------ when to save
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, stop = int(pl_module.rl_step), self._stop_requested(trainer)
         due = stop or (self.every_n_steps and step % self.every_n_steps == 0) or \
@@ -208,7 +183,7 @@ class StepCheckpoint(Checkpoint):
             # Lightning stops on SIGTERM after a validation that our batch-end check did not see; a stop during
             # Lightning's setup (before on_train_start) has nothing new to save
             if trainer.state.fn == "fit" and self._started and not self._in_val and self._saved_step != step:
-                self._save(trainer, step)  # also a step abandoned mid-rollout (fspo/runtime/checkpoints/stop_signal.py)
+                self._save(trainer, step)  # also a step abandoned mid-rollout
             self._requeue(trainer)
             return
         if isinstance(exception, (CheckpointCorrupt, KeyboardInterrupt)):  # its message says what to do; a second
@@ -224,7 +199,6 @@ class StepCheckpoint(Checkpoint):
             log.info("stopping after RL step %d on %s", step, self._signal or stops.stop_signal_name())
             raise SIGTERMException()
 
-    # ------------------------------------------------------------------ writing
     def _save(self, trainer, step: int) -> None:
         t0, final = time.perf_counter(), self.dirpath / f"step_{step:06d}.ckpt"
         tmp = final.with_name(final.name + ".partial")
@@ -269,7 +243,6 @@ class StepCheckpoint(Checkpoint):
         rc = subprocess.call(["scontrol", "requeue", job])
         log.warning("scontrol requeue %s -> exit code %d", job, rc)
 
-    # ------------------------------------------------------------------ checkpoint contents
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         states = metric_states(pl_module)
         world = trainer.world_size

@@ -1,17 +1,9 @@
 """The command that continues a run, as printed by its stop lines.
 
-Owns: `fresh_folder_resume_error` (``resume=auto`` in a new Hydra run folder: names the newest interrupted run
-next to it, `newest_interrupted_run`, and its command), `continue_command` (``python experiments/run.py
-hydra.run.dir=<output_dir> resume=auto`` as this process was launched: the same entry point -- the script path as typed,
-or the ``fspo-train`` console script -- the same working directory, and the run's folder as an absolute path) and
-`hydra_quote`. Leaves out: what ``resume=auto`` does with it (resume.py,
-fspo/runtime/checks/run_config.py).
-
-Contract: pasted into a shell, the command continues the run that printed it: its output folder is named
-``hydra.run.dir=`` when it is Hydra's run folder (Hydra's ``.hydra/`` and log stay in it, as in docs/resume.md),
-else ``output_dir=``; the run's saved config (``run_config.yaml``, the checkpoint's) restores every other
-setting, so no other override is needed; ``cd <cwd> &&`` keeps relative paths of that config (the default
-``sqlite:///mlflow.db`` store) pointing where the run wrote.
+Pasted into a shell, the command continues the run that printed it: the same entry point and working directory
+(``cd <cwd> &&`` keeps the config's relative paths, such as ``sqlite:///mlflow.db``, where the run wrote) and
+the run's folder as ``hydra.run.dir=`` (Hydra's run folder) or ``output_dir=``; the run's saved config restores
+every other setting.
 """
 from __future__ import annotations
 
@@ -44,8 +36,8 @@ def _hydra_run_dir() -> Optional[Path]:
 
 def continue_command(output_dir, argv: Optional[Sequence[str]] = None, cwd: Optional[Path] = None,
                      hydra_run_dir: Optional[bool] = None) -> str:
-    """The shell command that continues the run in ``output_dir`` (module docstring); ``hydra_run_dir``:
-    name the folder as ``hydra.run.dir`` (None: when it is this process's Hydra run folder)."""
+    """The shell command that continues the run in ``output_dir``; ``hydra_run_dir``: name the folder as
+    ``hydra.run.dir`` (None: when it is this process's Hydra run folder)."""
     argv = list(sys.argv if argv is None else argv)
     prog = argv[0] if argv and argv[0] else "experiments/run.py"
     if Path(prog).name.startswith("fspo-"):
@@ -77,8 +69,8 @@ def _progress(run: Path) -> Optional[tuple]:
 
 
 def newest_interrupted_run(root, exclude=None) -> Optional[tuple]:
-    """(folder, last checkpoint step, steps) of the newest run under ``root`` (Hydra's ``<root>/<date>/<time>``
-    folders) that stopped before its last step, or None; ``exclude``: this launch's own folder."""
+    """(folder, last checkpoint step, steps) of the newest run under ``root`` (``<root>/<date>/<time>``) that
+    stopped before its last step, or None; ``exclude``: this launch's own folder."""
     root, found = Path(root), []
     skip = Path(exclude).resolve() if exclude is not None else None
     for cfg in root.glob("*/*/run_config.yaml"):
@@ -93,8 +85,7 @@ def newest_interrupted_run(root, exclude=None) -> Optional[tuple]:
 
 
 def fresh_folder_resume_error(output_dir, argv: Optional[Sequence[str]] = None) -> str:
-    """The one line for ``resume=auto`` in a new Hydra run folder (no ``output_dir``/``hydra.run.dir`` given):
-    nothing there to continue; names the newest interrupted run next to it and the command that continues it."""
+    """The one line for ``resume=auto`` in a new run folder, naming the newest interrupted run beside it."""
     out = Path(output_dir)
     root = out.parent.parent
     hit = newest_interrupted_run(root, exclude=out)

@@ -1,15 +1,4 @@
-"""Reading checkpoints: where a run's checkpoints are, what they hold, and the policy weights in them.
-
-Owns: `checkpoint_dir` / `list_checkpoints` (``<output_dir>/checkpoints/step_N.ckpt``, complete ones
-only) and `read_resume_meta` (``checkpoint["fspo_resume"]``: what resume.py looks for);
-`RUN_ID_FILE` (``<output_dir>/mlflow_run_id``, the tracking run id: written by fspo/tracking/logger.py,
-read by resume and evaluation); `find_checkpoints` (files, run folders, globs), `find_run_config` (the
-run's config next to a checkpoint) and `run_id_of_checkpoint`; `load_checkpoint` (a Lightning ``.ckpt``
-file or a distributed-checkpoint folder -> the policy's state dict and its RL step; a folder's optimizer
-state is never read), `checkpoint_step`
-and `load_into`. Leaves out: writing checkpoints (checkpointing.py) and checking their
-integrity (integrity.py).
-"""
+"""Reading checkpoints: where a run's checkpoints are, what they hold, and the policy weights in them."""
 from __future__ import annotations
 
 import glob
@@ -28,9 +17,7 @@ RUN_ID_FILE = "mlflow_run_id"  # <output_dir>/mlflow_run_id: the MLflow run of t
 RUN_ID_KEY = "mlflow_run_id"  # the same run id in a checkpoint's resume metadata (META_KEY)
 
 
-# ---------------------------------------------------------------------------------------- a run's folder
 def checkpoint_dir(output_dir) -> Path:
-    """``<output_dir>/checkpoints``."""
     return Path(output_dir) / "checkpoints"
 
 
@@ -51,16 +38,13 @@ def read_resume_meta(path) -> Dict[str, Any]:
     return ckpt[META_KEY]
 
 
-# ---------------------------------------------------------------------------------------- finding
 def _is_ckpt(p: Path) -> bool:
     return p.is_file() or (p.is_dir() and (p / ".metadata").exists())
 
 
 def find_checkpoints(spec) -> List[Path]:
-    """Checkpoint paths for ``spec``: a path or list of them; each a ``.ckpt`` file, a distributed
-    checkpoint folder, a glob, or a run folder (searched recursively for ``*.ckpt``, leaving out
-    ``checkpoints/damaged/``, where a resume moved checkpoints that failed their checksum). Symlinks
-    (``last.ckpt``) resolve and duplicates drop; order: as given, run folders sorted by path."""
+    """Checkpoint paths for ``spec``: a path or list of ``.ckpt`` files, distributed checkpoint folders, globs
+    or run folders (searched recursively, leaving out ``damaged/``); resolved, duplicates dropped, in order."""
     items = [spec] if isinstance(spec, (str, Path)) else list(spec or [])
     found: List[Path] = []
     for item in items:
@@ -81,11 +65,8 @@ def find_checkpoints(spec) -> List[Path]:
 
 
 def find_run_config(path, levels: int = 5) -> Optional[Path]:
-    """The training run's config next to a checkpoint: the first ``run_config.yaml``, ``.hydra/config.yaml``
-    or ``config.yaml`` in ``path``'s folder or up to ``levels`` parents (run.py's output_dir holds the
-    first two: ``run_config.yaml`` is the run's own config, which a resumed launch keeps
-    (fspo/runtime/checks/run_config.py), while Hydra rewrites ``.hydra/`` with each launch's command line; Lightning
-    puts checkpoints in ``<output_dir>/<experiment id>/<run id>/checkpoints/``)."""
+    """The first ``run_config.yaml`` (the run's own config, kept on resume), ``.hydra/config.yaml`` (each
+    launch's) or ``config.yaml`` in ``path``'s folder or up to ``levels`` parents; None if none."""
     p = Path(path).resolve()
     start = p if p.is_dir() else p.parent
     for d in [start, *start.parents][:levels + 1]:
@@ -96,8 +77,7 @@ def find_run_config(path, levels: int = 5) -> Optional[Path]:
 
 
 def read_config_file(path):
-    """A run's stored config file (``run_config.yaml``, ``.hydra/config.yaml``, an MLflow ``config.yaml``) as a
-    DictConfig; one line (ValueError) for a file that is not YAML or not a mapping of settings."""
+    """A run's stored config file as a DictConfig; ValueError for a file that is not a YAML mapping."""
     from omegaconf import DictConfig, OmegaConf
 
     try:
@@ -112,10 +92,8 @@ def read_config_file(path):
 
 
 def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
-    """The MLflow run id of the training run that wrote a checkpoint, or None: the file
-    ``mlflow_run_id`` in the checkpoint's folder or up to ``levels`` parents (``fspo.runtime.checkpoints.resume``
-    writes it into output_dir; checkpoints sit in ``<output_dir>/checkpoints/``), else the id in
-    Lightning's MLFlowLogger layout ``.../<run id>/checkpoints/<file>``."""
+    """The MLflow run id that wrote a checkpoint: ``mlflow_run_id`` in its folder or up to ``levels`` parents,
+    else the id in Lightning's MLFlowLogger layout ``.../<run id>/checkpoints/<file>``; None if neither."""
     p = Path(path).resolve()
     for d in list(p.parents)[:levels + 1]:
         f = d / RUN_ID_FILE
@@ -125,18 +103,9 @@ def run_id_of_checkpoint(path, levels: int = 3) -> Optional[str]:
     return rid if p.parent.name == "checkpoints" and re.fullmatch(r"[0-9a-f]{32}", rid) else None
 
 
-# ---------------------------------------------------------------------------------------- policy weights
-def _torch_load(path: Path) -> dict:
-    return safe_torch_load(path)  # tensors and plain values only; anything else is refused
-
-
 def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
-    """The policy weights of a distributed checkpoint folder (Lightning's ModelParallelStrategy), and its
-    ``rl_step``, as ``{"state_dict": ...}`` plus ``meta.pt``: only the tensors of ``state_dict.<prefix>*``
-    and ``state_dict.rl_step`` are read (``torch.distributed.checkpoint`` loads the entries asked for), never
-    the optimizer's state (AdamW: twice the weights again). Its ``.metadata`` is read through the allow-list
-    of safe_load.py (nothing but torch's checkpoint classes is unpickled), and only tensors are
-    loaded (no pickled byte items)."""
+    """``{"state_dict": ...}`` plus ``meta.pt`` of a distributed checkpoint folder: only the tensors of
+    ``state_dict.<prefix>*`` and ``state_dict.rl_step`` are read, never the optimizer's state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -151,13 +120,13 @@ def _dcp_load(path: Path, prefix: str = "policy.") -> dict:
     ckpt = {"state_dict": sd}
     meta = path / _METADATA_FILENAME  # Lightning's non-tensor state (loops, global_step)
     if meta.exists():
-        ckpt = {**_torch_load(meta), **ckpt}
+        ckpt = {**safe_torch_load(meta), **ckpt}
     return ckpt
 
 
 def checkpoint_step(ckpt: dict, path: Optional[Path] = None) -> Optional[int]:
-    """The RL step of a checkpoint: RLModule's ``rl_step`` buffer, else the fit loop's
-    ``_batches_that_stepped``, else ``global_step``, else ``step=N`` in the file name; None if unknown."""
+    """RLModule's ``rl_step``, else the fit loop's ``_batches_that_stepped``, else ``global_step``, else
+    ``step=N`` in the file name; None if unknown."""
     sd = ckpt.get("state_dict") or {}
     if "rl_step" in sd:
         return int(sd["rl_step"])
@@ -171,16 +140,14 @@ def checkpoint_step(ckpt: dict, path: Optional[Path] = None) -> Optional[int]:
 
 
 def load_checkpoint(path, prefix: str = "policy.") -> Tuple[Dict[str, torch.Tensor], Optional[int]]:
-    """(policy state dict, RL step) from a Lightning checkpoint: the entries of ``ckpt["state_dict"]``
-    that start with ``prefix``, with the prefix removed. ``path``: a ``.ckpt`` file or a folder
-    written by torch.distributed.checkpoint (it holds ``.metadata``)."""
+    """(policy state dict without ``prefix``, RL step) from a ``.ckpt`` file or distributed checkpoint folder."""
     p = Path(path)
     if p.is_dir():
         if not (p / ".metadata").exists():
             raise ValueError(f"{p} is a folder but not a distributed checkpoint (no .metadata)")
         ckpt = _dcp_load(p, prefix)
     elif p.is_file():
-        ckpt = _torch_load(p)
+        ckpt = safe_torch_load(p)
     else:
         raise FileNotFoundError(f"checkpoint not found: {p}")
     sd = ckpt.get("state_dict") if isinstance(ckpt, dict) else None

@@ -1,28 +1,23 @@
 """Exporting any training checkpoint as a Hugging Face model folder (config, tokenizer, safetensors).
 
-Owns: `export_hf(checkpoint, out_dir)` (its command is ``fspo-export``, fspo/cli.py). The checkpoint may be a
-one-process Lightning ``.ckpt`` file, a sharded ``torch.distributed.checkpoint`` folder (trainer=fsdp, one
-shard per rank: the full tensors are read from the shards, never the optimizer state) or a run folder (its
-newest checkpoint). The model is rebuilt from the run's ``model`` config saved in the checkpoint
-(``run_config``, checkpointing.py), the policy weights loaded into it (LoRA adapters
-merged into the base, W = W0 + (alpha / r) B A) and written with ``save_pretrained`` (safetensors) beside the
-tokenizer: a folder ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``model.source=pretrained
-model.path=<out_dir>`` load. The weights keep the checkpoint's dtype (float32 master weights: log-probs equal
-the trainer's) unless ``dtype`` casts them (e.g. bfloat16 for serving). Only tensors are ever unpickled
-(safe_load.py: ``weights_only=True``; the shard metadata through its allow-list).
-Leaves out: training and evaluating (experiments/evaluate.py takes checkpoints directly).
+The checkpoint may be a ``.ckpt`` file, a sharded checkpoint folder (only the policy's tensors are read) or a
+run folder (its newest). The model is rebuilt from the run config saved in the checkpoint, the weights loaded
+(LoRA adapters merged: W = W0 + (alpha / r) B A) and written with ``save_pretrained``, so that
+``AutoModelForCausalLM.from_pretrained``, vLLM and ``model.source=pretrained`` load it. The weights keep the
+checkpoint's dtype unless ``dtype`` casts them.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from fspo.models.loading import DTYPES, load_policy
 from fspo.models.lora import is_lora
 from fspo.runtime.checkpoints.files import find_checkpoints, load_checkpoint, load_into, read_resume_meta
+from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
 
 def newest_checkpoint(checkpoint) -> Path:
@@ -30,25 +25,35 @@ def newest_checkpoint(checkpoint) -> Path:
     return sorted(find_checkpoints(checkpoint), key=lambda p: p.name)[-1]
 
 
-def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None) -> Path:
-    """Write the model of ``checkpoint`` to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
-
-    ``model_path`` overrides the run's ``model.path`` (its base weights moved; LoRA runs and warm starts
-    read them); ``dtype`` (float32 | bfloat16 | float16) casts the written weights, None keeps the
-    checkpoint's. Raises ValueError (one line) for a checkpoint without a run config or whose weights do not
-    fit the model its config builds, FileNotFoundError for a path with no checkpoint."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
-                         f"got {dtype!r}")
-    path = newest_checkpoint(checkpoint)
+def run_model_config(path: Path, model_path: Optional[str] = None) -> Tuple[DictConfig, dict]:
+    """(the run config stored in checkpoint ``path``, its resolved ``model`` settings, ``model_path`` as the
+    path); ValueError (one line) when there is none or it is unreadable; its interpolations run nothing."""
     run_config = read_resume_meta(path).get("run_config")
     if not run_config:
         raise ValueError(f"{path} holds no run config to rebuild the model from (written before run configs were "
                          f"saved): evaluate it with experiments/evaluate.py and model.* instead")
-    run_cfg = OmegaConf.create(run_config)
+    try:
+        run_cfg = OmegaConf.create(run_config)
+        if not isinstance(run_cfg, DictConfig) or not isinstance(run_cfg.get("model"), DictConfig):
+            raise ValueError("no model settings")
+    except Exception as e:  # noqa: BLE001 - a damaged or crafted run config: one line
+        raise ValueError(f"{path}: its stored run config is not readable ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}): export a checkpoint written by a training run") from None
+    check_stored_targets(run_cfg, f"checkpoint {path.name}", keys=("model",))
     model_cfg = OmegaConf.to_container(run_cfg.model, resolve=True)
     if model_path is not None:
         model_cfg["path"] = model_path
+    return run_cfg, model_cfg
+
+
+def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None) -> Path:
+    """Write the model of ``checkpoint`` to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
+    ``model_path`` overrides the run's ``model.path`` (moved base weights); ``dtype`` casts the written weights."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
+                         f"got {dtype!r}")
+    path = newest_checkpoint(checkpoint)
+    run_cfg, model_cfg = run_model_config(path, model_path)
     model_cfg["meta"] = False
     state, _ = load_checkpoint(path)
     stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)

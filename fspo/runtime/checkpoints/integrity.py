@@ -1,23 +1,9 @@
-"""Checkpoint integrity: a SHA-256 manifest beside every checkpoint, verified before a resume,
-damaged checkpoints moved aside (never deleted), and a non-finite check of loaded parameters.
+"""Checkpoint integrity: a SHA-256 manifest beside every checkpoint, verified before a resume, damaged
+checkpoints moved aside (never deleted), and a non-finite check of loaded parameters.
 
-Owns: `write_manifest` / `verify` / `manifest_path` (``step_N.ckpt.sha256`` next to
-``step_N.ckpt``, in ``sha256sum`` format: ``cd <output_dir>/checkpoints && sha256sum -c
-step_N.ckpt.sha256`` checks it by hand), `shard_digests` / `gathered_shard_digests` (each rank hashes its own shards of
-a sharded checkpoint), `quarantine` (move a damaged checkpoint and its manifest to ``checkpoints/damaged/``),
-`atomic_commit` (fsync, rename into place, fsync the folder), `nonfinite_tensors` and `CheckpointCorrupt`. Leaves out:
-when checkpoints are written and pruned (checkpointing.py) and which one a run resumes from
-(resume.py).
-
-Contract:
-- the manifest lists every file of the checkpoint (one line for a file checkpoint; one per file,
-  ``step_N.ckpt/<relative path>``, for a shard folder) and is committed before the checkpoint is
-  renamed into place, so a complete checkpoint always has its manifest;
-- `verify` returns True when every listed file exists with its digest (and a folder holds no
-  unlisted file), False for a checkpoint without manifest (written before manifests existed: it is
-  loaded, with a warning that it is unverified), and raises `CheckpointCorrupt` otherwise;
-- `quarantine` renames within the checkpoint folder's file system, so nothing is copied or lost;
-  an existing name in ``damaged/`` gets a ``.1``, ``.2``, ... suffix.
+The manifest ``step_N.ckpt.sha256`` is in ``sha256sum -c`` format, lists every file of the checkpoint (one
+line per shard file for a folder) and is committed before the checkpoint is renamed into place, so a complete
+checkpoint always has its manifest.
 """
 from __future__ import annotations
 
@@ -61,8 +47,7 @@ def _files(path: Path) -> List[Path]:
 
 
 def shard_digests(tmp, rank: int) -> Dict[str, str]:
-    """``{relative path: sha256}`` of rank ``rank``'s own shard files (``__<rank>_*.distcp``) in the
-    shard folder ``tmp`` ({} for a file checkpoint): every rank hashes what it wrote, in parallel."""
+    """``{relative path: sha256}`` of rank ``rank``'s own shard files in the shard folder ``tmp`` ({} for a file)."""
     tmp = Path(tmp)
     if not tmp.is_dir():
         return {}
@@ -71,9 +56,8 @@ def shard_digests(tmp, rank: int) -> Dict[str, str]:
 
 
 def write_manifest(tmp, final, known: Optional[Dict[str, str]] = None) -> Path:
-    """Hash the checkpoint being written at ``tmp`` (a file or shard folder; ``known`` digests by
-    relative path are taken as given) and commit ``<final>.sha256`` (written, fsynced, renamed)
-    naming the files as they will be once ``tmp`` is renamed to ``final``. Returns the manifest path."""
+    """Hash the checkpoint at ``tmp`` (``known`` digests taken as given) and commit ``<final>.sha256`` naming the
+    files as they will be once ``tmp`` is renamed to ``final``. Returns the manifest path."""
     tmp, final = Path(tmp), Path(final)
     known = known or {}
     lines = []
@@ -92,8 +76,7 @@ def write_manifest(tmp, final, known: Optional[Dict[str, str]] = None) -> Path:
 
 
 def verify(ckpt) -> bool:
-    """True: every file of ``ckpt`` matches its manifest; False: no manifest (an unverified checkpoint
-    of an older version); raises `CheckpointCorrupt` naming the first mismatch."""
+    """True: every file of ``ckpt`` matches its manifest; False: no manifest; else `CheckpointCorrupt`."""
     ckpt = Path(ckpt)
     man = manifest_path(ckpt)
     if not man.is_file():
@@ -120,8 +103,7 @@ def verify(ckpt) -> bool:
 
 
 def quarantine(ckpt) -> Path:
-    """Move ``ckpt`` and its manifest into ``<its folder>/damaged/`` (kept, never deleted); returns
-    the new path of the checkpoint."""
+    """Move ``ckpt`` and its manifest into ``<its folder>/damaged/`` (a free name); returns its new path."""
     ckpt = Path(ckpt)
     dest_dir = ckpt.parent / DAMAGED
     dest_dir.mkdir(exist_ok=True)
@@ -137,8 +119,7 @@ def quarantine(ckpt) -> Path:
 
 
 def nonfinite_tensors(named: Iterable) -> List[str]:
-    """Names of the floating-point tensors in ``named`` ((name, tensor) pairs; sharded DTensors are
-    checked on their local shard) holding a NaN or an infinity."""
+    """Names of the floating-point tensors in ``named`` (local shards of DTensors) holding a NaN or an inf."""
     bad = []
     for name, t in named:
         if not torch.is_tensor(t) or not t.is_floating_point():
@@ -169,8 +150,7 @@ def atomic_commit(tmp, final) -> None:
 
 
 def gathered_shard_digests(trainer, tmp: Path) -> Dict[str, str]:
-    """`shard_digests` of every rank's own shard files of a sharded checkpoint being written at ``tmp``, gathered
-    over the trainer's ranks (rank 0 hashes the rest)."""
+    """`shard_digests` of every rank, gathered over the trainer's ranks (rank 0 hashes the rest)."""
     mine = shard_digests(tmp, trainer.global_rank)
     if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         gathered: List[Any] = [None] * trainer.world_size

@@ -1,22 +1,10 @@
 """Resuming a run: which checkpoint a launch continues from, and which tracking run.
 
-Owns: `resolve_resume` (``resume``: null | auto | fresh | a checkpoint path -> `ResumePlan`), `check_resume_target`
-(a dry run's ``resume=<path>``), `check_room` (a resume on a full disk is refused before anything loads),
-`ResumePlan`, `scan_checkpoints` / `latest_complete_checkpoint` and `check_checkpoint`. Leaves out:
-writing checkpoints and signals (checkpointing.py), the config a continued run keeps
-(fspo/runtime/checks/run_config.py) and continuing the MLflow run itself (fspo/tracking/logger.py).
-
-The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``
-(`fspo.runtime.checkpoints.files.RUN_ID_FILE`, written at start by fspo/tracking/logger.py). A checkpoint
-of ANOTHER run folder (``resume=<path>`` outside ``<output_dir>/checkpoints``) continues in this folder's
-own MLflow run -- a new one at first, tagged ``fspo.resumed_from.{checkpoint,run_id,step}`` -- and never
-writes into the run that made the checkpoint.
-
-Damaged checkpoints (integrity.py): ``auto`` takes the newest checkpoint that passes
-its checksum and reads; the damaged ones newer than it are moved to ``checkpoints/damaged/`` with a
-warning. When none passes, the run stops with an error and touches nothing; ``resume=fresh`` is
-the explicit way to start over from step 0 then (the damaged ones are moved aside, a new MLflow
-run begins). Checkpoints are never deleted here.
+The MLflow run to continue is the one named in the checkpoint, else in ``<output_dir>/mlflow_run_id``. A
+checkpoint of ANOTHER run folder continues in this folder's own MLflow run, tagged
+``fspo.resumed_from.{checkpoint,run_id,step}``, and never writes into the run that made it. ``auto`` takes the
+newest checkpoint that passes its checksum and reads, moving newer damaged ones to ``checkpoints/damaged/``;
+when none passes the run stops and touches nothing (``resume=fresh`` starts over then). Nothing is deleted.
 """
 from __future__ import annotations
 
@@ -36,9 +24,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ResumePlan:
-    """``ckpt_path`` for ``trainer.fit`` (None: fresh start), the RL ``step`` it holds, and the MLflow
-    ``run_id`` to continue (None: a new run). ``overrides``: the allowed config changes of this launch
-    (key -> "old -> new", fspo/runtime/checks/run_config.py), recorded as MLflow tags of the continued run."""
+    """``ckpt_path`` for ``trainer.fit`` (None: fresh start), the RL ``step`` it holds, the MLflow ``run_id`` to
+    continue (None: a new run); ``overrides``: this launch's allowed config changes (key -> "old -> new")."""
 
     ckpt_path: Optional[str] = None
     step: int = 0
@@ -53,9 +40,8 @@ class ResumePlan:
 
 
 def check_checkpoint(path) -> None:
-    """Raise unless ``path`` matches its checksum manifest and its resume metadata reads; a checkpoint
-    without manifest passes with a warning that names the missing file, says that its bytes were not
-    verified and what was checked (it reads as a checkpoint, its step)."""
+    """Raise unless ``path`` matches its checksum manifest and its resume metadata reads; one without
+    manifest passes with a warning that its bytes were not verified."""
     manifest = verify(path)
     meta = read_resume_meta(path)
     if not manifest:
@@ -70,8 +56,7 @@ def check_checkpoint(path) -> None:
 
 
 def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
-    """(the newest usable ``step_N.ckpt`` under ``<output_dir>/checkpoints`` or None, [(each damaged
-    checkpoint newer than it, why)]), newest first. Nothing is moved or deleted."""
+    """(the newest usable checkpoint of ``output_dir`` or None, [(each damaged one newer than it, why)])."""
     bad: List[Tuple[Path, str]] = []
     for p in reversed(list_checkpoints(checkpoint_dir(output_dir))):
         try:
@@ -88,8 +73,7 @@ def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]
 
 
 def latest_complete_checkpoint(output_dir) -> Optional[Path]:
-    """The newest usable ``step_N.ckpt`` under ``<output_dir>/checkpoints`` (damaged ones are skipped
-    with a warning), or None."""
+    """The newest usable checkpoint of ``output_dir`` (damaged ones skipped with a warning), or None."""
     return scan_checkpoints(output_dir)[0]
 
 
@@ -101,25 +85,27 @@ def _move_aside(bad: List[Tuple[Path, str]]) -> None:
 
 
 def check_resume_target(cfg: DictConfig) -> None:
-    """``resume=<path>`` (a dry run, which resolves nothing else): the checkpoint must exist and read, else one
-    line; null, ``auto`` and ``fresh`` pass."""
+    """A dry run's ``resume=<path>`` must name a checkpoint that reads (one line if not)."""
     mode = OmegaConf.select(cfg, "resume", default=None)
-    if mode is None or str(mode) in ("auto", "fresh"):
-        return
+    if mode is not None and str(mode) not in ("auto", "fresh"):
+        _named_checkpoint(mode, "name a step_N.ckpt of the run, or use resume=auto with the run's folder")
+
+
+def _named_checkpoint(mode, fix: str) -> Path:
+    """``resume=<path>``: the checkpoint, which must exist and pass `check_checkpoint`; nothing is moved."""
     ckpt = Path(str(mode)).expanduser()
     if not ckpt.exists():
-        raise FileNotFoundError(f"resume={mode}: no such checkpoint; name a step_N.ckpt of the run, or use "
-                                f"resume=auto with the run's folder")
+        raise FileNotFoundError(f"resume={mode}: no such checkpoint; {fix}")
     try:
         check_checkpoint(ckpt)
     except Exception as e:  # noqa: BLE001 - damaged or not a checkpoint: one line
-        raise CheckpointCorrupt(f"resume={mode}: not a usable checkpoint ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]})") from None
+        raise CheckpointCorrupt(f"resume={mode}: the checkpoint is damaged or unreadable ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]}); {fix}") from None
+    return ckpt
 
 
 def check_room(plan: "ResumePlan", output_dir) -> None:
-    """A continued run must have room for its next checkpoint: refused up front (one line) when the free space
-    of ``<output_dir>/checkpoints`` is below the size of the checkpoint it resumes from."""
+    """Refuse a resume (one line) when ``<output_dir>/checkpoints`` has less room than its checkpoint's size."""
     import shutil
 
     if plan.ckpt_path is None:
@@ -135,11 +121,9 @@ def check_room(plan: "ResumePlan", output_dir) -> None:
 
 
 def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
-    """The `ResumePlan` for ``cfg.resume``: null starts fresh (an error if ``output_dir`` already holds
-    checkpoints), ``auto`` continues from the newest usable checkpoint (fresh when there is none, in
-    the same MLflow run if one was started; an error when all of them are damaged), ``fresh`` starts
-    over from step 0 in a new MLflow run when all checkpoints are damaged (an error when one is usable),
-    a path continues from that checkpoint (an error if it is damaged)."""
+    """The `ResumePlan` for ``cfg.resume``: null starts fresh (an error over existing checkpoints), ``auto``
+    continues from the newest usable checkpoint (an error when all are damaged), ``fresh`` starts over when all
+    are damaged (an error when one is usable), a path continues from that checkpoint."""
     mode = OmegaConf.select(cfg, "resume", default=None)
     out = Path(output_dir)
     if checkpoint_dir(out).exists() and not checkpoint_dir(out).is_dir():
@@ -171,23 +155,14 @@ def resolve_resume(cfg: DictConfig, output_dir) -> ResumePlan:
                 f"to {checkpoint_dir(out) / 'damaged'}, not deleted), or resume=<path> to try one of them")
         _move_aside(bad)
     else:
-        ckpt = Path(str(mode)).expanduser()
-        if not ckpt.exists():
-            raise FileNotFoundError(f"resume={mode}: no such checkpoint; use resume=auto to pick the newest in "
-                                    f"{checkpoint_dir(out)}")
-        try:
-            check_checkpoint(ckpt)
-        except Exception as e:  # noqa: BLE001 - the named checkpoint is damaged: say so, move nothing
-            raise CheckpointCorrupt(f"resume={mode}: the checkpoint is damaged ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:200]}); use resume=auto to take the newest good one "
-                                    f"in {checkpoint_dir(out)}, or name an earlier one") from None
+        ckpt = _named_checkpoint(mode, f"use resume=auto to take the newest good one in {checkpoint_dir(out)}, "
+                                       f"or name an earlier one")
     meta: Dict[str, Any] = read_resume_meta(ckpt) if ckpt is not None else {}
     own = id_file.read_text().strip() if id_file.is_file() else None
     origin: Dict[str, str] = {}
     if ckpt is not None and ckpt.resolve().parent not in (checkpoint_dir(out).resolve(),
                                                            (checkpoint_dir(out) / "damaged").resolve()):
-        # another run's checkpoint continued in this output_dir: this folder's own MLflow run (a new one on
-        # its first launch), tagged with where it came from; the other run's record is left untouched
+        # another run's checkpoint: this folder's own MLflow run, tagged with where it came from
         run_id = own
         origin = {"fspo.resumed_from.checkpoint": str(ckpt.resolve()),
                   "fspo.resumed_from.step": str(meta.get("rl_step", 0)),

@@ -1,10 +1,8 @@
 """What a resumable checkpoint holds beyond Lightning's own state: RNG states and metric states.
 
-Owns: `rng_states` / `set_rng_states` (torch CPU and CUDA, numpy, python) and `metric_states` /
-`load_metric_states` (every torchmetrics Metric under a module: their states are non-persistent,
-so the module state dict leaves them out, yet ``run_diagnostics`` accumulates over the whole run).
-All values are tensors or plain Python objects, so checkpoints load with
-``torch.load(weights_only=True)``. Leaves out: when checkpoints are written (checkpointing.py).
+torchmetrics states are non-persistent (the module state dict leaves them out), yet ``run_diagnostics``
+accumulates over the whole run. All values are tensors or plain Python objects, so checkpoints load with
+``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def rng_states() -> Dict[str, Any]:
-    """The global RNG states: torch CPU, every CUDA device, numpy, python (as tensors and plain
-    Python values, so the checkpoint loads with ``torch.load(weights_only=True)``)."""
+    """The global RNG states: torch CPU, every CUDA device, numpy, python."""
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     out = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "numpy": (kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
@@ -40,8 +37,7 @@ def set_rng_states(s: Dict[str, Any]) -> None:
 
 
 def metric_states(root: torch.nn.Module) -> Dict[str, Any]:
-    """``{module name: {"state": tensors, "updates": n}}`` for every torchmetrics Metric under ``root``
-    (states made persistent just for the copy)."""
+    """``{module name: {"state": tensors, "updates": n}}`` for every torchmetrics Metric under ``root``."""
     from torchmetrics import Metric
 
     out = {}

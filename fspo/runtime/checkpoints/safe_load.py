@@ -1,17 +1,9 @@
 """Loading checkpoint files without running code from them.
 
-Owns: `safe_torch_load` (a ``torch.save`` zip file, loaded with ``weights_only=True`` only: tensors and
-plain Python values, never an arbitrary object), `safe_dcp_load` (a torch.distributed.checkpoint folder:
-its ``.metadata`` read by an unpickler that allows only the checkpoint-metadata classes of
-torch.distributed.checkpoint, its byte items with ``weights_only=True``), `METADATA_GLOBALS` (that
-allow-list) and `UnsafeCheckpoint`. Leaves out: where checkpoints are and what they must hold
-(files.py) and their checksums (integrity.py).
-
-Contract: a file holding anything else (a pickled object whose ``__reduce__`` would call a
-function, an ``nn.Module``, ...) is refused with one line naming the file and what it holds; nothing
-in it is called. Checkpoints written by fspo (Lightning ``.ckpt`` files and shard folders) hold only
-tensors, numbers, strings, lists and dicts (resume_state.py), so they always load.
-A legacy (pre-zip, torch < 1.6) file is refused with its own line: re-save it with a current torch.
+A ``torch.save`` file is loaded with ``weights_only=True``; a torch.distributed.checkpoint folder's
+``.metadata`` by an unpickler that allows only `METADATA_GLOBALS`. A file holding anything else (a pickled
+object whose ``__reduce__`` would call a function, an ``nn.Module``) is refused with one line naming the file
+and what it holds; nothing in it is called. fspo's checkpoints hold only tensors and plain values.
 """
 from __future__ import annotations
 
@@ -48,8 +40,8 @@ def _refusal(path, what: str) -> UnsafeCheckpoint:
 
 
 def safe_torch_load(path, mmap: bool = True) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; `UnsafeCheckpoint` (one line naming the
-    file) for a file holding other objects, ValueError for a legacy or non-torch file."""
+    """``torch.load(path, weights_only=True)`` on the CPU; `UnsafeCheckpoint` for a file holding other objects,
+    ValueError for a legacy or non-torch file."""
     p = Path(path)
     if p.is_file() and not zipfile.is_zipfile(p):
         raise ValueError(f"{p} is not a torch zip checkpoint (a legacy pre-1.6 torch file or another format): "
@@ -93,8 +85,7 @@ def read_dcp_metadata(path):
 
 
 def safe_dcp_reader(path):
-    """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``.metadata`` is the one
-    `read_dcp_metadata` checked (refused here, before torch.distributed.checkpoint wraps the error)."""
+    """A ``FileSystemReader`` of ``path`` whose ``.metadata`` is the one `read_dcp_metadata` checked."""
     from torch.distributed.checkpoint import FileSystemReader
 
     checked = read_dcp_metadata(Path(path))
@@ -112,7 +103,7 @@ def safe_dcp_reader(path):
 
 
 def safe_dcp_load(path) -> Dict[str, Any]:
-    """A distributed-checkpoint folder as one dict, with the checks of the module docstring."""
+    """A distributed-checkpoint folder as one dict, its metadata and byte items checked."""
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

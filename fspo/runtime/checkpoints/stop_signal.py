@@ -1,36 +1,16 @@
 """A stop signal (SIGTERM, or a ``checkpoint.signals`` one) that does not wait for the end of a long step.
 
-Owns: `install_sigterm` (a SIGTERM handler without collectives), `request_stop`, `stop_requested`,
-`interruptible` (the rank-local part of a step's rollout that a stop signal cuts short), `synced_stops` /
-`synced_stop_wanted` (a lockstep generation's own all-reduces carry the stop vote) and `agree_stop` (every
-rank takes the same decision). Leaves out: writing the checkpoint and stopping the fit
-(fspo/runtime/checkpoints/checkpointing.py) and where the rollout calls these (fspo/rollout/callback.py).
+A launcher's grace between SIGTERM and SIGKILL (torchrun, SLURM: 30 s by default) can be shorter than a step.
+Until a step's first optimizer update the state is still that after the previous step, so it can be saved at
+once: a signal during the rank-local rollout interrupts it (`StepInterrupted`, a `BaseException` so that a
+reward's ``except Exception`` does not swallow it), every rank agrees at `agree_stop` (one all-reduce), and the
+caller rewinds the step and raises Lightning's ``SIGTERMException``, which saves the last completed step and
+exits 0. A synced (FSDP) generation cannot be cut anywhere: its per-token all-reduce carries each rank's vote
+(`synced_stops`). Weight sync and the update are not cut: a signal there stops at the next safe point.
 
-Why: a launcher gives the ranks a grace between its SIGTERM and its SIGKILL (torchrun: ``--shutdown-timeout``,
-default 30 s; SLURM: ``KillWait``, default 30 s; Kubernetes: ``terminationGracePeriodSeconds``). A stop at
-the next step boundary loses everything when the step in progress outlasts the grace. Until a step's first
-optimizer update, the module, optimizer and loop state are still those after the previous step, which is
-consistent and can be saved at once: a signal that arrives while the rollout generates (a rank-local engine)
-or scores interrupts it (`StepInterrupted`, a `BaseException` so that a reward's ``except Exception`` does not
-swallow it), every rank agrees at `agree_stop` right after that part (one all-reduce; a rank that saw no
-signal follows the others), and the caller rewinds the step (prompt sampler, RNG) and raises Lightning's
-``SIGTERMException``, whose handler writes the checkpoint of the last completed step and exits 0.
-A synced (FSDP) generation is a chain of collectives and cannot be cut at any point: its per-token
-"any row still running?" all-reduce (fspo/rollout/decode.py) carries each rank's vote, so all ranks leave it
-at the same token. Weight sync, ``compact: false`` generation and the update are not cut: a signal there
-stops at the next safe point (after the rollout, or the step boundary).
-
-Lightning's own SIGTERM handler broadcasts a tensor from inside the handler (lightning 2.6), a collective at
-whatever point the signal interrupts, which can pair with a different collective on another rank;
-`install_sigterm` replaces it during fit with one that only records the signal (the decision is then reduced
-over ranks at fixed points: here and in `StepCheckpoint`).
-
-Outside the training loop (from the first line of ``train()`` to Lightning's ``on_train_start``: config checks,
-model loading, Lightning's setup, the step-0 validation; and after the fit: the final validation and artifacts)
-there is nothing a checkpoint would add: `honour_stop_signals` installs a handler for SIGTERM, SIGINT (Ctrl-C)
-and ``checkpoint.signals`` that stops there at once with `StopNow` (Lightning's ``SIGTERMException``, exit 0;
-Lightning's own handler only sets a flag that its next ``fit`` forgets). Inside the fit a first SIGINT is a
-stop signal like SIGTERM (the checkpoint of the last completed step, then exit 0); a second SIGINT raises
+`install_sigterm` replaces Lightning's SIGTERM handler, which runs a collective inside the handler, with one
+that only records the signal. Outside the training loop (setup, step-0 and final validation) there is nothing
+to checkpoint: `honour_stop_signals` stops there at once with `StopNow`. A second SIGINT raises
 ``KeyboardInterrupt`` at once.
 """
 from __future__ import annotations
@@ -91,8 +71,7 @@ def reset() -> None:
 
 
 def set_outside_fit(outside: bool) -> bool:
-    """Whether a stop signal now stops at once (`StopNow`): outside the training loop, see the module docstring.
-    Returns the previous setting."""
+    """Whether a stop signal now stops at once (`StopNow`); returns the previous setting."""
     old, _state["outside_fit"] = bool(_state["outside_fit"]), bool(outside)
     return old
 
@@ -109,9 +88,8 @@ def _on_stop_signal(signum, frame) -> None:
 @contextlib.contextmanager
 def honour_stop_signals(extra: Sequence[str] = (), outside: str = "stopping now (no training step is lost)"
                         ) -> Iterator[None]:
-    """SIGTERM, SIGINT and the ``extra`` signal names stop the run (module docstring) for the duration of the
-    block; the previous handlers come back after it; ``outside``: what the line of a stop outside a fit says.
-    Off the main thread: a no-op."""
+    """SIGTERM, SIGINT and the ``extra`` signals stop the run inside the block (main thread only); ``outside``:
+    what the line of a stop outside a fit says."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -131,8 +109,7 @@ def honour_stop_signals(extra: Sequence[str] = (), outside: str = "stopping now 
 
 @contextlib.contextmanager
 def synced_stops() -> Iterator[None]:
-    """A block of lockstep collectives (FSDP generation) whose agreement points may stop it: inside it
-    `synced_stop_wanted` reports a recorded stop; every rank must enter it at the same point."""
+    """A block of lockstep collectives (FSDP generation) in which `synced_stop_wanted` reports a recorded stop."""
     _state["synced"] += 1
     try:
         yield
@@ -147,8 +124,8 @@ def synced_stop_wanted() -> bool:
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """A block that a stop signal interrupts with `StepInterrupted` (raised at once when one is already
-    recorded). Only for code that runs no collective and changes no state that a checkpoint holds."""
+    """A block that a stop signal interrupts with `StepInterrupted`: only code that runs no collective and
+    changes no state a checkpoint holds."""
     if _state["requested"]:
         raise StepInterrupted("an earlier signal")
     _state["zone"] += 1
@@ -166,9 +143,8 @@ def agree_stop(local: bool, device=None) -> bool:
 
 
 def install_sigterm(trainer):
-    """Replace the SIGTERM handler (Lightning's, during fit) with one that records the signal (`request_stop`)
-    and sets ``trainer.received_sigterm`` as Lightning's does, forwarding the signal to processes Lightning
-    launched itself, without a collective. Returns the previous handler (None off the main thread)."""
+    """Replace Lightning's SIGTERM handler with one that does what it does without a collective (records the
+    signal, forwards it to launched processes). Returns the previous handler (None off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return None
     connector = getattr(trainer, "_signal_connector", None)
@@ -185,12 +161,9 @@ def install_sigterm(trainer):
 
 
 def rewind_to_last_step_end(trainer) -> None:
-    """Make Lightning's loop counters those of the end of the last completed batch (what a checkpoint written
-    at its ``on_train_batch_end`` holds), for a step abandoned in its ``on_train_batch_start``: there
-    Lightning has counted the new batch as ``ready`` only, and a checkpoint of that state resumes with its
-    validation schedule shifted (validations at steps 5, 8 instead of 3, 6 with ``val.every_n_steps=3``).
-    Before: ready = k + 1, started = processed = completed = k; after: ready = started = processed = k,
-    completed = k - 1 and ``_batches_that_stepped`` = k - 1, which Lightning's restart completes again."""
+    """Set Lightning's loop counters to those at the end of the last completed batch, for a step abandoned in
+    ``on_train_batch_start`` (else the resumed validation schedule shifts): ready = started = processed = k,
+    completed = ``_batches_that_stepped`` = k - 1, which Lightning's restart completes again."""
     loop = trainer.fit_loop.epoch_loop
     done = loop.batch_progress.total.completed
     for counter in (loop.batch_progress.total, loop.batch_progress.current):

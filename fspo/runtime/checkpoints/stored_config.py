@@ -1,25 +1,11 @@
 """Which classes and functions a config read from a file (not typed by this launch) may name.
 
-Owns: `check_stored_targets` (every importable string of a stored config -- a checkpoint's run config on
-``resume``, ``run_config.yaml``, ``.hydra/config.yaml`` or an MLflow ``config.yaml`` read by evaluate.py --
-must be on the allow-list before Hydra instantiates or imports anything from it), `ALLOWED_TARGETS`,
-`SAFE_RESOLVERS`, `IMPORTABLE_KEYS` and `UntrustedTarget`. Leaves out: reading those files
-(fspo/runtime/checks/run_config.py, experiments/evaluate.py).
-
-Importable strings: the value of every ``_target_`` (``package.module.Name``) and of every ``check``
-(``package.module:function``, imported by fspo/rewards/verify_pool.py). They are read AFTER resolving the
-config's interpolations, so ``reward: ${oc.create:{_target_: os.system}}`` or a ``_target_`` assembled from
-``${...}`` pieces is checked as what Hydra would build. An interpolation may only call the resolvers in
-`SAFE_RESOLVERS` (environment variables, ``oc.decode``/``oc.select``, timestamps: none builds a class or runs
-code); any other resolver (``oc.create``, one registered by another library) and an interpolation that does not
-resolve are refused before anything is resolved or built.
-
-The allow-list: (a) a class or function DEFINED in fspo (the name starts with ``fspo.`` and the object it
-resolves to has ``__module__`` under ``fspo``: ``fspo.runtime.checkpoints.integrity.os.system`` resolves
-to ``os.system`` and is refused); (b) the third-party classes conf/ names (`ALLOWED_TARGETS`: the
-Lightning Trainer and loggers); (c) any importable string this launch's own config names (the command line
-and conf/ are the user's; a custom reward class they pass keeps working on resume). Anything else is
-refused with one line naming the key, the value and the file.
+Every importable string of a stored config (each ``_target_``, and each ``check`` as ``module:function``) is
+checked AFTER resolving its interpolations, so a target assembled from ``${...}`` pieces is checked as what
+Hydra would build; an interpolation may call only `SAFE_RESOLVERS` (none builds a class or runs code). Allowed:
+a class or function DEFINED in fspo (``fspo.runtime.checkpoints.integrity.os.system`` resolves to ``os.system``
+and is refused), `ALLOWED_TARGETS` (the Lightning Trainer and loggers), and what this launch's own config names.
+Anything else is refused, before anything is built, with one line naming the key, the value and the file.
 """
 from __future__ import annotations
 
@@ -73,8 +59,7 @@ def _refuse_unsafe_interpolation(key: str, raw: str, source: str) -> None:
 
 def _importables(node: Any, source: str, prefix: str = "",
                  only: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, str, str]]:
-    """(dotted key, importable string, separator) of ``node`` (of its keys ``only``, when given),
-    interpolations checked then resolved."""
+    """(dotted key, importable string, separator) of ``node`` (its keys ``only``), interpolations checked first."""
     if isinstance(node, DictConfig):
         items = [(k, f"{prefix}.{k}" if prefix else str(k)) for k in node.keys() if only is None or k in only]
     elif isinstance(node, ListConfig):
@@ -139,9 +124,8 @@ def _own(trusted: Optional[DictConfig]) -> Set[str]:
 
 def check_stored_targets(stored: DictConfig, source: str, trusted: Optional[DictConfig] = None,
                          keys: Optional[Sequence[str]] = None) -> None:
-    """Raise `UntrustedTarget` unless every importable string in ``stored`` (read from ``source``) is allowed
-    and every interpolation is safe (module docstring); ``trusted``: this launch's own config, whose importable
-    strings are allowed as given; ``keys``: check only these top-level subtrees (resolved against all of ``stored``)."""
+    """Raise `UntrustedTarget` unless every importable string in ``stored`` is allowed and every interpolation
+    safe; ``trusted``: this launch's own config; ``keys``: check only these top-level subtrees."""
     own = _own(trusted)
     for key, target, sep in _importables(stored, source, only=keys):
         if target in own or (sep == "." and target in ALLOWED_TARGETS) or _defined_in_fspo(target, sep):

@@ -1,21 +1,10 @@
 """Console hygiene: each line once, third-party noise filtered at its source, warnings that matter kept.
 
-Owns: `quiet_third_party()` (called first by fspo/train.py and experiments/evaluate.py, so in every
-job of a sweep), `quiet_mlflow()` (a sweep's parent run, fspo/tracking/sweep_parent.py) and
-`quiet_artifact_downloads()` (experiments/report.py). Every filter names one
-logger or one warning by its message; nothing is a blanket ``warnings.simplefilter("ignore")``:
-- Lightning's umbrella package (``lightning/__init__.py``) always adds an ``INFO: ...`` stderr handler
-  to the ``lightning`` logger while its records also propagate to the root logger, so under Hydra
-  (root handler on stdout + run.log) every Lightning INFO line printed twice. When the root logger
-  has handlers, that extra handler is removed: the root's copy (also in run.log) stays.
-- the "💡 Tip: ... litlogger" line Lightning prints whenever no LitLogger is used (no switch exists).
-- torch 2.13's FutureWarning on Lightning 2.6's internal ``LeafSpec()`` call (not ours to fix).
-- MLflow's "Creating initial MLflow database tables" / "Updating database tables" INFO lines, and its logged
-  traceback of an SQL error that is a full or read-only store (the error is raised on: one line at the end).
-- transformers' "Loading weights" tqdm bar and MLflow's artifact-download bars when stderr is not a
-  terminal (``\\r`` fragments in a log file).
-Leaves out: our own progress output (fspo/tracking/progress.py) and the training policy's mode
-(fspo/train.py puts it in train mode, which is what removes Lightning's "modules in eval mode" warning).
+Every filter names one logger or one warning by its message (no blanket ``simplefilter("ignore")``):
+Lightning's extra ``INFO:`` stderr handler (its records also reach the root logger, so under Hydra each line
+printed twice), its LitLogger tip, torch's FutureWarning on Lightning's ``LeafSpec()`` call, MLflow's
+schema-creation lines and its logged traceback of a full or read-only store (raised on, reported once), and
+the transformers / MLflow download bars when stderr is not a terminal.
 """
 from __future__ import annotations
 
@@ -42,8 +31,7 @@ class _DropMessages(logging.Filter):
 
 
 class _DropStorageErrors(logging.Filter):
-    """Drops a logged copy of an exception that is a full or read-only store (`storage_error` names it): the
-    exception itself is raised on and reported as one line by the entry point."""
+    """Drops a logged copy of a storage error (the exception itself is raised on and reported once)."""
 
     prefixes = ("<storage errors>",)
 

@@ -1,10 +1,4 @@
-"""Turning user errors into one clear line.
-
-Owns: `user_error(exc)`: the message to show for an exception caused by bad input (a config
-value, a data file, a model path) or by storage (a full disk, a read-only store: store_check.py's
-`storage_error`, found anywhere in the exception's chain), unwrapping Hydra's InstantiationException;
-None for anything else (a real bug, which keeps its traceback).
-"""
+"""Turning user errors into one clear line (bad input or storage); None for a real bug, which keeps its traceback."""
 from __future__ import annotations
 
 from typing import Optional

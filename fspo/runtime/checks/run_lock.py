@@ -1,22 +1,11 @@
 """One run per output folder: an exclusive lock on ``<output_dir>/run.lock`` for the run's life.
 
-Owns: `hold_output_dir` (the context manager `fspo.train.train` runs inside), `OutputDirInUse`
-(raised when another live process holds the folder) and `LockOutputDir` (a Hydra callback, in
-conf/config.yaml, that takes the same lock in ``on_run_start``, before Hydra writes ``.hydra/`` and
-``run.log`` into the folder, so a second run touches nothing). Leaves out: what the run writes
-there (fspo/runtime/checkpoints/checkpointing.py, fspo/runtime/checkpoints/resume.py).
-
-Contract:
-- the lock is a `filelock.FileLock` (an OS ``flock``) on ``run.lock``, re-entrant within one process
-  (the Hydra callback and ``train`` both take it; the last release lets go); the kernel drops it when
-  the holding process ends in any way (exit, exception, SIGKILL, OOM), so a dead run never blocks a new one;
-- the holder writes ``{"pid", "host", "started", "argv"}`` (JSON) into the file and empties it on a clean
-  release (also at interpreter exit); a second run reads it for its error message, which names the folder,
-  the holder and the fix; a file still naming a holder when the lock is free is the stale record of a run
-  that died, which is reported and taken over;
-- the lock is taken by the launching process only: under torchrun / SLURM / Lightning's launcher the ranks
-  other than 0 (`fspo.runtime.launch.rank_zero.launch_rank`) share their rank 0's lock and take none;
-- on a file system without ``flock`` support the run goes on with a warning (no detection).
+The lock is a `filelock.FileLock`, re-entrant within one process (the Hydra callback `LockOutputDir` takes it
+before Hydra writes into the folder, then ``train``); the kernel drops it when the holder dies in any way, so
+a dead run never blocks a new one. The holder writes ``{"pid", "host", "started", "argv"}`` into the file and
+empties it on a clean release: a second run names the holder in its error, and a record left while the lock
+is free is a run that died, reported and taken over. Only the launching process (rank 0) takes the lock; on a
+file system without ``flock`` the run goes on with a warning.
 """
 from __future__ import annotations
 
@@ -67,8 +56,8 @@ def _describe(info: Dict[str, Any]) -> str:
 
 
 def acquire(output_dir) -> bool:
-    """Take the lock of ``output_dir`` (created if missing) for this process; True when held
-    (False: the file system does not support locks). Raises `OutputDirInUse` naming the holder."""
+    """Take the lock of ``output_dir`` (created if missing); False when the file system has no locks.
+    Raises `OutputDirInUse` naming the holder."""
     out = Path(output_dir).resolve()
     path = out / LOCK_FILE
     if str(path) in _held:
@@ -101,7 +90,7 @@ def acquire(output_dir) -> bool:
             os.fsync(f.fileno())
     except OSError as e:  # a full or read-only disk: let go of the lock, or this process's next try says "in use"
         lock.release(force=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None  # named: fspo/runtime/checks/errors.py: one line
+        raise OSError(e.errno, e.strerror, str(path)) from None  # named in the one-line error
     if not _held:
         atexit.unregister(_release_at_exit)  # registered once
         atexit.register(_release_at_exit)
@@ -110,16 +99,13 @@ def acquire(output_dir) -> bool:
 
 
 def _release_at_exit() -> None:
-    """At interpreter exit (a clean end, an error, a stop signal's SystemExit, Ctrl-C; not SIGKILL) every lock
-    still held is released cleanly, even when Hydra's ``on_run_end`` was skipped by the exception: only a run
-    that was killed leaves its record for the next one to report."""
+    """At interpreter exit every lock still held is released cleanly: only a killed run leaves its record."""
     for key in list(_held):
         release(Path(key).parent, force=True)
 
 
 def release(output_dir, force: bool = False) -> None:
-    """Drop one reference (all with ``force``) to this process's lock of ``output_dir``; the last one
-    empties the file (a clean end) and unlocks it. No-op when not held."""
+    """Drop one reference (all with ``force``) to this process's lock; the last one empties the file."""
     key = str(Path(output_dir).resolve() / LOCK_FILE)
     lock = _held.get(key)
     if lock is None:
@@ -133,8 +119,7 @@ def release(output_dir, force: bool = False) -> None:
 
 @contextlib.contextmanager
 def hold_output_dir(output_dir, owner: bool = True) -> Iterator[None]:
-    """Hold the lock of ``output_dir`` inside the block (released on any exit from it); ``owner=False``
-    (ranks other than 0) takes nothing."""
+    """Hold the lock of ``output_dir`` inside the block; ``owner=False`` (ranks other than 0) takes nothing."""
     held = acquire(output_dir) if owner else False
     try:
         yield
@@ -151,15 +136,13 @@ def _run_dir(config) -> Optional[str]:
 
 
 class LockOutputDir(Callback):
-    """Hydra callback: take the output folder's lock in ``on_run_start`` (before Hydra writes into
-    the folder) and drop it in ``on_run_end``. A folder in use ends the command with one line and
-    exit code 2. Multirun jobs are locked by ``train`` itself (each job has its own folder)."""
+    """Hydra callback: hold the output folder's lock from ``on_run_start`` to ``on_run_end``; a folder in use
+    ends the command with one line and exit code 2. Multirun jobs are locked by ``train`` itself."""
 
     def __init__(self) -> None:
         self._dir: Optional[str] = None
 
     def on_run_start(self, config, **kwargs: Any) -> None:
-        """Lock ``output_dir`` (or ``hydra.run.dir``) on the launching process."""
         from fspo.runtime.launch.rank_zero import launch_rank
 
         d = _run_dir(config)
@@ -173,7 +156,6 @@ class LockOutputDir(Callback):
             sys.exit(2)
 
     def on_run_end(self, config, **kwargs: Any) -> None:
-        """Release the lock taken in `on_run_start`."""
         if self._dir is not None:
             release(self._dir)
             self._dir = None

@@ -1,24 +1,10 @@
 """Creating an MLflow SQLite store atomically, and what to do with one whose creation was interrupted.
 
-Owns: `ensure_sqlite_store` (called by store_check.py's `prepare_store` and the sweep parent
-(fspo/tracking/sweep_parent.py) while they hold the store folder's lock), `store_state` and
-`HalfMigratedStore`. Leaves out: the folder lock itself and every other storage check
-(store_check.py).
-
-Why: MLflow creates a new SQLite store by running its ~60 alembic migrations on the file in place (about
-a second); a SIGINT or kill inside that window leaves a file every later open fails on
-(``_alembic_tmp_experiments already exists``, a half-applied ``ALTER TABLE``). Contract:
-- a missing (or empty) store is built in a temporary file in the same folder
-  (``.<name>.creating-<pid>-<random>``), migrated to MLflow's head revision there, and renamed into place
-  (``os.replace``, atomic on one file system): the store path holds either nothing or a complete
-  store, whatever moment the process dies at. Leftover temporary files of dead attempts are removed;
-- an existing store whose schema is not at MLflow's head revision, or that holds alembic's
-  ``_alembic_tmp_*`` tables, and that holds no run and no experiment besides MLflow's Default one (an
-  interrupted creation, e.g. by an older fspo) is moved aside to ``<name>.interrupted-<time>`` (kept,
-  never deleted) with a warning and created again;
-- such a store that holds runs is never touched: `HalfMigratedStore`, one line naming the file, what is
-  wrong and the fix (restore a backup, or drop the ``_alembic_tmp_*`` tables and run
-  ``mlflow db upgrade``). A complete store of an older MLflow schema is left to MLflow's own message.
+MLflow migrates a new SQLite store in place (about a second); a kill inside that window leaves a file every
+later open fails on. So a missing store is migrated in a temporary file and renamed into place: the path holds
+nothing or a complete store. A half-migrated store with no runs (an interrupted creation) is moved aside to
+``<name>.interrupted-<time>`` and created again; one that holds runs is never touched (`HalfMigratedStore`,
+naming the fix). A complete store of an older schema is left to MLflow's own message.
 """
 from __future__ import annotations
 
@@ -45,8 +31,7 @@ def _head_revision() -> str:
 
 
 def store_state(path: Path) -> Dict[str, object]:
-    """``{"version": alembic revision or None, "tmp_tables": [...], "runs": n, "experiments": n}`` of a
-    SQLite file, read with sqlite3 (no MLflow migration is triggered)."""
+    """``{"version", "tables", "tmp_tables", "runs", "experiments"}`` of a SQLite file, read without MLflow."""
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -60,14 +45,14 @@ def store_state(path: Path) -> Dict[str, object]:
             "tmp_tables": sorted(t for t in tables if t.startswith("_alembic_tmp_")), **count}
 
 
-def _build(path: Path, uri_of) -> None:
+def _build(path: Path) -> None:
     """Create a complete store at ``path`` through a temporary file renamed into place."""
     from mlflow.tracking import MlflowClient
 
     # a new name each time: MLflow caches its store per URI (a reused name would skip the migrations)
     tmp = path.with_name(f".{path.name}{CREATING}{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        client = MlflowClient(tracking_uri=uri_of(tmp))
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
         client.search_experiments(max_results=1)  # creates and migrates the schema in tmp
         try:
             client._tracking_client.store.engine.dispose()  # close its connections before the rename
@@ -87,13 +72,11 @@ def _sweep_leftovers(path: Path) -> None:
             f.unlink(missing_ok=True)
 
 
-def ensure_sqlite_store(path: Path, uri: str, uri_of=None) -> Optional[Path]:
-    """Make ``path`` hold a complete MLflow store (module docstring); the caller holds the folder lock.
-    Returns where an interrupted store was moved, else None. ``uri_of``: path -> SQLite URI."""
-    uri_of = uri_of or (lambda p: f"sqlite:///{p}")
+def ensure_sqlite_store(path: Path, uri: str) -> Optional[Path]:
+    """Make ``path`` hold a complete MLflow store (under the folder lock); returns where a broken one went."""
     _sweep_leftovers(path)
     if not path.exists() or path.stat().st_size == 0:
-        _build(path, uri_of)
+        _build(path)
         return None
     try:
         state = store_state(path)
@@ -115,5 +98,5 @@ def ensure_sqlite_store(path: Path, uri: str, uri_of=None) -> Optional[Path]:
     os.replace(path, aside)
     log.warning("MLflow store %s was left half-created by an interrupted start (no runs in it): moved to %s and "
                 "created again", path, aside)
-    _build(path, uri_of)
+    _build(path)
     return aside

@@ -1,27 +1,11 @@
-"""Storage before and during a run: check that the MLflow store and output folder can be written, create a
-fresh SQLite store safely, and name storage failures in one line.
+"""Storage before and during a run: the MLflow store and output folder must take writes before anything starts.
 
-Owns: `prepare_store` (called by fspo/runtime/checkpoints/resume.py's `build_logger` on rank 0, before any MLflow run is
-opened), `check_writable`, `check_mlflow_server`, `storage_error` (used by errors.py) and the
-errors `StoreError` / `NotAnMLflowServer`. Leaves out: whether an http(s) server answers at all
-(fspo/runtime/checkpoints/resume.py's ``check_tracking_uri``, with its ``logger_fallback``), and writing checkpoints.
-
-At start-up, within seconds and before anything is written:
-  - a folder that will be written (the SQLite store's, a file store's, a local artifact root, the
-    output folder) gets a 64 KiB probe file, written, fsynced and removed: a read-only file system,
-    missing permission or a full disk fail there, named, instead of after MLflow's 100 s of retries
-    or mid-run;
-  - an existing SQLite store is opened for writing (``BEGIN IMMEDIATE``) to catch a read-only file;
-  - a missing SQLite store is created atomically, a half-created one repaired (sqlite_store.py);
-  - a SQLite store is opened (schema created or upgraded) and the experiment created while holding an
-    exclusive lock on the store's folder, so runs starting together on one fresh store wait for each
-    other instead of racing on the schema (MLflow's tracking store creates tables unlocked); an
-    experiment created by another run meanwhile is used, not an error;
-  - an http(s) URI must answer like an MLflow server (JSON from its REST API), not a plain web server.
-During a run a failed write (full disk, read-only remount, lost permission) propagates; `storage_error`
-turns it into one line naming the file or store, the cause and the fix. Nothing written before is
-touched: SQLite rolls back the failed transaction, complete checkpoints stay (a failed checkpoint is
-only ever a ``.partial``).
+At start-up every folder the run writes gets a 64 KiB probe file (written, fsynced, removed), so a read-only
+file system, a missing permission or a full disk fails at once, named, not after MLflow's 100 s of retries;
+an existing SQLite store must take ``BEGIN IMMEDIATE``; a missing one is created, and its experiment made,
+under a lock on its folder (MLflow creates tables unlocked, so runs starting together would race); an http(s)
+URI must answer as an MLflow server. During a run `storage_error` turns a failed write into one line naming
+the file, the cause and the fix; nothing written before is touched.
 """
 from __future__ import annotations
 
@@ -77,8 +61,7 @@ STORE_KEY = "logger.tracking_uri (or MLFLOW_TRACKING_URI)"
 
 
 def check_writable(folder, what: str, key: str = "output_dir") -> None:
-    """Raise `StoreError` unless ``folder`` (created if missing) takes a 64 KiB file: ``what`` names it
-    for the message, ``key`` the setting that places it (for the fix)."""
+    """Raise `StoreError` unless ``folder`` (created if missing) takes a 64 KiB file; ``key`` places it."""
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -93,7 +76,6 @@ def check_writable(folder, what: str, key: str = "output_dir") -> None:
 
 
 def _write_probe(path: Path) -> None:
-    """Write `PROBE_BYTES` to ``path`` and fsync them (a full disk fails here, not at the create)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, b"\0" * PROBE_BYTES)
@@ -103,8 +85,7 @@ def _write_probe(path: Path) -> None:
 
 
 def _sqlite_path(uri: str) -> Optional[Path]:
-    """The database file of a ``sqlite:`` URI (relative paths against the working directory), None for
-    an in-memory database."""
+    """The database file of a ``sqlite:`` URI, None for an in-memory database."""
     from sqlalchemy.engine import make_url
 
     db = make_url(uri).database
@@ -113,8 +94,8 @@ def _sqlite_path(uri: str) -> Optional[Path]:
 
 @contextmanager
 def folder_lock(folder: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
-    """An exclusive ``flock`` on ``folder`` itself (no lock file is left behind). Where the file system
-    does not support it the block runs unlocked (with a warning); after ``wait_s`` it runs anyway."""
+    """An exclusive ``flock`` on ``folder`` itself (no lock file left behind); unlocked, with a warning, where
+    the file system has no flock or after ``wait_s``."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -159,8 +140,7 @@ def _check_sqlite_file(path: Path, uri: str) -> None:
 
 
 def check_mlflow_server(uri: str, timeout_s: float = 5.0) -> None:
-    """Raise `NotAnMLflowServer` unless ``uri`` answers MLflow's REST API with JSON (one request). Any
-    authentication challenge (401/403/407) counts as an MLflow server: MLflow's client handles it."""
+    """Raise `NotAnMLflowServer` unless ``uri`` answers MLflow's REST API with JSON or an auth challenge."""
     url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + \
         urllib.parse.quote("fspo-store-probe")
     try:
@@ -183,9 +163,8 @@ def check_mlflow_server(uri: str, timeout_s: float = 5.0) -> None:
             f"MLFLOW_TRACKING_URI) at `mlflow server`'s address, or set logger_fallback=local")
 
 
-def _ensure_experiment(uri: str, name: str, artifact_location: Optional[str]):
-    """The active experiment ``name`` in the store at ``uri``, created if missing (an experiment another
-    run created meanwhile is used); None when it exists only as deleted (left to MLflow's own error)."""
+def ensure_experiment(uri: str, name: str, artifact_location: Optional[str]):
+    """The active experiment ``name`` at ``uri``, created if missing; None when it exists only as deleted."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -220,8 +199,7 @@ def _nearest_existing(p: Path) -> Path:
 
 def prepare_store(uri: Optional[str], experiment_name: Optional[str] = None,
                   artifact_location: Optional[str] = None) -> None:
-    """Check and open the MLflow store at ``uri`` before the run (see the module docstring): raises
-    `StoreError` or `NotAnMLflowServer` with one line naming the store and the fix."""
+    """Check and open the MLflow store at ``uri`` before the run; `StoreError` / `NotAnMLflowServer` if not fit."""
     if not uri:
         return
     scheme = urllib.parse.urlparse(str(uri)).scheme
@@ -234,7 +212,7 @@ def prepare_store(uri: Optional[str], experiment_name: Optional[str] = None,
             _check_sqlite_file(path, str(uri))
             with folder_lock(path.parent):
                 ensure_sqlite_store(path, str(uri))  # created atomically; an interrupted creation repaired
-                exp = _ensure_experiment(str(uri), experiment_name, artifact_location) if experiment_name else None
+                exp = ensure_experiment(str(uri), experiment_name, artifact_location) if experiment_name else None
             _check_artifacts(exp, artifact_location)
             return
     elif scheme in ("", "file"):
@@ -242,7 +220,7 @@ def prepare_store(uri: Optional[str], experiment_name: Optional[str] = None,
     else:  # databricks, ...: left to MLflow
         return
     if experiment_name:
-        _check_artifacts(_ensure_experiment(str(uri), experiment_name, artifact_location), artifact_location)
+        _check_artifacts(ensure_experiment(str(uri), experiment_name, artifact_location), artifact_location)
 
 
 def _check_artifacts(exp, artifact_location: Optional[str]) -> None:
@@ -254,8 +232,7 @@ def _check_artifacts(exp, artifact_location: Optional[str]) -> None:
 
 
 def _chain(exc: BaseException) -> List[BaseException]:
-    """``exc`` and every exception it was raised from or while handling (not a context hidden by
-    ``raise ... from None``), newest first."""
+    """``exc`` and every exception it was raised from or while handling (not hidden by ``from None``)."""
     out: List[BaseException] = []
     stack = [exc]
     while stack:
@@ -281,8 +258,7 @@ def _classify(e: BaseException):
 
 
 def storage_error(exc: BaseException) -> Optional[str]:
-    """One line for a storage failure anywhere in ``exc``'s chain (the earliest one: what failed first),
-    else None. Names the file (or the MLflow store), the cause and the fix."""
+    """One line for the earliest storage failure in ``exc``'s chain (the file, the cause, the fix), else None."""
     found = [(e, c) for e in _chain(exc) if (c := _classify(e)) is not None]
     if not found:
         return None

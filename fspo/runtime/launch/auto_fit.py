@@ -1,22 +1,10 @@
 """Auto-fit: where the memory plan does not fit, the run picks the settings that make it fit, and says so.
 
-Owns: `auto_fit` (change the config in place, in the order of `STEPS`, until the plan's peak is at most
-`MARGIN` x the usable memory; return the choices, printed), `fit_preview` (what it would choose, for the
-refusal's suggestion) and `STEPS`. The settings, in order (each one
-skipped when the command line names it: an explicit setting always wins):
-
-  1. model.dtype=bfloat16            LoRA only: the frozen base in bf16 (the adapters and their AdamW state stay
-                                     float32; nothing of the base trains, so no update is lost to rounding);
-                                     ppo.autocast off with it (a bf16 model computes in bf16 already)
-  2. ppo.lm_head_chunk_rows=1024     the LM head in chunks: never the [T, V] float32 logits at once
-  3. ppo.micro_batch_max_tokens      halved while above the longest sequence (which runs alone anyway)
-                                     and above `MIN_TOKENS`
-  4. activation checkpointing        trainer.strategy.activation_checkpointing under trainer=fsdp, else
-                                     model.activation_checkpointing (one device)
-
-Where even all of them leave the plan above the usable memory, nothing is changed and the plan's refusal
-names the layouts that would fit (memory_plan.py). ``memory_plan.auto_fit=false``
-turns this off. Leaves out: the formulas (memory_components.py) and the device (memory_plan.py).
+`STEPS`, in order, until the peak is at most `MARGIN` x the usable memory (each skipped when the command line
+names its key): a LoRA run's frozen base in bf16, the LM head in chunks, ``ppo.micro_batch_max_tokens``
+halved (down to the longest sequence or `MIN_TOKENS`), activation checkpointing. Where even all of them do
+not fit, nothing is changed and the plan's refusal names the layouts that would. ``memory_plan.auto_fit=false``
+turns this off.
 """
 from __future__ import annotations
 
@@ -77,9 +65,8 @@ def _peak_and_usable(cfg, available: Optional[int]) -> Optional[Tuple[int, float
 
 def auto_fit(cfg, overrides: Optional[Sequence[str]] = None, available: Optional[int] = None,
              out: Callable[[str], None] = print) -> List[str]:
-    """Make ``cfg``'s plan fit (module docstring); returns the settings chosen as ``key=value`` (empty when it
-    fits as configured, when auto-fit is off, or when nothing makes it fit). ``available``: bytes per rank
-    (default: the device's, `fspo.runtime.launch.memory_plan.available_bytes`)."""
+    """Make ``cfg``'s plan fit; returns the settings chosen as ``key=value`` (empty when it fits as configured,
+    auto-fit is off, or nothing makes it fit). ``available``: bytes per rank (default: the device's)."""
     if not _select(cfg, "memory_plan.check", True) or not _select(cfg, "memory_plan.auto_fit", True):
         return []
     first = _peak_and_usable(cfg, available)
@@ -90,8 +77,7 @@ def auto_fit(cfg, overrides: Optional[Sequence[str]] = None, available: Optional
 
 
 def fit_preview(cfg, extra: Dict[str, object], available: Optional[int] = None) -> Optional[Tuple[List[str], int]]:
-    """(settings, peak) auto-fit would reach from ``cfg`` with the ``extra`` settings (e.g. LoRA), or None when
-    that does not fit; ``cfg`` is not changed (the refusal's suggestion)."""
+    """(settings, peak) auto-fit would reach from ``cfg`` plus ``extra`` (``cfg`` unchanged), or None."""
     trial = copy.deepcopy(cfg)
     with open_dict(trial):
         for k, v in extra.items():
@@ -106,8 +92,7 @@ def fit_preview(cfg, extra: Dict[str, object], available: Optional[int] = None) 
 
 
 def _fit(cfg, names: set, available: Optional[int]):
-    """(chosen settings, peak, usable) of the first state along `STEPS` within `MARGIN`, else of the last
-    that fits at all, else None."""
+    """(settings, peak, usable) of the first state along `STEPS` within `MARGIN`, else the last that fits."""
     trial, chosen, best = copy.deepcopy(cfg), {}, None
     for _, candidates in STEPS:
         for change in candidates(trial):

@@ -1,27 +1,9 @@
 """Data-parallel sharding (FSDP2 through Lightning) and the rank arithmetic of a distributed RL step.
 
-Owns: `FSDP2Strategy` (Lightning's `ModelParallelStrategy`, every rank data-parallel, carrying the
-`ShardingConfig`), `shard_model` / `configure_sharding` (torch ``fully_shard`` per decoder layer,
-then the root, from `RLModule.configure_model`; a policy built on the meta device is sharded first,
-then each rank reads only its shard of the weights: fspo/models/meta_init.py), and the helpers the step uses so that W
-ranks each holding 1/W of the data compute exactly what one process computes on all of it:
-
-- `dp_rank_size`: the data-parallel rank and size ((0, 1) without torch.distributed);
-- `pad_slice`: equal-sized, padded slices of a validation batch (padding is not scored);
-- `rank_slice`: each rank's contiguous slice of the step's prompts (whole groups per rank);
-- `gather_rollout`: the whole rollout batch on every rank (token ids, masks, advantages: small),
-  so PPO mini-batches are drawn from the GLOBAL batch with the same permutation as on one process;
-  `gather_group_ids`: its group ids alone, before the gather (mini-batches of whole groups);
-  each rank then runs its token-balanced part of every mini-batch (fspo/update/microbatches.py
-  `balanced_rank_rows`);
-- `sync_count`: the most micro-batches any rank has (FSDP forwards/backwards are collectives:
-  ranks with fewer run zero-weight dummies);
-- `reduce_sum` / `any_rank` / `reduce_step_stats`: exact sums of counts across ranks;
-- `clip_grad_norm`: global gradient norm over sharded (DTensor) gradients.
-
-Loss scale: mini-batch denominators (tokens, sequences) come from the global mini-batch and FSDP
-SUMS gradients across ranks (``set_gradient_divide_factor(1.0)``), so the summed per-rank
-gradients equal the one-process gradient. Leaves out: the loss (fspo/update/module.py) and generation.
+W ranks each holding 1/W of the data compute exactly what one process computes on all of it: every rank
+gathers the whole rollout (`gather_rollout`), so PPO mini-batches are drawn from the global batch with the
+same permutation; denominators (tokens, sequences) come from the global mini-batch and FSDP SUMS gradients
+across ranks (``set_gradient_divide_factor(1.0)``), so the summed per-rank gradients equal the one-process one.
 """
 from __future__ import annotations
 
@@ -40,15 +22,10 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 @dataclass
 class ShardingConfig:
-    """How `shard_model` wraps the policy.
-
-    ``layer_class``: class name of the decoder layer (one FSDP unit each; None: the model's
-    ``_no_split_modules``); ``mixed_precision``: "auto" (bf16 compute + fp32 gradient reduction on
-    CUDA, full fp32 elsewhere), "bf16", "fp16" or None; ``activation_checkpointing``: recompute each
-    layer's activations in backward; ``cpu_offload``: keep sharded parameters, gradients and
-    optimizer state in CPU memory (accelerators only; a no-op on CPU); ``reshard_after_forward``:
-    free gathered layers after forward (False trades memory for one all-gather per layer less in
-    backward)."""
+    """How `shard_model` wraps the policy: ``layer_class`` is one FSDP unit each (None: the model's
+    ``_no_split_modules``); ``mixed_precision`` "auto" is bf16 compute + fp32 reduction on CUDA, fp32
+    elsewhere; ``cpu_offload`` is a no-op on CPU; ``reshard_after_forward=False`` trades memory for one
+    all-gather per layer less in backward."""
 
     layer_class: Optional[str] = None
     mixed_precision: Optional[str] = "auto"
@@ -58,9 +35,7 @@ class ShardingConfig:
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """`ModelParallelStrategy` with all ``num_nodes * devices`` ranks data-parallel (no tensor
-    parallelism) and a `ShardingConfig` that `configure_sharding` reads; checkpoints are sharded
-    (``torch.distributed.checkpoint``, one folder) unless ``save_distributed_checkpoint=False``."""
+    """`ModelParallelStrategy` with every rank data-parallel and the `ShardingConfig` `configure_sharding` reads."""
 
     def __init__(self, layer_class: Optional[str] = None, mixed_precision: Optional[str] = "auto",
                  activation_checkpointing: bool = False, cpu_offload: bool = False,
@@ -95,10 +70,7 @@ def find_layers(model: nn.Module, class_name: Optional[str]) -> List[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh, cfg: ShardingConfig) -> nn.Module:
-    """Apply ``fully_shard`` to each decoder layer, then to ``model`` (embeddings, norm, head).
-
-    Gradients are summed, not averaged, across ``mesh`` (module docstring). Idempotent.
-    """
+    """``fully_shard`` each decoder layer, then ``model``; gradients summed across ``mesh``. Idempotent."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -125,8 +97,7 @@ def shard_model(model: nn.Module, mesh, cfg: ShardingConfig) -> nn.Module:
 
 
 def configure_sharding(module) -> None:
-    """`RLModule.configure_model` body: shard ``module.policy`` under a `ModelParallelStrategy`
-    (its data-parallel mesh; `ShardingConfig` from an `FSDP2Strategy`), do nothing otherwise."""
+    """`RLModule.configure_model` body: shard ``module.policy`` under a `ModelParallelStrategy`."""
     from fspo.models.meta_init import is_on_meta, load_local_shards
 
     trainer = attached_trainer(module)
@@ -162,8 +133,7 @@ def attached_trainer(module):
 
 
 def dp_rank_size(module=None) -> tuple[int, int]:
-    """(data-parallel rank, size): the mesh's ``data_parallel`` dimension when ``module`` has one,
-    else the world; (0, 1) without torch.distributed."""
+    """(data-parallel rank, size) of ``module``'s mesh, else of the world; (0, 1) without distribution."""
     mesh = getattr(module, "device_mesh", None)  # LightningModule's, set by ModelParallelStrategy
     if mesh is not None:
         dp = mesh["data_parallel"]
@@ -200,8 +170,7 @@ def reduce_sum(values: Sequence[float], device=None) -> List[float]:
 
 
 def rank_offset(n: int, rank: int, size: int, device=None) -> int:
-    """Where this rank's ``n`` rows start in the rank-order concatenation (`gather_rollout`):
-    the sum of ``n`` over the ranks before it (0 on one process)."""
+    """Where this rank's ``n`` rows start in the rank-order concatenation (`gather_rollout`)."""
     if size == 1:
         return 0
     sizes = reduce_sum([n if r == rank else 0 for r in range(size)], device)
@@ -231,8 +200,7 @@ def any_rank(flag: bool, device=None) -> bool:
 
 
 def reduce_step_stats(stats, device=None) -> None:
-    """Sum a `fspo.update.stats.StepStats`'s token/loss accumulators over ranks, in place
-    (grad norms are already global; ``loss_sum`` is a sum of partial losses)."""
+    """Sum a `StepStats`'s token/loss accumulators over ranks, in place (grad norms are already global)."""
     stats.flush()  # the sums kept on the device first
     keys = ("loss_sum", "tokens", "kl_sum", "ent_sum", "ent_tokens", "gap_sum", "gap_tokens")
     usages = (stats.usage, stats.usage_old)
@@ -258,8 +226,7 @@ def _offset_groups(parts: List[Tensor]) -> List[Tensor]:
 
 
 def gather_group_ids(group_ids: Tensor) -> Tensor:
-    """The group ids `gather_rollout` will give the global batch (rank order, offset to stay
-    unique), on ``group_ids``'s device; identity on one rank."""
+    """The group ids `gather_rollout` will give the global batch; identity on one rank."""
     if not _active():
         return group_ids
     parts: List[Optional[Tensor]] = [None] * dist.get_world_size()
@@ -268,9 +235,8 @@ def gather_group_ids(group_ids: Tensor) -> Tensor:
 
 
 def concat_rollouts(parts: List[RolloutBatch], offset_groups: bool = True) -> RolloutBatch:
-    """``parts`` (same device) concatenated in order: prompts re-left-padded, responses re-right-padded
-    with 0, group ids offset past the previous parts' (``offset_groups``) so they stay unique; a
-    field missing from any part is None."""
+    """``parts`` concatenated in order (prompts left-padded, responses right-padded, group ids kept
+    unique when ``offset_groups``); a field missing from any part is None."""
     p = max(b.prompt_ids.shape[1] for b in parts)
     t = max(b.response_ids.shape[1] for b in parts)
     groups = _offset_groups([b.group_ids for b in parts]) if offset_groups else None

@@ -1,19 +1,8 @@
-"""This process's rank on its node (the local rank), as the launcher assigned it.
+"""This process's rank on its node (the local rank, which picks the GPU), as the launcher assigned it.
 
-Owns: `local_rank`. Leaves out: the global rank and world size (torch.distributed) and device
-selection itself (Lightning's strategy; vLLM's external launcher reads ``LOCAL_RANK``).
-
-The local rank picks the GPU. It is NOT the global rank on any node after the first (global rank 5
-of 2 nodes x 4 GPUs is local rank 1), so it comes from the launcher, first match wins:
-
-1. ``trainer_local_rank``: Lightning's cluster environment (``trainer.local_rank``: torchrun,
-   SLURM, LSF, Kubeflow, MPI or its own launcher), when the caller has a trainer;
-2. ``LOCAL_RANK``: torchrun and Lightning's subprocess launcher set it;
-3. ``SLURM_LOCALID``: srun sets it;
-4. ``OMPI_COMM_WORLD_LOCAL_RANK``: mpirun (Open MPI) sets it;
-5. one node only (``world_size`` <= ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE`` when set, or a
-   single-process run): the global rank.
-Anything else is refused with one line naming the launchers that set it.
+First match wins: Lightning's ``trainer.local_rank`` when the caller has a trainer; ``LOCAL_RANK`` (torchrun,
+Lightning); ``SLURM_LOCALID`` (srun); ``OMPI_COMM_WORLD_LOCAL_RANK`` (mpirun); on one node only, the global
+rank. Anything else is refused with one line naming the launchers that set it.
 """
 from __future__ import annotations
 
@@ -26,7 +15,7 @@ _PER_NODE_KEYS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 
 def local_rank(global_rank: int, world_size: int, trainer_local_rank: Optional[int] = None,
                env: Optional[Mapping[str, str]] = None) -> int:
-    """The local rank of the process with ``global_rank`` of ``world_size`` (module docstring's order)."""
+    """The local rank of the process with ``global_rank`` of ``world_size``."""
     env = os.environ if env is None else env
     if trainer_local_rank is not None:
         return int(trainer_local_rank)

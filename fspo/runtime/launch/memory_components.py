@@ -1,11 +1,7 @@
 """The per-rank memory of a run, one function per component: the formulas of the memory plan.
 
-Owns: `ModelShape` (the numbers of a Qwen3/Llama-style decoder that memory depends on), `Layout` (how the
-run places it: ranks, dtypes, token budget, engine), one function per component (`COMPONENTS`: bytes
-per rank and the phase it lives in), `MemoryPlan` (their values and the peak) and `plan_memory`. Pure
-arithmetic, no torch and no config. Leaves out: reading a config into a `Layout`, the device's memory
-and the refusal (memory_plan.py). To add a component, write one function ``(shape, layout) ->
-bytes`` and list it in `COMPONENTS` with its phase.
+Pure arithmetic, no torch and no config. To add a component, list its ``(shape, layout) -> bytes`` function
+and its phase in `COMPONENTS`.
 
 Per rank, with W data-parallel ranks, b the bytes of the trainable (master) dtype, b_c the compute
 dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a full fine-tune):
@@ -33,13 +29,7 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
   logits          = dense: T V (20 + b_c if b_c < 4 else 20) (the float32 logits saved for backward, 4,
                     and 16 of temporaries in the log-softmax's backward; + the head's bf16 output);
                     chunked (ppo.lm_head_chunk_rows = c > 0): min(T, c) V 4 x 2  train
-                    Measured, not derived (tests/test_memory_measured.py), on the real forward + backward
-                    of fspo/update/logprobs.py over Qwen3 layers on CPU, shapes varied one at a time: the
-                    tensors saved for backward per token and layer (float32: the formula, to the byte;
-                    autocast: the formula is 9-19 % above), and the head's saved plus temporary bytes at
-                    the peak (torch's MemTracker): 20 (float32) and 21 (autocast) per element. The earlier formula (b_c
-                    (4 H + 2 q + 2 kv + 4 I), T V (b_c + 8)) was about half: on an H100 a Qwen3-1.7B-shaped step it
-                    planned at 63.5 GiB ran out of memory at 79 GiB (docs/memory.md, "Measured on a GPU").
+                    Activations and logits are measured on the real forward + backward (tests/test_memory_measured.py).
   engine_weights  = vLLM: N b_e / tp (its own copy, b_e its dtype); HF engine: 0 (it runs the policy)
   kv_cache        = vLLM on a GPU: reserved - engine_weights (reserved = gpu_memory_utilization x device
                     memory, which covers weights and KV cache); vLLM on CPU: its kv_cache_space;
@@ -53,7 +43,7 @@ dtype's (bf16 compute: 2), N the parameters and P the trainable ones (N for a fu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from fspo.runtime.launch.memory_overheads import (
     GIB,
@@ -134,40 +124,17 @@ def lora_params(s: ModelShape, x: Layout) -> int:
     return s.layers * sum(x.lora_rank * (lin[n][0] + lin[n][1]) for n in _adapted(s, x)) if x.lora_rank > 0 else 0
 
 
-def _trainable(s: ModelShape, x: Layout) -> int:
+def _trainable_bytes(s: ModelShape, x: Layout) -> int:
+    """P b_t: LoRA adapters are float32 whatever the base's dtype (the frozen base has no gradients)."""
     if x.lora_rank > 0:
-        return lora_params(s, x)
-    return s.params if x.trainable_params is None else x.trainable_params
-
-
-def _trainable_bytes(x: Layout) -> int:
-    return 4 if x.lora_rank > 0 else x.dtype_bytes  # LoRA adapters are float32 whatever the base's dtype
-
-
-def weights(s: ModelShape, x: Layout) -> int:
-    return s.params * x.dtype_bytes // x.ranks
+        return lora_params(s, x) * 4
+    return (s.params if x.trainable_params is None else x.trainable_params) * x.dtype_bytes
 
 
 def compute_weights(s: ModelShape, x: Layout) -> int:
     if x.ranks > 1:
         return (s.params - s.layers * s.layer_params + 2 * s.layer_params) * x.compute_bytes
     return s.params * x.compute_bytes if x.compute_bytes < x.dtype_bytes else 0
-
-
-def grads(s: ModelShape, x: Layout) -> int:
-    return _trainable(s, x) * _trainable_bytes(x) // x.ranks
-
-
-def optimizer(s: ModelShape, x: Layout) -> int:
-    return 2 * _trainable(s, x) * _trainable_bytes(x) // x.ranks
-
-
-def update_snapshot(s: ModelShape, x: Layout) -> int:
-    return _trainable(s, x) * _trainable_bytes(x) // x.ranks if x.update_snapshot else 0
-
-
-def adapters(s: ModelShape, x: Layout) -> int:
-    return lora_params(s, x) * 4 // x.ranks
 
 
 def adapter_activations(s: ModelShape, x: Layout) -> int:
@@ -210,24 +177,25 @@ def _engine_phase(x: Layout) -> str:
     return "generate" if x.engine_sleeps else "resident"
 
 
-# (name, size, phase): phase is "resident" (held throughout), "train" (the update) or "generate" (rollouts)
-COMPONENTS: Tuple[Tuple[str, Callable[[ModelShape, Layout], int], Callable[[Layout], str]], ...] = (
-    ("weights", weights, lambda x: "resident"),
-    ("compute_weights", compute_weights, lambda x: "train"),
-    ("adapters", adapters, lambda x: "resident"),
-    ("grads", grads, lambda x: "resident"),
-    ("optimizer", optimizer, lambda x: "resident"),
-    ("update_snapshot", update_snapshot, lambda x: "train"),
-    ("activations", activations, lambda x: "train"),
-    ("lora_activations", adapter_activations, lambda x: "train"),
-    ("logits", logits, lambda x: "train"),
+# (name, size, phase): phase is "resident" (held throughout), "train" (the update) or "generate" (rollouts),
+# or a function of the layout
+COMPONENTS: Tuple[Tuple[str, Callable[[ModelShape, Layout], int], Union[str, Callable[[Layout], str]]], ...] = (
+    ("weights", lambda s, x: s.params * x.dtype_bytes // x.ranks, "resident"),
+    ("compute_weights", compute_weights, "train"),
+    ("adapters", lambda s, x: lora_params(s, x) * 4 // x.ranks, "resident"),
+    ("grads", lambda s, x: _trainable_bytes(s, x) // x.ranks, "resident"),
+    ("optimizer", lambda s, x: 2 * _trainable_bytes(s, x) // x.ranks, "resident"),  # AdamW exp_avg, exp_avg_sq
+    ("update_snapshot", lambda s, x: _trainable_bytes(s, x) // x.ranks if x.update_snapshot else 0, "train"),
+    ("activations", activations, "train"),
+    ("lora_activations", adapter_activations, "train"),
+    ("logits", logits, "train"),
     ("engine_weights", engine_weights, _engine_phase),
     ("kv_cache", kv_cache, lambda x: _engine_phase(x) if x.engine == "vllm" else "generate"),
-    ("cuda_context", cuda_context, lambda x: "resident"),
-    ("nccl_buffers", nccl_buffers, lambda x: "resident"),
-    ("cuda_graphs", cuda_graphs, lambda x: "resident"),
-    ("root_grads", root_grads, lambda x: "train"),
-    ("rollout_batch", rollout_batch, lambda x: "train"),
+    ("cuda_context", cuda_context, "resident"),
+    ("nccl_buffers", nccl_buffers, "resident"),
+    ("cuda_graphs", cuda_graphs, "resident"),
+    ("root_grads", root_grads, "train"),
+    ("rollout_batch", rollout_batch, "train"),
 )  # then fragmentation (`plan_memory`): a share of the peak of these
 
 
@@ -273,10 +241,9 @@ class MemoryPlan:
 
 
 def plan_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
-    """Every component of `COMPONENTS` for ``shape`` placed as ``layout``, then the allocator's
-    fragmentation as a share of their peak (memory_overheads.py)."""
+    """Every component of `COMPONENTS`, then the allocator's fragmentation as a share of their peak."""
     parts = {name: int(size(shape, layout)) for name, size, _ in COMPONENTS}
-    phases = {name: phase(layout) for name, _, phase in COMPONENTS}
+    phases = {name: phase if isinstance(phase, str) else phase(layout) for name, _, phase in COMPONENTS}
     rest = MemoryPlan(parts=parts, phases=phases, ranks=layout.ranks)
     return MemoryPlan(parts={**parts, "fragmentation": fragmentation(rest.peak, layout)},
                       phases={**phases, "fragmentation": "resident"}, ranks=layout.ranks)

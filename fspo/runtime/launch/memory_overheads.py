@@ -1,30 +1,16 @@
-"""The memory a run uses besides its tensors' formulas: the longest sequence's micro-batch, the process's
-CUDA context, NCCL's buffers, vLLM's CUDA-graph pool, FSDP's unsharded root gradients and reduce-scatter
-buffer, the gathered rollout batch and the allocator's fragmentation.
+"""The memory a run uses besides its tensors' formulas (one function per component of memory_components.py).
 
-Owns: `tokens` (the tokens of the largest micro-batch) and one function per component, listed in
-memory_components.py's ``COMPONENTS``. Pure arithmetic on a ``ModelShape`` ``s`` and a
-``Layout`` ``x`` (memory_components.py), no torch, no config.
+  tokens        = max(ppo.micro_batch_max_tokens, max_prompt_len + max_new_tokens): a longer sequence runs
+                  alone in its micro-batch, so activations and logits are sized for the longer of the two
+  cuda_context  = `CUDA_CONTEXT` per process on a GPU (CUDA context, cuBLAS/cuDNN workspaces)    resident
+  nccl_buffers  = `NCCL_BUFFERS` per process with W > 1 on GPUs                                 resident
+  cuda_graphs   = `CUDA_GRAPHS` with vLLM on a GPU and CUDA graphs on (outside its memory share)  resident
+  root_grads    = FSDP (W > 1): the root's unsharded gradients in b_c plus the float32 reduce-scatter
+                  input, (N - layers N_layer) (b_c + 4)                                          train
+  rollout_batch = the gathered batch: rows x tokens of the longest sequence x 32 B               train
+  fragmentation = `FRAGMENTATION` x the peak of the rest, on a GPU                               resident
 
-  tokens        = max(ppo.micro_batch_max_tokens, max_prompt_len + max_new_tokens): a sequence longer
-                  than the budget runs alone in its micro-batch (fspo/update/packing.py), so the update's
-                  activations and logits are sized for the longer of the two
-  cuda_context  = `CUDA_CONTEXT` per process on a GPU (the CUDA context, cuBLAS/cuDNN workspaces: not
-                  in torch's allocator, but in the device's memory)                             resident
-  nccl_buffers  = `NCCL_BUFFERS` per process with W > 1 on GPUs (NCCL's channel buffers, NVLS)  resident
-  cuda_graphs   = `CUDA_GRAPHS` with vLLM on a GPU and CUDA graphs on (rollout.engine.enforce_eager
-                  false): the graph pool, outside vLLM's gpu_memory_utilization share and not freed
-                  by its sleep mode                                                          resident
-  root_grads    = FSDP (W > 1), the root trainable: the root's (embeddings, head, final norm: N -
-                  layers N_layer) unsharded gradients in b_c plus the float32 reduce-scatter input,
-                  (N - layers N_layer) (b_c + 4)                                                train
-  rollout_batch = the step's batch gathered: rows x tokens of the longest sequence x 32 B (int64
-                  ids and mask, float32 log-probs, old log-probs, advantages and weights)       train
-  fragmentation = `FRAGMENTATION` x the peak of the rest, on a GPU (the caching allocator's
-                  reserved-but-unused blocks; vLLM's sleep mode rules out expandable segments)  resident
-
-`CUDA_CONTEXT`, `NCCL_BUFFERS`, `CUDA_GRAPHS` and `FRAGMENTATION` are allowances, not measurements of
-ours: experiments/gpu_smoke.py measures a real run against the plan (docs/memory.md).
+The constants are allowances, not measurements: experiments/gpu_smoke.py measures a real run against the plan.
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """The memory plan of a run, per rank, from its config: logged at start-up, printed by ``dry_run=true``; a
 layout that cannot fit is refused before the model loads, with the layout that would.
 
-Owns: `model_shape` (the model's numbers from its config alone: the weights' local config.json, else
-``model.arch`` of conf/model/*.yaml, so no hub access is needed), `layout_of` (a config -> the
-`fspo.runtime.launch.memory_components.Layout` of one rank), `local_device_index` / `available_bytes` (the
-memory of THIS rank's device: ``memory_plan.device_gib`` when set), `what_would_fit` (the fewest FSDP
-ranks that fit) and `check_memory_plan` (log the plan, raise `MemoryPlanError` above
-``memory_plan.headroom`` x available), `dry_run` (print the plan and stop). Leaves out: the formulas
-(memory_components.py), measuring real usage (benchmarks/bench_memory.py,
-experiments/gpu_smoke.py) and sharding itself (distributed.py).
-
-Device: on CUDA the total memory of the rank's own GPU (its index from the launcher's LOCAL_RANK or
-SLURM_LOCALID, read before Lightning sets the device, without creating a context on GPU 0); on CPU
-physical RAM / the ranks on the node; ``memory_plan.device_gib=N`` stands in for either (and, with
-``trainer.accelerator`` cuda/gpu/auto, plans for a GPU even where none is visible: the dry run).
+Device memory: on CUDA the total memory of the rank's own GPU (read without creating a context on GPU 0); on
+CPU physical RAM / the ranks on the node; ``memory_plan.device_gib=N`` stands in for either.
 """
 from __future__ import annotations
 
@@ -32,14 +21,12 @@ MAX_RANKS = 256  # what_would_fit looks this far
 
 
 class MemoryPlanError(ValueError):
-    """The configured layout needs more memory per rank than is available (a config error: the CLI
-    shows it as one line, fspo/runtime/checks/errors.py)."""
+    """The configured layout needs more memory per rank than is available."""
 
 
 def model_shape(model_cfg) -> Optional[ModelShape]:
-    """The shape of the configured model from its config alone (no weights, no hub): ``model.arch`` for a
-    random model; else the weights' config.json when it is local (model.path, the warm start, the hub
-    cache), else ``model.arch``; None when neither exists."""
+    """The model's shape from its config alone (no weights, no hub): the local config.json, else ``model.arch``
+    (always for a random model); None when neither exists."""
     source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
     arch = dict(model_cfg.get("arch") or {})
     if source == "random":
@@ -68,8 +55,7 @@ def _shape(c: dict) -> ModelShape:
 
 
 def local_device_index(env: Mapping[str, str] = os.environ, device_count: int = 1) -> int:
-    """This process's GPU index: the launcher's LOCAL_RANK (torchrun, Lightning), else SLURM_LOCALID, else
-    0; 0 when that index is not visible (a launcher that gives each process one GPU)."""
+    """This process's GPU index: LOCAL_RANK, else SLURM_LOCALID; 0 when unset or that index is not visible."""
     for key in ("LOCAL_RANK", "SLURM_LOCALID"):
         if str(env.get(key, "")).isdigit():
             idx = int(env[key])
@@ -78,8 +64,7 @@ def local_device_index(env: Mapping[str, str] = os.environ, device_count: int = 
 
 
 def available_bytes(cuda: bool, local_ranks: int, device_gib: Optional[float] = None) -> int:
-    """``device_gib`` GiB when given; CUDA: the total memory of this rank's GPU (`local_device_index`;
-    device properties, so no CUDA context is created on GPU 0); CPU: physical RAM / ``local_ranks``."""
+    """``device_gib`` GiB when given; CUDA: this rank's GPU's total memory; CPU: physical RAM / ``local_ranks``."""
     if device_gib is not None:
         return int(float(device_gib) * GIB)
     if cuda:
@@ -115,8 +100,7 @@ def _ranks(cfg) -> Tuple[int, int]:
 
 
 def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
-    """The `Layout` of one rank of ``cfg`` (model ``shape``) on a device of ``device_bytes`` (vLLM reserves a
-    share of it on a GPU)."""
+    """The `Layout` of one rank of ``cfg`` on a device of ``device_bytes`` (vLLM reserves a share on a GPU)."""
     ranks, _ = _ranks(cfg)
     gpu = _on_gpu(cfg)
     b = _BYTES[str(cfg.model.get("dtype", "float32"))]
@@ -161,8 +145,7 @@ def layout_of(cfg, shape: ModelShape, device_bytes: int) -> Layout:
 
 
 def what_would_fit(shape: ModelShape, layout: Layout, budget: float) -> Optional[str]:
-    """The fewest FSDP ranks (powers of 2 up to `MAX_RANKS`; bf16 compute, activation checkpointing as
-    configured, then on) whose plan fits in ``budget`` bytes, as the overrides to use; None if none does."""
+    """The overrides for the fewest FSDP ranks (powers of 2, bf16 compute) that fit ``budget``; None if none."""
     w = max(2, layout.ranks)
     while w <= MAX_RANKS:
         for ac in sorted({layout.activation_checkpointing, True}):
@@ -194,10 +177,8 @@ def _plan(cfg, available: Optional[int]):
 
 
 def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPlan]:
-    """Log the plan of ``cfg`` at INFO and raise `MemoryPlanError` when its peak exceeds
-    ``memory_plan.headroom`` x ``available`` (default: `available_bytes`) with ``memory_plan.check``, or
-    when vLLM's memory share leaves no room for its KV cache; None (logged) when the model's shape is
-    unknown before loading."""
+    """Log the plan of ``cfg``; with ``memory_plan.check`` raise `MemoryPlanError` when its peak exceeds
+    ``memory_plan.headroom`` x ``available`` or vLLM's share leaves no KV cache. None for an unknown shape."""
     found = _plan(cfg, available)
     if found is None:
         log.info("memory plan skipped: the config of %s is not available before loading (set model.arch)",
@@ -235,8 +216,7 @@ def check_memory_plan(cfg, available: Optional[int] = None) -> Optional[MemoryPl
 
 
 def dry_run(cfg, available: Optional[int] = None, out: Callable[[str], None] = print) -> MemoryPlan:
-    """``dry_run=true``: print the per-rank plan of ``cfg`` (a line per component) and whether it fits, then
-    stop; raise `MemoryPlanError` (after printing) when it does not, naming the layout that would."""
+    """``dry_run=true``: print the per-rank plan of ``cfg`` and whether it fits (`MemoryPlanError` if not)."""
     found = _plan(cfg, available)
     if found is None:
         raise MemoryPlanError(f"dry_run: the shape of {cfg.model.get('hub_id') or cfg.model.get('path')} is unknown "

@@ -1,28 +1,14 @@
-"""Where a run trains and generates: a model meant for GPUs (``model.device: cuda``, conf/model/qwen3_*.yaml)
-is placed on the GPUs the machine has, unless the command line says otherwise.
-
-Owns: `Machine` (what this process sees: CUDA, its GPUs, the launched processes, vLLM installed) and
-`place` (turn the composed config into the concrete placement, in place, and return one line per choice).
-Leaves out: the memory plan and what it changes to fit (memory_plan.py,
-auto_fit.py) and sharding itself (distributed.py).
-
-For ``model.device: cuda`` with a GPU visible (each choice skipped when the command line names its key or
-group: an explicit setting always wins):
+"""Where a run trains and generates: a model meant for GPUs (``model.device: cuda``) is placed on the GPUs the
+machine has, each choice skipped when the command line names its key or group (an explicit setting wins):
 
   trainer.accelerator  cpu -> gpu
-  several processes    (torchrun / SLURM through Lightning, WORLD_SIZE > 1): trainer=fsdp's block, FSDP2
-                       with bf16 compute and float32 master weights and gradient reduction
-  one process          trainer.devices=1, ppo.autocast=bf16 (float32 masters, bf16 compute; a bf16
-                       model.dtype computes in bf16 without it)
+  several processes    trainer=fsdp's block (FSDP2, bf16 compute, float32 masters and gradient reduction)
+  one process          trainer.devices=1, ppo.autocast=bf16 (unless model.dtype is already bf16)
   old log-probs        rollout.old_log_probs=recompute (bf16 compute: the trainer's own pass)
-  rollout              vllm when it is installed (conf/rollout/vllm.yaml's block), else HF generation
-                       under bf16 autocast (rollout.engine.autocast=bf16)
+  rollout              vllm when it is installed, else HF generation under rollout.engine.autocast=bf16
 
-With no GPU visible the run stops with one line saying what it needs (``trainer.accelerator=cpu`` on the
-command line trains on the CPU anyway); ``dry_run=true`` is placed as on a machine with one GPU per
-process, and plans for it (memory_plan.device_gib).
-A model meant for the CPU (``model.device: cpu``, the tiny default) stays there, with a warning when a GPU
-is visible and unused; a launch with fewer processes than visible GPUs says how many stay idle.
+With no GPU visible the run stops with one line (``trainer.accelerator=cpu`` trains on the CPU anyway);
+``dry_run=true`` is placed as on one GPU per process. A ``model.device: cpu`` model stays on the CPU.
 """
 from __future__ import annotations
 
@@ -41,7 +27,7 @@ FSDP = "fspo.runtime.launch.distributed.FSDP2Strategy"
 
 
 class PlacementError(ValueError):
-    """The run needs a device this machine does not have (a user error: one line, exit code 2)."""
+    """The run needs a device this machine does not have."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +64,7 @@ PLACEMENT_GROUPS = ("trainer", "rollout")  # selecting one of these names every 
 
 
 def _named(names: set, key: str) -> bool:
-    """``key`` is set on the command line, or its trainer/rollout group is selected there (``trainer=cpu``
-    names every trainer.* key; ``+model=qwen3_8b`` picks a model, not its dtype)."""
+    """``key`` or its trainer/rollout group is set on the command line (``trainer=cpu`` names trainer.*)."""
     top = key.split(".")[0]
     return key in names or (top in PLACEMENT_GROUPS and f"group:{top}" in names and key != top)
 
@@ -100,9 +85,8 @@ def _group_block(group: str, option: str):
 
 
 def place(cfg, overrides: Optional[Sequence[str]] = None, machine: Optional[Machine] = None) -> List[str]:
-    """Place the run of ``cfg`` on ``machine`` (default: `Machine.detect`), changing ``cfg`` in place; the
-    command line ``overrides`` name what stays as given. Returns the choices, one line each (logged).
-    Raises `PlacementError` for a GPU model with no GPU visible (module docstring)."""
+    """Place the run of ``cfg`` on ``machine``, in place, leaving what ``overrides`` name; returns the choices
+    (logged). Raises `PlacementError` for a GPU model with no GPU visible."""
     m = machine or Machine.detect()
     names = named_keys(overrides or ())
     accel = str(OmegaConf.select(cfg, "trainer.accelerator", default="cpu"))
@@ -152,10 +136,6 @@ def place(cfg, overrides: Optional[Sequence[str]] = None, machine: Optional[Mach
             choices.append("rollout=vllm (vLLM is installed)")
         else:
             _set(cfg, "rollout.engine.autocast", "bf16", names, choices, "HF generation in bf16; vLLM is not installed")
-    return _report(choices)
-
-
-def _report(choices: List[str]) -> List[str]:
     for c in choices:
         log.info("placement: %s", c)
     return choices

@@ -1,23 +1,12 @@
-"""Which dtype each copy of the weights has: the trainable (master) weights, the trainer's compute, and
-the rollout engine's weights.
+"""Which dtype each copy of the weights has: the trainable (master) weights, the compute, the rollout engine's.
 
-Owns: `master_weight_problem` (a low-precision trainable dtype with a learning rate too small to move
-its weights: training runs and silently learns nothing), `weight_step` (the spacing of a dtype's values near
-a weight) and `engine_dtype` (the rollout engine's weight dtype for ``rollout.engine.dtype=auto``).
-Leaves out: applying them (fspo/runtime/checks/config_check.py refuses, fspo/rollout/vllm.py builds the
-engine, memory_plan.py counts the bytes).
-
-The rule: trainable weights and the AdamW state are float32 (``model.dtype=float32``); computation runs
-in bfloat16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under
-``trainer=fsdp``, ``ppo.autocast=bf16`` on one device). Why: AdamW moves each weight by about ``lr``
-per step (its normalised update is at most ~1), and a float with ``m`` explicit mantissa bits holding
-a weight ``w`` only represents changes in steps of
+Trainable weights and the AdamW state are float32; computation runs in bfloat16. AdamW moves each weight by
+about ``lr`` per step, and a float with ``m`` mantissa bits holding a weight ``w`` changes only in steps of
 
     ulp(w) = 2^(floor(log2 |w|) - m)      (bfloat16: m = 7; float16: m = 10; float32: m = 23)
 
-so a step below ulp(w) / 2 rounds back to ``w`` (round to nearest even). At Qwen3's typical weight
-size 0.02 (its initializer_range) bfloat16's ulp is 2^-13 = 1.22e-4: ``lr=1e-6`` leaves every such
-weight where it was. `master_weight_problem` refuses ``lr < ulp(TYPICAL_WEIGHT) / 2``.
+so a step below ulp(w) / 2 rounds back to ``w``. At Qwen3's typical weight 0.02 bfloat16's ulp is 1.22e-4:
+``lr=1e-6`` moves nothing. `master_weight_problem` refuses ``lr < ulp(TYPICAL_WEIGHT) / 2``.
 """
 from __future__ import annotations
 
@@ -35,8 +24,7 @@ def weight_step(dtype: str, w: float = TYPICAL_WEIGHT) -> float:
 
 
 def master_weight_problem(dtype: str, lr: float, trainable: bool = True) -> Optional[str]:
-    """The one-line refusal for trainable weights of ``dtype`` stepped by AdamW at ``lr``, or None when
-    the steps are representable (``lr >= weight_step(dtype) / 2``) or nothing of ``dtype`` trains."""
+    """The one-line refusal for trainable ``dtype`` weights stepped by AdamW at ``lr``, or None when fine."""
     if not trainable or dtype not in MANTISSA_BITS or dtype == "float32":
         return None
     step = weight_step(dtype)
@@ -49,9 +37,8 @@ def master_weight_problem(dtype: str, lr: float, trainable: bool = True) -> Opti
 
 
 def engine_dtype(requested: str, param_dtype: str, on_gpu: bool) -> str:
-    """The rollout engine's weight dtype: ``requested`` unless it is ``auto``; ``auto`` is bfloat16 on a GPU
-    (generation; the trainer recomputes the loss's log-probs in float32 from its own weights) and the
-    policy's own ``param_dtype`` elsewhere (vLLM's CPU ``auto`` would downcast a float32 model)."""
+    """The rollout engine's weight dtype: ``requested``, or for ``auto`` bfloat16 on a GPU and the policy's own
+    ``param_dtype`` elsewhere (vLLM's CPU ``auto`` would downcast a float32 model)."""
     if requested != "auto":
         return requested
     return ENGINE_AUTO_GPU if on_gpu else param_dtype

