@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import ClassVar, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -97,12 +97,13 @@ class RatioClipRule(ClipRule):
     or None (no dual clip)."""
 
     settings = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+    settings_class: ClassVar[type] = RatioClipSettings  # the dataclass that checks them (a rule's own: its extras)
 
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
-                 clip_ratio_c: Optional[float]) -> None:
+                 clip_ratio_c: Optional[float], **extra) -> None:
         super().__init__()
-        self._take(RatioClipSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, owner=type(self).__name__))
-
+        self._take(self.settings_class(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                       clip_ratio_c=clip_ratio_c, **extra, owner=type(self).__name__))
 
 
 def seq_log_ratio_per_token(p: Prepared, seq_value: Tensor, ratio_grad: str, full: Tensor) -> Tensor:

@@ -7,10 +7,8 @@ from torch import Tensor
 
 from fspo.clipping._common import (
     MAX_LOG_RATIO,
-    RATIO_GRADS,
     RatioClipRule,
     cap_mask,
-    check_choice,
     prepare,
     ratio_clip,
     seq_advantage,
@@ -29,12 +27,12 @@ class RLOOClip(RatioClipRule):
     is their masked mean. ``in_band``: 1 - low <= s_i <= 1 + high; ``clip_cap``: |S_i| > 20, no clip binding."""
 
     settings = RatioClipRule.settings + ("ratio_grad",)
+    settings_class = RLOO
     level = "sequence"
 
     def __init__(self, clip_ratio_low: float = RLOO.clip_ratio_low, clip_ratio_high: float = RLOO.clip_ratio_high,
                  clip_ratio_c: Optional[float] = RLOO.clip_ratio_c, ratio_grad: str = RLOO.ratio_grad) -> None:
-        super().__init__(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-        self.ratio_grad = check_choice(type(self).__name__, "ratio_grad", ratio_grad, RATIO_GRADS)
+        super().__init__(clip_ratio_low, clip_ratio_high, clip_ratio_c, ratio_grad=ratio_grad)
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
