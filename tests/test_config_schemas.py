@@ -22,8 +22,8 @@ COMPOSE = ("from hydra import compose, initialize_config_dir\n"
 
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+def _python(code: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 CHECK = "assert cfg.ppo.lr == 2e-5 and cfg.clip.clip_ratio_high == 0.28, cfg.clip\n"
@@ -33,11 +33,11 @@ CHECK = "assert cfg.ppo.lr == 2e-5 and cfg.clip.clip_ratio_high == 0.28, cfg.cli
     f"import fspo.types\n{COMPOSE}",  # any fspo module: fspo/__init__.py stores the schemas
     f"from fspo.cli import early_error\n{COMPOSE}",  # experiments/run.py, evaluate.py
     "from fspo.sweeps import job_config\n" + COMPOSE,
-    "import sys; sys.path.insert(0, 'benchmarks')\nfrom _common import compose\ncfg = compose(['+method=grpo'])\n"
-    + CHECK,
+    "from _common import compose\ncfg = compose(['+method=grpo'])\n" + CHECK,  # run in benchmarks/, as a script
 ], ids=["fspo", "cli", "sweeps", "benchmarks"])
 def test_a_fresh_process_composes_with_the_schemas(code):
-    p = _python(code.format(conf=REPO / "conf"))
+    folder = REPO / "benchmarks" if "_common" in code else REPO  # a benchmark script's neighbours: its folder
+    p = _python(code.format(conf=REPO / "conf"), cwd=folder)
     assert p.returncode == 0, p.stderr[-2000:]
 
 
