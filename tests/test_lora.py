@@ -129,7 +129,7 @@ def test_optimizer_holds_only_the_adapters(compose_cfg):
 @pytest.mark.parametrize("overrides, match", [
     (["model.lora.rank=-1"], r"model.lora.rank=-1: must be a whole number >= 0"),
     (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0: must be a number > 0"),
-    (["model.lora.rank=8", "model.lora.dropout=1.0"], r"model.lora.dropout=1.0: must be a number in \[0, 1\)"),
+    (["model.lora.rank=8", "model.lora.dropout=1.0"], r"model.lora.dropout=1: must be a number in \[0, 1\)"),
     (["model.lora.target_modules=[q_proj]"], r"model.lora.rank=0: .*rank 0 turns LoRA off; set model.lora.rank=8"),
     (["model.lora.rank=8", "model.lora.target_modules=[]"], r"model.lora.target_modules=\[\]: no layer to adapt"),
     (["model.lora.rank=8", "rollout.overlap.enable=true", "ppo.old_log_probs=engine"],

@@ -149,7 +149,7 @@ def get_setting(cfg: DictConfig, key: str) -> Any:
 
 
 def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
-    shown = "null" if value is None else value
+    shown = "null" if value is None else f"{value:g}" if isinstance(value, float) else value  # typed: -1, not -1.0
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
 
 
