@@ -12,6 +12,7 @@ the current weights' (recomputed, or the engine's with ``policy_lag`` 0); under 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Dict, Optional
 
 import lightning as L
@@ -58,9 +59,6 @@ class RLModule(L.LightningModule):
         self.strict_loading = not is_lora(policy)  # LoRA checkpoints hold the adapters; the base comes from the config
         # train-inference mismatch weights; None or mode none: off
         self.correction = correction if correction is not None and correction.enabled else None
-        if self.correction is not None and self.correction.reweights and ppo.old_log_probs != "recompute":
-            raise ValueError("rollout_correction needs ppo.old_log_probs=recompute (the engine's old log-probs "
-                             "have zero mismatch by construction)")
         self.guard = guard  # divergence limits checked before every optimizer step (guard.py); None: off
         if ppo.packing:  # sdpa models: packed micro-batches as one unpadded row
             enable_segment_attention(policy)
@@ -76,9 +74,8 @@ class RLModule(L.LightningModule):
         self.register_buffer("skipped_updates", torch.zeros((), dtype=torch.long))
         # RL steps completed: the logged step of a step's metrics and later validations ("after s updates")
         self.register_buffer("rl_step", torch.zeros((), dtype=torch.long))
-        self._val_sums: Dict[str, float] = {}
+        self._val_sums: Counter = Counter()
 
-    # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):
         # trainable parameters only: with LoRA the adapters, so no optimizer state for the base
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
@@ -99,7 +96,6 @@ class RLModule(L.LightningModule):
         """The engine reported log-probs (at temperature 1) and the trainer's are at temperature 1 too."""
         return batch.engine_log_probs is not None and float(self.ppo.logprob_temperature) == 1.0
 
-    # ---------------------------------------------------------------- training
     def training_step(self, batch, batch_idx):
         rollout: Optional[RolloutBatch] = batch.get("rollout") if isinstance(batch, dict) else None
         if rollout is None:
@@ -108,20 +104,15 @@ class RLModule(L.LightningModule):
         rollout.validate()
         self.timings = dict(batch.get("rollout_timings", {}))  # generation and reward
         opt = self.optimizers()
-        sched = self.lr_schedulers()
         stats = StepStats()
-        moved = UpdateRatio() if self.ppo.update_ratio else None  # train/update_ratio
-        if moved is not None:
-            moved.snapshot(self.policy.parameters())
+        moved = UpdateRatio().snapshot(self.policy.parameters()) if self.ppo.update_ratio else None
         # data parallel: each rank generated its share; after its old log-probs the batch is gathered
         rank, world = dp_rank_size(self)
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
         g = torch.Generator().manual_seed(step_seed(self.seed, int(self.rl_step)))
-        groups = None
-        if self.ppo.mini_batch_unit == "prompts":  # whole groups: the global batch's group ids
-            if rollout.group_ids is None:
-                raise ValueError("ppo.mini_batch_unit=prompts needs RolloutBatch.group_ids; the rollout has none")
+        groups = None  # mini_batch_unit=prompts: whole groups by the global batch's ids (minibatch_plan needs them)
+        if self.ppo.mini_batch_unit == "prompts" and rollout.group_ids is not None:
             groups = gather_group_ids(rollout.group_ids)
         plan = self.ppo.minibatch_plan(global_size, g, groups)
         t0 = time.perf_counter()
@@ -162,7 +153,7 @@ class RLModule(L.LightningModule):
                          gap=(updates == 0 and (supplied or self.ppo.epochs == 1)),
                          rows=None if tokens is None else balanced_rank_rows(tokens[mb_idx], rank, world),
                          update=updates)
-        sched.step()
+        self.lr_schedulers().step()
         if moved is not None:
             stats.update_ratio = moved.compute(self.policy.parameters(), self.device)
         self.timings["time/train"] = time.perf_counter() - t0
@@ -289,19 +280,15 @@ class RLModule(L.LightningModule):
         prog_bar = {"reward/mean", "clip/seq_frac", "fairness/lre", "rollout/response_len_mean"}
         emit_metrics(self, metrics, int(self.rl_step), prog_bar)
 
-    # ---------------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
         stats = batch.get("val_stats") if isinstance(batch, dict) else None
         if stats is None:
             raise RuntimeError("validation batch has no 'val_stats': add fspo.rollout.callback.RolloutCallback")
-        n = stats["_count"]
-        self._val_sums["_count"] = self._val_sums.get("_count", 0) + n
-        for k, v in stats.items():
-            if k != "_count":
-                self._val_sums[k] = self._val_sums.get(k, 0.0) + v * n
+        n = stats["_count"]  # the other entries are means over n prompts: summed as v * n
+        self._val_sums.update({k: n if k == "_count" else v * n for k, v in stats.items()})
 
     def on_validation_epoch_end(self):
-        sums, self._val_sums = self._val_sums, {}
+        sums, self._val_sums = self._val_sums, Counter()
         n = sums.pop("_count", 0)
         if n or self.trainer.world_size > 1:  # a rank may hold only padding prompts (n = 0): it still reduces
             metrics = {k: v / max(n, 1) for k, v in sums.items()}

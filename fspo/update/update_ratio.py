@@ -28,9 +28,10 @@ class UpdateRatio:
         self._old: Optional[List[Tensor]] = None
 
     @torch.no_grad()
-    def snapshot(self, params: Iterable[Tensor]) -> None:
-        """Copy this rank's part of every trainable parameter of ``params``."""
+    def snapshot(self, params: Iterable[Tensor]) -> "UpdateRatio":
+        """Copy this rank's part of every trainable parameter of ``params``; returns self."""
         self._old = [_local(p).detach().clone() for p in params if p.requires_grad]
+        return self
 
     @torch.no_grad()
     def compute(self, params: Iterable[Tensor], device=None) -> float:
