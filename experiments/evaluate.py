@@ -7,15 +7,11 @@
     python experiments/evaluate.py +model=qwen3_8b model.path=/data/Qwen3-8B-Base rollout=vllm
     python experiments/evaluate.py model.source=random eval_data=[math500] limit=4 k=2 sampling.max_new_tokens=32
 
-Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/).
-Owns: `evaluate(cfg)`: resolve the checkpoints and the model config (the training run's own ``model`` node
-when one is found) and the benchmarks (a run on the built-in task gets its held-out evaluation set,
-fspo/evaluation/eval_sets.py), build the policy and engine, check that every benchmark's longest prompt fits
-the model's context (else one error line, before any MLflow run), build the verifiers once, then for the base
-model and/or each checkpoint load its weights, sync the engine, evaluate every benchmark (progress lines with
-ETAs), and log to MLflow; with checkpoints, finish with the best/last summary. Leaves out: the metrics
-(fspo/evaluation/benchmark.py) and the summary/MLflow details (fspo/evaluation/summary.py). A bad setting or
-input ends with one line naming the problem (exit code 2), as in run.py; SIGTERM/Ctrl-C end the run KILLED.
+Config: conf/evaluate.yaml (decoding per the paper's test-time table; benchmarks from conf/eval_data/). The model
+config is the training run's own ``model`` node when one is found; a run on the built-in task gets its held-out
+set (fspo/evaluation/eval_sets.py). Every benchmark's longest prompt is checked against the context before any
+MLflow run; a bad setting or input ends with one line naming the problem (exit code 2); SIGTERM/Ctrl-C end the
+run KILLED.
 """
 from __future__ import annotations
 
