@@ -20,30 +20,29 @@ from fspo.tracking.run_summary import (
     RULE,
     absolute_uri,
     eval_summary,
-    open_hint,
     open_rows,
     sweep_summary,
     training_summary,
 )
 
 
-def test_open_hint_sqlite_file_http(tmp_path, monkeypatch):
+def test_open_rows_sqlite_file_http(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert open_hint("sqlite:///mlflow.db", "1", "abc") == \
+    assert open_rows("sqlite:///mlflow.db", "1", "abc")[0] == \
         ("open with", f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}")
-    assert open_hint("sqlite:////data/m.db") == ("open with", "mlflow ui --backend-store-uri sqlite:////data/m.db")
-    assert open_hint("./mlruns") == ("open with", f"mlflow ui --backend-store-uri file://{tmp_path / 'mlruns'}")
-    assert open_hint("file:///data/mlruns", "0", "r") == ("open with",
-                                                          "mlflow ui --backend-store-uri file:///data/mlruns")
-    assert open_hint("http://host:5000/", "7", "abc") == \
+    assert open_rows("sqlite:////data/m.db")[0] == ("open with", "mlflow ui --backend-store-uri sqlite:////data/m.db")
+    assert open_rows("./mlruns")[0] == ("open with", f"mlflow ui --backend-store-uri file://{tmp_path / 'mlruns'}")
+    assert open_rows("file:///data/mlruns", "0", "r")[0] == \
+        ("open with", "mlflow ui --backend-store-uri file:///data/mlruns")
+    assert open_rows("http://host:5000/", "7", "abc")[-1] == \
         ("run page", "http://host:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
-    assert open_hint("https://mlflow.example.org", "7") == \
+    assert open_rows("https://mlflow.example.org", "7")[-1] == \
         ("experiment page", "https://mlflow.example.org/#/experiments/7/runs?workflowType=machine_learning")
     assert open_rows("sqlite:////d/m.db", "3", "r") == [
         ("open with", "mlflow ui --backend-store-uri sqlite:////d/m.db"),
         ("experiment page", "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"),
         ("run page", "http://127.0.0.1:5000/#/experiments/3/runs/r/model-metrics?workflowType=machine_learning")]
-    assert open_hint("databricks", "7", "abc") == ("tracking URI", "databricks")
+    assert open_rows("databricks", "7", "abc")[0] == ("tracking URI", "databricks")
     assert absolute_uri("http://host:5000") == "http://host:5000"
 
 

@@ -43,7 +43,7 @@ from fspo.runtime.checkpoints import stop_signal
 from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
 from fspo.runtime.checkpoints.files import list_checkpoints, load_checkpoint, read_resume_meta
 from fspo.runtime.checkpoints.integrity import verify
-from fspo.runtime.checkpoints.resume import latest_complete_checkpoint
+from fspo.runtime.checkpoints.resume import scan_checkpoints
 
 SIG_ARGS = [a for a in ARGS if not a.startswith(("steps=", "checkpoint.every_n_steps="))] + \
     ["steps=40", "checkpoint.every_n_steps=0"]  # checkpoints only on the signal (and after step 40)
@@ -153,7 +153,7 @@ def test_failed_write_keeps_previous_checkpoint_and_keep_last(tmp_path):
         cb._save(FakeTrainer(crash), 4)
     assert list_checkpoints(ck) == [ck / "step_000002.ckpt"]
     assert (ck / "step_000002.ckpt").read_bytes() == before
-    assert latest_complete_checkpoint(tmp_path) == ck / "step_000002.ckpt"
+    assert scan_checkpoints(tmp_path)[0] == ck / "step_000002.ckpt"
     for s in (4, 6, 8):
         cb._save(FakeTrainer(good_writer(s)), s)
     assert [p.name for p in list_checkpoints(ck)] == ["step_000006.ckpt", "step_000008.ckpt"]  # keep_last=2
@@ -193,7 +193,7 @@ def test_kill9_during_write_keeps_previous_checkpoint(tmp_path):
     proc.wait()
     assert list_checkpoints(ck) == [ck / "step_000002.ckpt"]  # keep_last=1 would have deleted it after a commit
     assert (ck / "step_000002.ckpt").read_bytes() == before
-    assert latest_complete_checkpoint(tmp_path) == ck / "step_000002.ckpt"
+    assert scan_checkpoints(tmp_path)[0] == ck / "step_000002.ckpt"
 
 
 STEPS = 3

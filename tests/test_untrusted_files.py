@@ -76,10 +76,6 @@ def test_clean_distributed_checkpoint_loads_and_crafted_ones_are_refused(tmp_pat
     policy, step = load_checkpoint(item)
     assert set(policy) == {"w"} and step == 3
     assert not marker.exists()
-    from fspo.runtime.checkpoints.safe_load import safe_dcp_load  # the whole-folder loader refuses it
-    with pytest.raises(UnsafeCheckpoint, match="'(extra|state_dict.policy.x)'"):
-        safe_dcp_load(item)
-    assert not marker.exists()
 
 
 @pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI

@@ -62,12 +62,6 @@ def open_rows(uri: Optional[str], experiment_id: Optional[str] = None,
     return rows or [("MLflow server", base)]
 
 
-def open_hint(uri: Optional[str], experiment_id: Optional[str] = None, run_id: Optional[str] = None) -> Tuple[str, str]:
-    """The first of `open_rows`: the command (local store) or the most specific page (server)."""
-    rows = open_rows(uri, experiment_id, run_id)
-    return rows[0] if not str(uri or "").startswith(("http://", "https://")) else rows[-1]
-
-
 def format_block(title: str, rows: Iterable[Tuple[str, Any]]) -> str:
     """``title`` between two rules, one ``label: value`` line per row (rows with value None are left out)."""
     rows = [(k, v) for k, v in rows if v is not None]

@@ -72,11 +72,6 @@ def scan_checkpoints(output_dir) -> Tuple[Optional[Path], List[Tuple[Path, str]]
     return None, bad
 
 
-def latest_complete_checkpoint(output_dir) -> Optional[Path]:
-    """The newest usable checkpoint of ``output_dir`` (damaged ones skipped with a warning), or None."""
-    return scan_checkpoints(output_dir)[0]
-
-
 def _move_aside(bad: List[Tuple[Path, str]]) -> None:
     if launch_rank() != 0:  # the launching process moves; the other ranks reach the same verdict
         return

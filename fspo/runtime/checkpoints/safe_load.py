@@ -7,11 +7,10 @@ and what it holds; nothing in it is called. fspo's checkpoints hold only tensors
 """
 from __future__ import annotations
 
-import io
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -101,34 +100,3 @@ def safe_dcp_reader(path):
 
     return Reader(str(path))
 
-
-def safe_dcp_load(path) -> Dict[str, Any]:
-    """A distributed-checkpoint folder as one dict, its metadata and byte items checked."""
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    p = Path(path)
-    reader = safe_dcp_reader(p)
-    refused = []
-
-    class Planner(_EmptyStateDictLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                refused.append(_refusal(p, f"a Python object in {read_item.dest_index.fqn!r} ({_global_of(e)})"))
-                raise refused[-1] from None
-            if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, with the checked object
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    sd: Dict[str, Any] = {}
-    try:
-        _load_state_dict(sd, storage_reader=reader, planner=Planner(), no_dist=True)
-    except BaseException:  # CheckpointException (a BaseException) wraps errors per rank: report ours as one line
-        if refused:
-            raise refused[0] from None
-        raise
-    return sd
