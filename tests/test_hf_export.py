@@ -88,6 +88,8 @@ def test_two_step_checkpoint_exports_with_the_trainers_log_probs(compose_cfg, tm
     assert export_hf(cfg.output_dir, tmp_path / "bf16", dtype="bfloat16").is_dir()
     from transformers import AutoModelForCausalLM
     assert next(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="full fine-tuning checkpoint"):  # experiments/export_lora.py's refusal
+        export_hf(ckpt, tmp_path / "merged", lora_only=True)
 
 
 def test_bad_input_is_one_line(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fspo.models.loading import DTYPES, load_policy
-from fspo.models.lora import is_lora
+from fspo.models.lora import is_lora, lora_settings
 from fspo.runtime.checkpoints.files import find_checkpoints, load_checkpoint, load_into, read_resume_meta
 from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
@@ -46,14 +46,19 @@ def run_model_config(path: Path, model_path: Optional[str] = None) -> Tuple[Dict
     return run_cfg, model_cfg
 
 
-def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None) -> Path:
+def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None,
+              lora_only: bool = False) -> Path:
     """Write the model of ``checkpoint`` to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
-    ``model_path`` overrides the run's ``model.path`` (moved base weights); ``dtype`` casts the written weights."""
+    ``model_path`` overrides the run's ``model.path`` (moved base weights); ``dtype`` casts the written weights;
+    ``lora_only``: a checkpoint of a run without LoRA is refused (experiments/export_lora.py)."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
                          f"got {dtype!r}")
     path = newest_checkpoint(checkpoint)
     run_cfg, model_cfg = run_model_config(path, model_path)
+    if lora_only and not lora_settings(model_cfg).enabled:
+        raise ValueError(f"{path} is a full fine-tuning checkpoint (model.lora.rank=0), not a LoRA one: its policy "
+                         f"weights are the whole model already (experiments/evaluate.py loads it as is)")
     model_cfg["meta"] = False
     state, _ = load_checkpoint(path)
     stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
