@@ -25,6 +25,7 @@ A JSON of every phase call goes to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -62,10 +63,8 @@ class Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            try:
+            with contextlib.suppress(OSError):
                 Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
-                pass
         return time.perf_counter()
 
     def stop(self, phase: str, t0: float, tokens: float, flops: float, counted: float) -> None:
@@ -96,11 +95,9 @@ def instrument(meter: Meter) -> None:
     from fspo.update.module import RLModule
 
     engines = [HFEngine]
-    try:
+    with contextlib.suppress(ImportError):
         from fspo.rollout.vllm import VLLMEngine
         engines.append(VLLMEngine)
-    except ImportError:
-        pass
     for cls in engines:
         gen = cls.generate
 

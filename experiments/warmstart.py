@@ -1,8 +1,7 @@
 """Supervised warm start of the embedded tiny policy on the built-in arithmetic task.
 
-Owns: making `fspo/assets/tiny_warmstart/` (config, safetensors, tokenizer), the starting point of
-the default RL run, so RL begins from a policy that is partly right (as the paper starts from base
-models). The committed checkpoint was made by this script with its defaults:
+It makes `fspo/assets/tiny_warmstart/` (config, safetensors, tokenizer), the start of the default RL run: a
+policy that is partly right (as the paper starts from base models). The committed one came from the defaults:
 
     python experiments/warmstart.py --steps 400 --slip 0.5 --out fspo/assets/tiny_warmstart
 
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from fspo.data.arithmetic import ArithmeticTask, worked_solution
 from fspo.data.mod_chain import ModChainTask, demonstration
@@ -35,19 +35,15 @@ from fspo.rewards.arithmetic import ArithmeticReward
 from fspo.rewards.mod_chain import ChainConsistencyReward
 
 
-def slipped_solution(nums, ops) -> str:
-    """The worked solution with the answer line reporting the total before the last step."""
-    sol, _ = worked_solution(nums, ops)
+def arithmetic_demo(sample, slip: float, rng) -> str:
+    """The worked solution; a fraction ``slip`` of them report the total before the last step."""
+    nums = sample.meta["nums"]
+    sol = worked_solution(nums, sample.meta["ops"])[0]
+    if not (slip > 0 and rng.random() < slip):
+        return sol
     lines = sol.split("\n")
     before_last = lines[-3].split("=")[-1] if len(lines) >= 3 else str(nums[0])
     return "\n".join(lines[:-1] + [f"Answer: {before_last}"])
-
-
-def arithmetic_demo(sample, slip: float, rng) -> str:
-    """The worked solution; a fraction ``slip`` of them report the total before the last step."""
-    if slip > 0 and rng.random() < slip:
-        return slipped_solution(sample.meta["nums"], sample.meta["ops"])
-    return worked_solution(sample.meta["nums"], sample.meta["ops"])[0]
 
 
 def mod_chain_demo(sample, slip: float, rng) -> str:
@@ -65,15 +61,11 @@ def make_batch(samples, tok, device="cpu", slip: float = 0.0, rng=None, demo=ari
         r = tok(sol, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + r)
         labels.append([-100] * len(p) + r)
-    n = max(map(len, seqs))
-    ids = torch.full((len(seqs), n), tok.pad_token_id)
-    lab = torch.full((len(seqs), n), -100)
-    att = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, (s, lb) in enumerate(zip(seqs, labels)):
-        ids[i, n - len(s):] = torch.tensor(s)
-        lab[i, n - len(s):] = torch.tensor(lb)
-        att[i, n - len(s):] = 1
-    return ids.to(device), att.to(device), lab.to(device)
+    def pad(rows, value):  # left-padded
+        return pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=value,
+                            padding_side="left").to(device)
+
+    return pad(seqs, tok.pad_token_id), pad([[1] * len(s) for s in seqs], 0), pad(labels, -100)
 
 
 @torch.no_grad()
