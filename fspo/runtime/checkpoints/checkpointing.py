@@ -18,9 +18,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -43,7 +42,7 @@ from fspo.runtime.checkpoints.resume_state import (
     rng_states,
     set_rng_states,
 )
-from fspo.runtime.launch.distributed import is_sharded
+from fspo.runtime.launch.distributed import gather_objects, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -244,19 +243,13 @@ class StepCheckpoint(Checkpoint):
         log.warning("scontrol requeue %s -> exit code %d", job, rc)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
-        states = metric_states(pl_module)
-        world = trainer.world_size
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: List[Any] = [None] * world
-            torch.distributed.all_gather_object(gathered, states)
-        else:
-            gathered = [states]
+        gathered = gather_objects(metric_states(pl_module))
         policy = getattr(pl_module, "policy", None)
         if policy is not None and is_lora(policy) and not is_sharded(policy):  # LoRA: the adapters, not the base,
             checkpoint["state_dict"] = adapter_state(checkpoint["state_dict"], policy)  # rebuilt from run_config
         checkpoint[META_KEY] = {"rl_step": int(pl_module.rl_step), "rng": rng_states(), "metrics": gathered,
                                 RUN_ID_KEY: self.run_id_fn() if self.run_id_fn else None,
-                                "world_size": world, "run_config": self.run_config}
+                                "world_size": trainer.world_size, "run_config": self.run_config}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         meta = checkpoint.get(META_KEY)

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -151,9 +151,6 @@ def atomic_commit(tmp, final) -> None:
 
 def gathered_shard_digests(trainer, tmp: Path) -> Dict[str, str]:
     """`shard_digests` of every rank, gathered over the trainer's ranks (rank 0 hashes the rest)."""
-    mine = shard_digests(tmp, trainer.global_rank)
-    if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        gathered: List[Any] = [None] * trainer.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        return {k: v for part in gathered for k, v in part.items()}
-    return mine
+    from fspo.runtime.launch.distributed import gather_objects
+
+    return {k: v for part in gather_objects(shard_digests(tmp, trainer.global_rank)) for k, v in part.items()}

@@ -225,13 +225,20 @@ def _offset_groups(parts: List[Tensor]) -> List[Tensor]:
     return groups
 
 
+def gather_objects(obj) -> list:
+    """``obj`` of every rank, in rank order (``[obj]`` on one rank)."""
+    if not _active():
+        return [obj]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def gather_group_ids(group_ids: Tensor) -> Tensor:
     """The group ids `gather_rollout` will give the global batch; identity on one rank."""
     if not _active():
         return group_ids
-    parts: List[Optional[Tensor]] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, group_ids.cpu())
-    return torch.cat(_offset_groups(parts)).to(group_ids.device)
+    return torch.cat(_offset_groups(gather_objects(group_ids.cpu()))).to(group_ids.device)
 
 
 def concat_rollouts(parts: List[RolloutBatch], offset_groups: bool = True) -> RolloutBatch:
@@ -259,9 +266,7 @@ def gather_rollout(batch: RolloutBatch) -> RolloutBatch:
     """Concatenate every rank's rollout batch in rank order (`concat_rollouts`); identity on one rank."""
     if not _active():
         return batch
-    parts: List[Optional[RolloutBatch]] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, batch.to("cpu"))
-    return concat_rollouts(parts).to(batch.response_ids.device)
+    return concat_rollouts(gather_objects(batch.to("cpu"))).to(batch.response_ids.device)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> Tensor:
