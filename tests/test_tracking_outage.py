@@ -41,7 +41,7 @@ from mlflow.entities import Metric
 from conftest import REPO, SMALL, free_port
 from fspo.tracking import outage_buffer
 from fspo.tracking.outage_buffer import SHORT_RETRIES, BufferedClient, OutageBuffer, TrackingServerDown
-from fspo.tracking.replay import main, read_buffer, read_rows, replay_rows
+from fspo.tracking.replay import main, read_buffer, replay_rows
 
 DRIVER = """
 import atexit, runpy, sys, time
@@ -176,7 +176,7 @@ def test_server_killed_mid_run_training_goes_on_and_the_buffer_imports(tmp_path)
     m = re.search(r"(python -m fspo\.tracking\.replay .*)$", lines[0])
     buffer = Path(shlex.split(m.group(1))[3])
     assert buffer.is_file() and str(out) in str(buffer), lines[0]
-    buffered = {m[3] for r in read_rows(buffer)[1] for m in r.get("metrics", [])}
+    buffered = {m[3] for r in read_buffer(buffer).rows for m in r.get("metrics", [])}
     assert len(buffered & set(range(1, STEPS))) >= 2, buffered  # the server died mid-run, not at the end
 
     port2 = free_port()
@@ -212,13 +212,14 @@ def test_the_buffer_is_bounded_refuses_newer_metric_rows_and_keeps_order(tmp_pat
     kept = [buf.append(_row("r", s)) for s in range(6)]
     assert kept == [True, True, True, False, False, False] and buf.refused == 3
     assert buf.append({"op": "set_terminated", "run_id": "r", "status": "FINISHED", "end_time": 5})  # always kept
-    uri, rows = read_rows(buf.path)
+    read = read_buffer(buf.path)
+    uri, rows = read.uri, read.rows
     assert uri == "http://x" and [r["metrics"][0][3] for r in rows[:3]] == [0, 1,
                                                                             2] and rows[3]["op"] == "set_terminated"
     assert buf.drop_first(2) == 2 and [r.get("metrics", [[0, 0, 0, None]])[0][3] for r in buf.rows()] == [2, None]
     with buf.path.open("a") as f:
         f.write('{"op": "log_batch", "run_id"')  # a process killed while writing
-    assert len(read_rows(buf.path)[1]) == 2
+    assert len(read_buffer(buf.path).rows) == 2
 
 
 @pytest.fixture
@@ -255,8 +256,8 @@ def test_writes_during_an_outage_are_buffered_and_flushed_when_the_server_is_bac
     rest = time.monotonic() - t0
     print(f"first write after the kill: {first:.2f} s; 6 more writes + status: {rest:.3f} s")
     assert client.in_outage and first < 30 and rest < 1.0
-    assert [r["metrics"][0][3] for r in read_rows(tmp_path / "b.jsonl")[1] if r["op"] == "log_batch"] == list(range(3,
-                                                                                                                    10))
+    rows = read_buffer(tmp_path / "b.jsonl").rows
+    assert [r["metrics"][0][3] for r in rows if r["op"] == "log_batch"] == list(range(3, 10))
     with pytest.raises(TrackingServerDown):  # a read during the outage: at once, one line
         client.get_metric_history(run_id, "loss")
     assert client.get_run(run_id).info.run_id == run_id  # as last seen (Lightning's finalize asks)

@@ -35,9 +35,9 @@ class OutageBuffer:
         return self.path.with_name(self.path.stem + ".unreadable.jsonl")
 
     def rows(self) -> List[Dict[str, Any]]:
-        from fspo.tracking.replay import read_rows
+        from fspo.tracking.replay import read_buffer
 
-        return read_rows(self.path)[1] if self.path.exists() else []
+        return read_buffer(self.path).rows if self.path.exists() else []
 
     def _header(self, run_id: Optional[str]) -> str:
         return json.dumps({"op": "header", "tracking_uri": self.tracking_uri, "run_id": run_id}) + "\n"

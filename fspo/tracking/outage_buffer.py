@@ -55,8 +55,6 @@ def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
 class BufferedClient:
     """An MlflowClient whose writes survive an outage of its http(s) server."""
 
-    WRITES = ("log_batch", "log_metric", "log_param", "set_tag", "set_terminated", "update_run")
-
     def __init__(self, client, buffer: OutageBuffer, backoff_s=(1.0, 30.0)):
         self._client, self._buffer, self._backoff = client, buffer, backoff_s
         self._outage = threading.Event()

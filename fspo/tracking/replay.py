@@ -86,12 +86,6 @@ def read_buffer(path) -> BufferFile:
     return out
 
 
-def read_rows(path) -> Tuple[Optional[str], List[Dict[str, Any]]]:
-    """(the buffer's tracking URI, its importable rows without the header); see `read_buffer`."""
-    b = read_buffer(path)
-    return b.uri, b.rows
-
-
 class _Present:
     """The (metric, step) pairs and params a run already holds, fetched once per run and key."""
 
