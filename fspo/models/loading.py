@@ -108,6 +108,20 @@ def _check_config_json(p: Path, key: str) -> None:
                          f"save_pretrained / `{download_command('<hub id>', str(p))}`, or fix the file")
 
 
+def local_model_config(model_cfg):
+    """The model's transformers config from its settings alone: ``model.arch`` for a random model, else the local
+    config.json (``model.path``, the warm start, or the hub cache); OSError / ValueError when it is not there."""
+    source = model_cfg.get("source")
+    if source == "random":
+        from fspo.models.tiny import tiny_qwen3_config
+
+        return tiny_qwen3_config(**dict(model_cfg.get("arch") or {}))
+    from transformers import AutoConfig
+
+    where = model_cfg.get("path") or (WARMSTART_DIR if source == "warmstart" else model_cfg.get("hub_id"))
+    return AutoConfig.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
+
+
 def enable_activation_checkpointing(model) -> None:
     """``model.activation_checkpointing``: HF gradient checkpointing, non-reentrant (frozen LoRA inputs work)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -143,21 +157,15 @@ def _load(source, path, hub_id, dtype, seed, arch, meta):
                              f"{str(e).splitlines()[0][:160]}): fix model.arch (sizes positive, hidden_size a "
                              f"multiple of num_attention_heads) or drop it for the tiny default") from None
         return model.to(torch_dtype), build_tokenizer()
-    if source == "warmstart":
-        p = Path(path) if path else WARMSTART_DIR
+    if source not in ("warmstart", "pretrained"):
+        raise ValueError(f"model.source must be 'warmstart', 'random' or 'pretrained', got {source!r}")
+    if source == "warmstart" or path:  # a local folder
+        p = Path(path).expanduser() if path else WARMSTART_DIR
         if not (p / "config.json").exists():
             raise FileNotFoundError(
-                f"warm-start checkpoint not found at {p}: run `python experiments/warmstart.py --out {p}` "
-                f"or set model.source=random")
-        _check_config_json(p, "model.path")
-        return _from_dir(p, torch_dtype, meta)
-    if source != "pretrained":
-        raise ValueError(f"model.source must be 'warmstart', 'random' or 'pretrained', got {source!r}")
-    if path:
-        p = Path(path).expanduser()
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(f"model.path={p} has no config.json: point model.path at a folder made "
-                                    f"by save_pretrained or `{download_command('<hub id>', str(p))}`")
+                f"warm-start checkpoint not found at {p}: run `python experiments/warmstart.py --out {p}` or set "
+                f"model.source=random" if source == "warmstart" else f"model.path={p} has no config.json: point "
+                f"model.path at a folder made by save_pretrained or `{download_command('<hub id>', str(p))}`")
         _check_config_json(p, "model.path")
         return _from_dir(p, torch_dtype, meta)
     if not hub_id:

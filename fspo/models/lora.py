@@ -77,21 +77,12 @@ def check_targets(settings: LoRASettings, available: Sequence[str]) -> List[str]
 def _meta_model(model_cfg) -> Optional[nn.Module]:
     """The configured model built from its config alone on the meta device; None when the config is not
     available before loading."""
-    source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
+    from transformers import AutoModelForCausalLM
+
+    from fspo.models.loading import local_model_config
+
     try:
-        if source == "random":
-            from fspo.models.tiny import tiny_qwen3_config
-
-            config = tiny_qwen3_config(**dict(model_cfg.get("arch") or {}))
-        else:
-            from transformers import AutoConfig
-
-            from fspo.models.loading import WARMSTART_DIR
-
-            where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
-            config = AutoConfig.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
-        from transformers import AutoModelForCausalLM
-
+        config = local_model_config(model_cfg)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError):
@@ -148,15 +139,9 @@ def is_lora(model: nn.Module) -> bool:
 
 def param_counts(model: nn.Module) -> Dict[str, int]:
     """``{"model/trainable_params", "model/total_params"}``: element counts (full, not per shard)."""
-    seen, total, trainable = set(), 0, 0
-    for p in model.parameters():
-        if id(p) in seen:  # tied weights count once
-            continue
-        seen.add(id(p))
-        n = p.numel()  # a DTensor's numel is the full tensor's
-        total += n
-        trainable += n if p.requires_grad else 0
-    return {"model/trainable_params": trainable, "model/total_params": total}
+    params = list(model.parameters())  # tied weights once; a DTensor's numel is the full tensor's
+    return {"model/trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "model/total_params": sum(p.numel() for p in params)}
 
 
 def adapter_state(state: Dict[str, Tensor], policy: nn.Module, prefix: str = "policy.") -> Dict[str, Tensor]:

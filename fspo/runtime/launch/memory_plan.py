@@ -27,21 +27,14 @@ class MemoryPlanError(ValueError):
 def model_shape(model_cfg) -> Optional[ModelShape]:
     """The model's shape from its config alone (no weights, no hub): the local config.json, else ``model.arch``
     (always for a random model); None when neither exists."""
-    source, path, hub_id = model_cfg.get("source"), model_cfg.get("path"), model_cfg.get("hub_id")
+    from fspo.models.loading import local_model_config
+
     arch = dict(model_cfg.get("arch") or {})
-    if source == "random":
-        from fspo.models.tiny import tiny_qwen3_config
-
-        return _shape(tiny_qwen3_config(**arch).to_dict())
-    from transformers import AutoConfig
-
-    from fspo.models.loading import WARMSTART_DIR
-
-    where = path or (WARMSTART_DIR if source == "warmstart" else hub_id)
     try:
-        return _shape(AutoConfig.from_pretrained(str(where), local_files_only=True,
-                                                  trust_remote_code=False).to_dict())
+        return _shape(local_model_config(model_cfg).to_dict())
     except (OSError, ValueError):
+        if model_cfg.get("source") == "random":  # a malformed model.arch: its own error
+            raise
         return _shape(arch) if arch.get("num_hidden_layers") else None
 
 
