@@ -64,7 +64,6 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, logz)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.has_bias = bias is not None
         if ent is not None:
             ctx.mark_non_differentiable(ent)
         return logp, ent

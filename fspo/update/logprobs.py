@@ -95,23 +95,22 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float = 1.0, wit
     """(logp [B, T] float32, entropy [B, T] (no gradient) or None). ``pack_width``: None for the padded pass,
     else the packed row width; ``head_chunk_rows`` > 0: the LM head runs in chunks of that many positions."""
     mask = batch.response_mask.bool()
-    if head_chunk_rows > 0:
-        def head(hidden: Tensor):  # inside the model's forward call: the head's weight is gathered under FSDP
-            out = model.get_output_embeddings()
-            return chunked_token_logprobs(hidden, out.weight, batch.response_ids[mask], temperature,
-                                          head_chunk_rows, bias=out.bias, with_entropy=with_entropy)
 
-        flat, flat_ent = (_padded_logits(model, batch, usage, head) if pack_width is None
-                          else _packed_logits(model, batch, pack_width, usage, head))
+    def head(hidden: Tensor):  # inside the model's forward call: the head's weight is gathered under FSDP
+        out = model.get_output_embeddings()
+        return chunked_token_logprobs(hidden, out.weight, batch.response_ids[mask], temperature,
+                                      head_chunk_rows, bias=out.bias, with_entropy=with_entropy)
+
+    chunked = head if head_chunk_rows > 0 else None
+    res = (_padded_logits(model, batch, usage, chunked) if pack_width is None
+           else _packed_logits(model, batch, pack_width, usage, chunked))
+    if chunked is not None:  # (log-probs, entropies) of the K tokens
+        flat, flat_ent = res
         logp = flat.float().new_zeros(batch.response_ids.shape).masked_scatter(mask, flat.float())
         ent = (None if flat_ent is None
                else logp.new_zeros(batch.response_ids.shape).masked_scatter(mask, flat_ent.float()))
         return logp, ent
-    if pack_width is None:
-        logits = _padded_logits(model, batch, usage)
-    else:
-        logits = _packed_logits(model, batch, pack_width, usage)
-    logits = logits.float()  # [K, V]: only the sampled tokens' positions, never [B, T, V]
+    logits = res.float()  # [K, V]: only the sampled tokens' positions, never [B, T, V]
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
