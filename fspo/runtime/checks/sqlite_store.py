@@ -8,6 +8,7 @@ naming the fix). A complete store of an older schema is left to MLflow's own mes
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -54,10 +55,8 @@ def _build(path: Path) -> None:
     try:
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
         client.search_experiments(max_results=1)  # creates and migrates the schema in tmp
-        try:
+        with contextlib.suppress(Exception):  # a store without an engine attribute: connections close at exit
             client._tracking_client.store.engine.dispose()  # close its connections before the rename
-        except Exception:  # noqa: BLE001 - a store without an engine attribute: connections close at exit
-            pass
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
