@@ -24,12 +24,12 @@ import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import hydra  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fspo.cli import normalize_group_overrides, unknown_key_error  # noqa: E402  (also the help template's resolver)
-from fspo.runtime.checks.errors import user_error  # noqa: E402
+from fspo.cli import normalize_group_overrides, unknown_key_error  # also the help template's resolver
+from fspo.runtime.checks.errors import user_error
 
 log = logging.getLogger("evaluate")
 
@@ -62,11 +62,8 @@ def _mlflow_run_config(rid: str, uri: str) -> tuple[DictConfig, Path]:
 
 
 def _training_run(cfg: DictConfig) -> tuple[Optional[DictConfig], List[Path], Optional[str]]:
-    """(training run config or None, checkpoints to evaluate, training run id or None).
-
-    The config comes from ``train_run_id``, else from ``.hydra/config.yaml`` above the first
-    checkpoint, else from the MLflow run whose id names the checkpoint's folder
-    (``<output_dir>/<experiment id>/<run id>/checkpoints/``), if the tracking store knows it."""
+    """(training run config or None, checkpoints to evaluate, training run id or None): the config of
+    ``train_run_id``, else the one above the first checkpoint, else that of the MLflow run named by its folder."""
     from mlflow import MlflowClient
 
     from fspo.runtime.checkpoints.files import find_checkpoints, find_run_config, read_config_file, run_id_of_checkpoint
@@ -276,8 +273,7 @@ def main(cfg: DictConfig):
 
 def beside_run(argv: List[str]) -> List[str]:
     """``argv`` plus ``hydra.run.dir=<run folder>/eval/<date_time>`` when it evaluates one training run's
-    checkpoints (``checkpoints=`` a run folder, its checkpoints/ folder or one checkpoint) and sets no
-    output folder itself: the evaluation is written beside the run it scores, not in ./outputs."""
+    checkpoints and sets no output folder: the evaluation is written beside the run it scores."""
     if any(a.lstrip("+").startswith(("hydra.run.dir=", "output_dir=")) for a in argv):
         return argv
     spec = next((a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("checkpoints=")), None)

@@ -4,11 +4,8 @@
     python experiments/gpu_smoke.py --model qwen3_100m --steps 3 -- rollout=vllm  # extra Hydra overrides after --
     python experiments/gpu_smoke.py --model tiny --steps 2 --peak-tflops 1.0      # CPU (what the tests run)
 
-It runs `fspo.train.train` itself (the real Lightning Trainer, rollout callback, engine and update; CSV
-logger into a temporary folder, no validation, ``ppo.old_log_probs=recompute`` so the old-log-prob pass
-exists) and times each call of the three phases by wrapping, for this process only, the engine's
-``generate``, `fspo.update.forward.old_log_probs` and `RLModule._update` (one optimizer update). Per
-phase and step it records:
+It runs `fspo.train.train` (CSV logger, no validation, ``ppo.old_log_probs=recompute``) and times each call of
+the engine's ``generate``, `fspo.update.forward.old_log_probs` and `RLModule._update`, recording per call:
 
 - seconds and tokens: generate counts prompt + response tokens (each passes the model once with the
   KV cache) and reports response tokens/s; old log-probs and update count the prompt + response tokens

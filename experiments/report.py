@@ -6,13 +6,9 @@
     python experiments/report.py --filter "tags.sweep = 'methods' and tags.model = 'tiny'" --out reports/x
     python experiments/report.py --experiment methods --eval-run <evaluate run id> --out reports/methods
 
-Reads the runs from ``--tracking-uri`` (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db,
-as conf/logger/mlflow.yaml), groups them by ``--group-by`` (tags or params; default the method
-tag), writes ``--out`` (table1.md/.csv, fairness.csv, runs.csv, report.md, figures/, qq/) and logs
-the folder as artifacts of a run named ``report`` in the (first) experiment (``--no-log`` skips).
-``--eval-run`` (repeatable): an experiments/evaluate.py run's per-problem tables give Figure 4
-(difficulty.csv, figures/difficulty.png: fspo/evaluation/report/difficulty.py).
-Errors (no such experiment, no matching run) end with one line and exit code 2.
+Writes ``--out`` (table1.md/.csv, fairness.csv, runs.csv, report.md, figures/, qq/), logged as the artifacts
+of a run named ``report`` in the (first) experiment; ``--eval-run`` adds Figure 4 (difficulty.csv). Errors (no
+such experiment, no matching run) end with one line and exit code 2.
 """
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from fspo.evaluation.report.build import make_report  # noqa: E402
-from fspo.runtime.checks.console import quiet_artifact_downloads  # noqa: E402
+from fspo.evaluation.report.build import make_report
+from fspo.runtime.checks.console import quiet_artifact_downloads
 
 
 def parse_args(argv=None) -> argparse.Namespace:

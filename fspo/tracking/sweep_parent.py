@@ -1,10 +1,9 @@
 """Hydra callbacks for sweeps: one MLflow parent run per launch, the jobs nested under it.
 
-`MLflowSweepParent` (``hydra.callbacks`` of ``sweeps/_base.yaml``) creates the parent run before the first job
-and exports its id as ``FSPO_MLFLOW_PARENT_RUN_ID``; the sweep configs set the tag ``mlflow.parentRunId:
-${oc.env:FSPO_MLFLOW_PARENT_RUN_ID}``, which makes every job's run a child run (also for launchers that start
-workers later: they inherit the environment). At the end the parent is FINISHED, or FAILED if a job failed
-or the process exited early.
+`MLflowSweepParent` (``hydra.callbacks`` of ``sweeps/_base.yaml``) exports the parent's id as
+``FSPO_MLFLOW_PARENT_RUN_ID``; the sweep configs' tag ``mlflow.parentRunId: ${oc.env:FSPO_MLFLOW_PARENT_RUN_ID}``
+makes every job's run its child. At the end the parent is FINISHED, or FAILED if a job failed or the process
+exited early.
 """
 from __future__ import annotations
 

@@ -27,8 +27,7 @@ R = TypeVar("R")
 def in_root_forward(model, fn: Callable[..., T], *args, **kwargs) -> T:
     """``fn(*args, **kwargs)`` run as ``model``'s own forward call, ``model.forward`` shadowed for that call,
     so the root module's hooks run around ``fn``: under FSDP2 they gather the root's sharded parameters (the
-    LM head's weight) for forward and backward and reduce-scatter their gradients. At least one positional
-    input is required: FSDP2's root pre-forward reads ``args[0]`` (IndexError in torch < 2.13)."""
+    LM head's weight) for forward and backward and reduce-scatter their gradients."""
     if not args:
         raise ValueError("in_root_forward needs at least one positional input (e.g. input_ids): FSDP2's root "
                          "pre-forward indexes the inputs it moves to the device")

@@ -18,8 +18,7 @@ from fspo.update.settings import MINI_BATCH_UNITS, check_mini_batch  # noqa: F40
 def minibatch_plan(batch_size: int, mini_batch_size: int, epochs: int = 1, generator: Optional[torch.Generator] = None,
                    unit: str = "sequences", group_ids: Optional[Tensor] = None) -> List[Tensor]:
     """A step's mini-batches in training order: ``epochs`` reshuffles of the ``batch_size`` rows into
-    mini-batches of ``mini_batch_size`` ``unit``s (``"prompts"``: whole groups by ``group_ids`` [B],
-    `group_minibatch_indices`; ``"sequences"``: `minibatch_indices`, ``group_ids`` unused)."""
+    mini-batches of ``mini_batch_size`` ``unit``s (``"prompts"``: whole groups by ``group_ids`` [B])."""
     if unit == "sequences":
         return [mb for _ in range(epochs) for mb in minibatch_indices(batch_size, mini_batch_size, generator)]
     if unit != "prompts":

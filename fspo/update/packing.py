@@ -3,9 +3,8 @@
 Two layouts. Under segment attention (sdpa models) a micro-batch is ONE row of its sequences back to back (budget
 = real tokens, waste 0), attention running per sequence. Otherwise the sequences are packed into rows of a common
 width with ``attention_mask=None`` and ``position_ids`` restarting at 0 per sequence: Hugging Face models then
-build a block-diagonal causal mask from the position ids (``transformers.masking_utils.find_packed_sequence_indices``;
-flash-attention uses them as varlen boundaries), so the log-probs equal the padded computation's. A row's unused
-tail is filler with its own positions.
+build a block-diagonal causal mask from the position ids, so the log-probs equal the padded computation's. A
+row's unused tail is filler with its own positions.
 
     padding waste = (rows * width - real tokens) / real tokens
 """
@@ -82,8 +81,7 @@ def row_width(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0, t
 def packed_micro_batches(total_lengths: Tensor, max_tokens: int, row_factor: float = 2.0,
                          width: Optional[int] = None) -> List[Tensor]:
     """Index tensors of micro-batches whose packed size ``rows * width <= max_tokens`` (``width`` or
-    `row_width`): rows by `pack_rows`, grouped ``max(1, max_tokens // width)`` at a time; pack each with
-    `pack_batch(..., width)`."""
+    `row_width`); pack each with `pack_batch(..., width)`."""
     if max_tokens < 1:
         raise ValueError(f"ppo.micro_batch_max_tokens must be >= 1, got {max_tokens}")
     if total_lengths.numel() == 0:

@@ -69,9 +69,7 @@ def validation_follows(trainer) -> bool:
 class StepCheckpoint(Checkpoint):
     """Saves ``step_N.ckpt`` every ``every_n_steps`` RL steps (0: never), after the last step (``save_last``)
     and at the first step boundary after a stop signal, then stops (exit 0); keeps the newest ``keep_last``.
-    ``slurm_requeue``: requeue a signalled SLURM job after saving. ``continue_command``: what stop lines print.
-    A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`).
-    """
+    A resumed module whose parameters are not finite stops before the first step (`CheckpointCorrupt`)."""
 
     def __init__(self, dirpath, every_n_steps: int = 10, keep_last: int = 2, save_last: bool = True,
                  signals: Sequence[str] = ("SIGUSR1",), slurm_requeue: bool = False,

@@ -49,8 +49,7 @@ def run_model_config(path: Path, model_path: Optional[str] = None) -> Tuple[Dict
 def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Optional[str] = None,
               lora_only: bool = False) -> Path:
     """Write the model of ``checkpoint`` to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
-    ``model_path`` overrides the run's ``model.path`` (moved base weights); ``dtype`` casts the written weights;
-    ``lora_only``: a checkpoint of a run without LoRA is refused (experiments/export_lora.py)."""
+    ``model_path``: moved base weights; ``dtype`` casts; ``lora_only``: refuse a run without LoRA."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
                          f"got {dtype!r}")

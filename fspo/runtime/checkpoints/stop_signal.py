@@ -8,10 +8,8 @@ caller rewinds the step and raises Lightning's ``SIGTERMException``, which saves
 exits 0. A synced (FSDP) generation cannot be cut anywhere: its per-token all-reduce carries each rank's vote
 (`synced_stops`). Weight sync and the update are not cut: a signal there stops at the next safe point.
 
-`install_sigterm` replaces Lightning's SIGTERM handler, which runs a collective inside the handler, with one
-that only records the signal. Outside the training loop (setup, step-0 and final validation) there is nothing
-to checkpoint: `honour_stop_signals` stops there at once with `StopNow`. A second SIGINT raises
-``KeyboardInterrupt`` at once.
+Outside the training loop (setup, step-0 and final validation) there is nothing to checkpoint:
+`honour_stop_signals` stops there at once with `StopNow`.
 """
 from __future__ import annotations
 
@@ -162,8 +160,7 @@ def install_sigterm(trainer):
 
 def rewind_to_last_step_end(trainer) -> None:
     """Set Lightning's loop counters to those at the end of the last completed batch, for a step abandoned in
-    ``on_train_batch_start`` (else the resumed validation schedule shifts): ready = started = processed = k,
-    completed = ``_batches_that_stepped`` = k - 1, which Lightning's restart completes again."""
+    ``on_train_batch_start`` (else the resumed validation schedule shifts)."""
     loop = trainer.fit_loop.epoch_loop
     done = loop.batch_progress.total.completed
     for counter in (loop.batch_progress.total, loop.batch_progress.current):
