@@ -213,11 +213,6 @@ class MemoryPlan:
     def peak(self) -> int:
         return self.phase_total("resident") + max(self.phase_total("train"), self.phase_total("generate"))
 
-    @property
-    def total(self) -> int:
-        """The peak (what must fit)."""
-        return self.peak
-
     def __getattr__(self, name: str) -> int:  # plan.grads, plan.kv_cache, ...
         parts = self.__dict__.get("parts") or {}
         if name in parts:
