@@ -130,7 +130,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     sampling = SamplingConfig(n=1, temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k),
                               max_new_tokens=int(s.max_new_tokens))
     context_len = context_length(policy, engine)
-    for name, b in benchmarks.items():  # a benchmark that cannot fit the context fails here, before any MLflow run
+    for name, b in benchmarks.items():  # before any MLflow run
         check_fits_context(name, b.source, tokenizer, b.max_new_tokens or sampling.max_new_tokens, context_len,
                            max_prompt_len=cfg.max_prompt_len, on_long_prompt=str(cfg.on_long_prompt),
                            fit_context=bool(cfg.fit_context))
@@ -145,7 +145,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     tags = {"fspo.kind": "eval", "eval/model": model_kw.get("name"), "eval/train_run_id": train_run_id,
             **dict(m.tags or {})}
     run_name = m.run_name or _eval_run_name(str(m.tracking_uri), train_run_id, ckpts)
-    if train_run_id and not m.attach:  # linked: the training run's id, name and page in the eval run's description
+    if train_run_id and not m.attach:  # linked in the eval run's description
         tags.setdefault("mlflow.note.content", f"Evaluation of training run {run_name[len('eval-'):]} "
                                                f"(id {train_run_id}).")
     recorder = MlflowRecorder(str(m.tracking_uri), out_dir, experiment_name=str(m.experiment_name),

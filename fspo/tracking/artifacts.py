@@ -59,7 +59,7 @@ def log_final_artifacts(loggers, module, trainer, cfg) -> None:
             theory = {f"theory ({cfg.method}, sigma={sigma:.3g})": (lambda L: curve(np.asarray(L), sigma))}
     import matplotlib.pyplot as plt
 
-    from fspo.tracking.run_figures import run_figures  # LRE and clip fractions by step, from MLflow's history
+    from fspo.tracking.run_figures import run_figures
 
     ml, down = mlflow_logger(loggers), []
     try:
