@@ -24,19 +24,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return out
 
 
-def tiny_qwen3_config(vocab_size: int = 100, hidden_size: int = 128, num_hidden_layers: int = 4,
-                      num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 32,
-                      intermediate_size: int = 512, max_position_embeddings: int = 512,
-                      tie_word_embeddings: bool = True, **overrides) -> Qwen3Config:
-    """A Qwen3-architecture config; the defaults give ~0.8M parameters (tied embeddings). Every field can
-    be overridden, ``tie_word_embeddings`` included (a real checkpoint's ``arch:`` block names it)."""
-    return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides,
-    )
+# the tiny model's shape (~0.8M parameters, tied embeddings); ``model.arch`` overrides any field
+TINY_ARCH = dict(vocab_size=100, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=512, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def tiny_qwen3_config(**overrides) -> Qwen3Config:
+    """A Qwen3-architecture config: `TINY_ARCH` with ``overrides`` (any config field)."""
+    return Qwen3Config(**{**TINY_ARCH, **overrides}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def build_tiny_model(seed: int = 0, **config_overrides) -> Qwen3ForCausalLM:
