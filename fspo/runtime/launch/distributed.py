@@ -35,22 +35,20 @@ class ShardingConfig:
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """`ModelParallelStrategy` with every rank data-parallel and the `ShardingConfig` `configure_sharding` reads."""
+    """`ModelParallelStrategy` with every rank data-parallel; ``sharding``: the `ShardingConfig` fields, which
+    `configure_sharding` reads."""
 
-    def __init__(self, layer_class: Optional[str] = None, mixed_precision: Optional[str] = "auto",
-                 activation_checkpointing: bool = False, cpu_offload: bool = False,
-                 reshard_after_forward: bool = True, save_distributed_checkpoint: bool = True,
-                 process_group_backend: Optional[str] = None, timeout_minutes: float = 30.0):
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: Optional[str] = None,
+                 timeout_minutes: float = 30.0, **sharding):
         from datetime import timedelta
 
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timedelta(minutes=timeout_minutes))
-        if mixed_precision not in (None, "auto", *_DTYPES):
+        self.sharding = ShardingConfig(**sharding)
+        if self.sharding.mixed_precision not in (None, "auto", *_DTYPES):
             raise ValueError(f"trainer.strategy.mixed_precision must be auto, bf16, fp16 or null, "
-                             f"got {mixed_precision!r}")
-        self.sharding = ShardingConfig(layer_class, mixed_precision, activation_checkpointing, cpu_offload,
-                                       reshard_after_forward)
+                             f"got {self.sharding.mixed_precision!r}")
 
     def setup_environment(self) -> None:
         """Set data_parallel_size = world size (nodes x devices) before the mesh is built."""
