@@ -7,6 +7,7 @@ every other setting.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import sys
@@ -24,13 +25,11 @@ def hydra_quote(value: str) -> str:
 
 
 def _hydra_run_dir() -> Optional[Path]:
-    try:
+    with contextlib.suppress(Exception):  # no Hydra run (a config built in code)
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.initialized():
             return Path(HydraConfig.get().runtime.output_dir).resolve()
-    except Exception:  # noqa: BLE001 - no Hydra run (a config built in code)
-        return None
     return None
 
 
