@@ -49,18 +49,14 @@ def progress_line(step: int, total: int, sec_per_step: Optional[float], metrics:
     return " | ".join(parts)
 
 
-class _LatestMetrics:
-    """The latest value of each FIELDS metric: Lightning's callback_metrics forget validation's when fit starts."""
-
-    def __init__(self) -> None:
-        self.values: Dict[str, float] = {}
-
-    def update(self, trainer) -> Dict[str, float]:
-        for key, _, _ in FIELDS:
-            v = trainer.callback_metrics.get(key)
-            if v is not None and getattr(v, "numel", lambda: 1)() == 1:
-                self.values[key] = float(v)
-        return self.values
+def _latest(values: Dict[str, float], trainer) -> Dict[str, float]:
+    """``values`` updated with the latest value of each FIELDS metric (Lightning's callback_metrics forget
+    validation's when fit starts)."""
+    for key, _, _ in FIELDS:
+        v = trainer.callback_metrics.get(key)
+        if v is not None and getattr(v, "numel", lambda: 1)() == 1:
+            values[key] = float(v)
+    return values
 
 
 def _rl_step(trainer, pl_module) -> int:
@@ -75,7 +71,7 @@ class StepBar(TQDMProgressBar):
     def __init__(self, total: int) -> None:
         super().__init__(refresh_rate=1)
         self.total = int(total)
-        self._latest = _LatestMetrics()
+        self._latest: Dict[str, float] = {}
 
     def init_train_tqdm(self) -> Tqdm:
         return Tqdm(desc="RL step", position=2 * self.process_position, disable=self.is_disabled, leave=True,
@@ -100,11 +96,11 @@ class StepBar(TQDMProgressBar):
             self.train_progress_bar.close()
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._latest.update(trainer)
+        _latest(self._latest, trainer)
         super().on_validation_end(trainer, pl_module)
 
     def get_metrics(self, trainer, pl_module) -> Dict[str, str]:
-        return short_metrics(self._latest.update(trainer))
+        return short_metrics(_latest(self._latest, trainer))
 
 
 class StepLines(ProgressBar):
@@ -114,7 +110,7 @@ class StepLines(ProgressBar):
         super().__init__()
         self.total, self.every_n_steps = int(total), int(every_n_steps)
         self._enabled = True
-        self._latest = _LatestMetrics()
+        self._latest: Dict[str, float] = {}
         self._t0: Optional[float] = None
         self._step0 = 0
         self._pending: Optional[tuple] = None  # (step, s/step) of a line not logged yet
@@ -133,10 +129,10 @@ class StepLines(ProgressBar):
         if self._pending is not None:
             step, sec = self._pending
             self._pending = None
-            log.info(progress_line(step, self.total, sec, self._latest.update(trainer)))
+            log.info(progress_line(step, self.total, sec, _latest(self._latest, trainer)))
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._latest.update(trainer)
+        _latest(self._latest, trainer)
         self._flush(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -155,7 +151,7 @@ class StepLines(ProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = _rl_step(trainer, pl_module)
-        self._latest.update(trainer)
+        _latest(self._latest, trainer)
         if not self._enabled or not (step % self.every_n_steps == 0 or step >= self.total):
             return
         done = step - self._step0
