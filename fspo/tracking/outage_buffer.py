@@ -46,12 +46,6 @@ def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
     return health_error(uri, timeout_s) is None
 
 
-def _metric_rows(run_id, metrics=(), params=(), tags=()) -> Dict[str, Any]:
-    return {"op": "log_batch", "run_id": run_id,
-            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
-            "params": [[p.key, p.value] for p in params], "tags": [[t.key, t.value] for t in tags]}
-
-
 class BufferedClient:
     """An MlflowClient whose writes survive an outage of its http(s) server."""
 
@@ -110,8 +104,9 @@ class BufferedClient:
         return run
 
     def log_batch(self, run_id, metrics=(), params=(), tags=(), **kw):
-        self._write(lambda: self._client.log_batch(run_id, metrics=metrics, params=params, tags=tags, **kw),
-                    _metric_rows(run_id, metrics, params, tags))
+        row = {"op": "log_batch", "run_id": run_id, "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
+               "params": [[p.key, p.value] for p in params], "tags": [[t.key, t.value] for t in tags]}
+        self._write(lambda: self._client.log_batch(run_id, metrics=metrics, params=params, tags=tags, **kw), row)
 
     def log_metric(self, run_id, key, value, timestamp=None, step=None, **kw):
         from mlflow.entities import Metric

@@ -2,7 +2,7 @@
 run stayed length-fair all along, not only on the whole-run pool)."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -17,12 +17,6 @@ LRE_BY_STEP: Tuple[Tuple[str, str, Tuple[Tuple[str, str], ...]], ...] = (
     ("Clip fractions by step", "fraction of sequences", (
         ("band/out_frac", "out of band, c = 1 - q"), ("clip/seq_frac", "binding clip"))),
 )
-
-
-def history_series(client, run_id: str, key: str) -> Tuple[List[int], List[float]]:
-    """(steps, values) of metric ``key`` (our name; read under its MLflow key), sorted by step."""
-    hist = sorted(client.get_metric_history(run_id, display_key(key)), key=lambda m: (m.step, m.timestamp))
-    return [int(m.step) for m in hist], [float(m.value) for m in hist]
 
 
 def lre_by_step_figure(series: Dict[str, Tuple[Sequence[int], Sequence[float]]]) -> Figure:
@@ -50,6 +44,9 @@ def lre_by_step_figure(series: Dict[str, Tuple[Sequence[int], Sequence[float]]])
 
 
 def run_figures(client, run_id: str) -> Dict[str, Figure]:
-    """``{"lre_by_step": Figure}`` from the run's logged history."""
-    keys = [k for _, _, ks in LRE_BY_STEP for k, _ in ks]
-    return {"lre_by_step": lre_by_step_figure({k: history_series(client, run_id, k) for k in keys})}
+    """``{"lre_by_step": Figure}`` from the run's logged history (each metric read under its MLflow key)."""
+    series = {}
+    for key in (k for _, _, ks in LRE_BY_STEP for k, _ in ks):
+        hist = sorted(client.get_metric_history(run_id, display_key(key)), key=lambda m: (m.step, m.timestamp))
+        series[key] = ([int(m.step) for m in hist], [float(m.value) for m in hist])
+    return {"lre_by_step": lre_by_step_figure(series)}

@@ -34,16 +34,6 @@ UI_URL = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default
 ML_VIEW = "workflowType=machine_learning"  # MLflow 3.x opens an experiment on its GenAI (traces) view without it
 
 
-def experiment_url(base: str, experiment_id) -> str:
-    """The experiment's runs list in MLflow's "Model training" view."""
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{ML_VIEW}"
-
-
-def run_url(base: str, experiment_id, run_id: str) -> str:
-    """The run's chart tab in MLflow's "Model training" view."""
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{ML_VIEW}"
-
-
 def open_rows(uri: Optional[str], experiment_id: Optional[str] = None,
               run_id: Optional[str] = None) -> List[Tuple[str, str]]:
     """How to open the results, as (label, text) rows: for a local store the ``mlflow ui`` command, then the
@@ -55,10 +45,10 @@ def open_rows(uri: Optional[str], experiment_id: Optional[str] = None,
         base, rows = UI_URL, [("open with", f"mlflow ui --backend-store-uri {absolute_uri(u)}")]
     else:
         return [("tracking URI", u or "(none)")]
-    if experiment_id is not None:
-        rows.append(("experiment page", experiment_url(base, experiment_id)))
+    if experiment_id is not None:  # the runs list, then the run's charts, in MLflow's "Model training" view
+        rows.append(("experiment page", f"{base}/#/experiments/{experiment_id}/runs?{ML_VIEW}"))
         if run_id:
-            rows.append(("run page", run_url(base, experiment_id, run_id)))
+            rows.append(("run page", f"{base}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{ML_VIEW}"))
     return rows or [("MLflow server", base)]
 
 

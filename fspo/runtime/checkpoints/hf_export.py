@@ -20,11 +20,6 @@ from fspo.runtime.checkpoints.files import find_checkpoints, load_checkpoint, lo
 from fspo.runtime.checkpoints.stored_config import check_stored_targets
 
 
-def newest_checkpoint(checkpoint) -> Path:
-    """``checkpoint`` itself (a file or shard folder), or the newest ``step_N.ckpt`` under a run folder."""
-    return sorted(find_checkpoints(checkpoint), key=lambda p: p.name)[-1]
-
-
 def run_model_config(path: Path, model_path: Optional[str] = None) -> Tuple[DictConfig, dict]:
     """(the run config stored in checkpoint ``path``, its resolved ``model`` settings, ``model_path`` as the
     path); ValueError (one line) when there is none or it is unreadable; its interpolations run nothing."""
@@ -53,7 +48,7 @@ def export_hf(checkpoint, out_dir, model_path: Optional[str] = None, dtype: Opti
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or omitted: the checkpoint's own), "
                          f"got {dtype!r}")
-    path = newest_checkpoint(checkpoint)
+    path = sorted(find_checkpoints(checkpoint), key=lambda p: p.name)[-1]  # itself, or a run folder's newest
     run_cfg, model_cfg = run_model_config(path, model_path)
     if lora_only and not lora_settings(model_cfg).enabled:
         raise ValueError(f"{path} is a full fine-tuning checkpoint (model.lora.rank=0), not a LoRA one: its policy "
