@@ -7,6 +7,7 @@ the checkpoint's step (the first write wins, as with W&B's resume); with determi
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -78,11 +79,9 @@ def check_wandb_login(offline: bool) -> None:
     if offline or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
         return
     host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
-    try:
+    with contextlib.suppress(OSError, netrc.NetrcParseError):
         if netrc.netrc().authenticators(host):
             return
-    except (OSError, netrc.NetrcParseError):
-        pass
     raise ValueError(f"the W&B logger has no API key (WANDB_API_KEY is unset and ~/.netrc has no `wandb login` entry "
                      f"for {host}): set WANDB_API_KEY or run `wandb login`, or log locally with offline=true on the "
                      f"W&B logger (logger.offline=true or extra_loggers.wandb.offline=true; WANDB_MODE=offline) and "

@@ -111,7 +111,7 @@ class RLModule(L.LightningModule):
         local = rollout
         global_size = int(reduce_sum([rollout.batch_size], self.device)[0])
         g = torch.Generator().manual_seed(step_seed(self.seed, int(self.rl_step)))
-        groups = None  # mini_batch_unit=prompts: the global batch's group ids (minibatch_plan checks them)
+        groups = None  # mini_batch_unit=prompts: the global batch's group ids
         if self.ppo.mini_batch_unit == "prompts" and rollout.group_ids is not None:
             groups = gather_group_ids(rollout.group_ids)
         plan = self.ppo.minibatch_plan(global_size, g, groups)
