@@ -24,8 +24,6 @@ class RandomDirectionGate(L.Callback):
     """``eps``: relative size of the direction."""
 
     def __init__(self, eps: float = 1e-3, seed: int = 0):
-        if not float(eps) > 0:
-            raise ValueError(f"diagnostics.law.random_direction must be > 0 (a relative step such as 1e-3), got {eps}")
         self.eps, self.seed, self._warned = float(eps), int(seed), False
 
     @torch.no_grad()

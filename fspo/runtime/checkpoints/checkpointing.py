@@ -75,9 +75,6 @@ class StepCheckpoint(Checkpoint):
                  signals: Sequence[str] = ("SIGUSR1",), slurm_requeue: bool = False,
                  run_id_fn: Optional[Callable[[], Optional[str]]] = None, checksum: bool = True,
                  run_config: Optional[str] = None, continue_command: Optional[str] = None):
-        if every_n_steps < 0 or keep_last < 1:
-            raise ValueError(f"checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1, got "
-                             f"{every_n_steps} and {keep_last}")
         bad = [s for s in signals if not hasattr(signal, str(s)) or str(s) in ("SIGKILL", "SIGSTOP")]
         if bad:
             raise ValueError(f"checkpoint.signals: {bad} are not catchable signal names (e.g. SIGUSR1, SIGUSR2)")
