@@ -187,6 +187,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
         _train(["logger=wandb", "logger.offline=true", "run_name=tiny"], out)
     finally:
         wandb.finish()
+        wandb.teardown()  # stops the wandb-core service, which writes the run file's last records when it exits
     [run_dir] = list((out / "wandb").glob("offline-run-*"))
     hist = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             for r in _wandb_records(next(run_dir.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "history"]
