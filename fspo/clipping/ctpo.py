@@ -4,7 +4,7 @@ gradient alone. At t = L it is FSPO's event with c = high = low.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.registry import _get, rule_loss
 from fspo.clipping.settings import ACCEPTANCES, RATIO_MODES, CTPOSettings  # noqa: F401  (this rule's names)
 
 #: CTPO's cap on the prefix log-ratio before exp
@@ -104,17 +104,15 @@ class CTPOClip(ClipRule):
         return np.where(L > 0, per_len[np.maximum(L, 1) - 1], 0.0)
 
 
-def _ctpo_loss(ratio_mode: str):
-    def fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
-           config: Any = None):
+def _ctpo(ratio_mode: str) -> Callable[[Any], ClipRule]:
+    def build(config: Any) -> ClipRule:
         kw: Dict[str, Any] = {"la_clip_low": _get(config, "la_clip_low"), "la_clip_high": _get(config, "la_clip_high"),
                               "la_clip_c": _get(config, "la_clip_c"), "la_power": _get(config, "clip_ratio_la_power")}
-        rule = CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
-        return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
-    fn.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})`, "
-                  "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power``.")
-    return fn
+        return CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
+    build.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})`, "
+                     "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power``.")
+    return build
 
 
-policy_loss_ctpo = register_policy_loss("ctpo")(register_policy_loss("cum-token-cumprod-la")(_ctpo_loss("cumprod")))
-policy_loss_ctpo_geomean = register_policy_loss("cum-token-geomean-la")(_ctpo_loss("geomean"))
+policy_loss_ctpo = rule_loss("ctpo", "cum-token-cumprod-la")(_ctpo("cumprod"))
+policy_loss_ctpo_geomean = rule_loss("cum-token-geomean-la")(_ctpo("geomean"))

@@ -57,7 +57,6 @@ class GMPOClip(ClipRule):
                           (sgn < 0) & (dd < -self.clip_ratio_low), torch.zeros_like(p.mask), in_band, cap, p)
 
 
-
 @register_policy_loss("geo_mean")
 @register_policy_loss("gmpo")
 def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask,
