@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 Table = Dict[str, list]
@@ -81,7 +80,6 @@ def difficulty_figure(rows_by_name: Mapping[str, Sequence[Mapping[str, float]]])
     """Figure 4: per benchmark, overlong rate (top) and length excluding overlong (bottom) by rank."""
     n = max(len(rows_by_name), 1)
     fig = Figure(figsize=(4.2 * n, 6.0), layout="constrained")
-    FigureCanvasAgg(fig)
     axes = fig.subplots(2, n, squeeze=False, sharex="col")
     for j, (name, rows) in enumerate(rows_by_name.items()):
         x = [r["rank"] for r in rows]

@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib on the Agg canvas). Theory curves rebuild the clip rule from the run's
+"""The report's figures (matplotlib's `Figure`, no pyplot). Theory curves rebuild the clip rule from the run's
 ``clip/*`` params and draw its ``theory_clip_fraction(L, sigma)`` with sigma the group's mean
 ``run/logratio/sigma_hat`` (FSPO's EMA band: the stationary 2 Phi(-z)).
 """
@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fspo.diagnostics.bins import bin_midpoint as _bin_mid
@@ -32,7 +31,6 @@ def safe_name(s: str) -> str:
 
 def _figure(ncols: int = 1, size=(6.4, 4.4)) -> tuple:
     fig = Figure(figsize=(size[0] * ncols, size[1]), dpi=100)
-    FigureCanvasAgg(fig)
     return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
 
 
@@ -114,7 +112,6 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
     ncols = min(4, n)
     nrows = (n + ncols - 1) // ncols
     fig = Figure(figsize=(3.6 * ncols, 3.0 * nrows + 0.5), dpi=100)
-    FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
     xmax = 1.0
     for i, (g, runs) in enumerate(groups.items()):
@@ -274,7 +271,6 @@ def image_grid_figure(images: Mapping[str, Path], title: str, ncols: int = 4) ->
     ncols = min(ncols, n)
     nrows = (n + ncols - 1) // ncols
     fig = Figure(figsize=(4.0 * ncols, 4.0 * nrows + 0.4), dpi=100)
-    FigureCanvasAgg(fig)
     for i, (name, path) in enumerate(images.items()):
         ax = fig.add_subplot(nrows, ncols, i + 1)
         ax.imshow(mpimg.imread(str(path)))

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fspo.evaluation.report.collect import read_artifact
@@ -53,7 +52,6 @@ def scatter_figure(samples_by_group: Mapping[str, np.ndarray], sigma_by_group: M
     ncols = min(n, 3)
     nrows = -(-n // ncols)
     fig = Figure(figsize=(4.6 * ncols, 3.8 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     for ax, (group, xs) in zip(axes, samples_by_group.items()):
         ax.scatter(xs[:, 0], xs[:, 1], s=3, alpha=0.25, color="tab:gray", rasterized=True)
