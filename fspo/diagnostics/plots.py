@@ -22,9 +22,7 @@ def _new_figure(size=(6.4, 4.4)) -> Tuple[Figure, Axes]:
 
 
 def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str, loc: str = "best") -> Figure:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc=loc)

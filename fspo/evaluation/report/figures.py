@@ -178,9 +178,7 @@ def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
         g = np.linspace(0.0, ax.get_xlim()[1], 50)
         s = float(np.mean(sig))
         ax.plot(g, s * g, "k--", lw=1.2, label=f"sigma sqrt(L), sigma = {s:.3f}")
-    ax.set_xlabel("sqrt(L)")
-    ax.set_ylabel("std(S_L)")
-    ax.set_title("std of the sequence log-ratio by length (paper: sigma sqrt(L))")
+    ax.set(xlabel="sqrt(L)", ylabel="std(S_L)", title="std of the sequence log-ratio by length (paper: sigma sqrt(L))")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -214,8 +212,7 @@ def lre_figure(groups: Groups) -> Figure:
             ax.plot([i + (j - 0.5) * 0.38] * len(vals), vals, "k.", ms=4)
         ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=errs, capsize=3, label=lab, alpha=0.8)
     ax.set_xticks(x, list(groups), rotation=20)
-    ax.set_ylabel("length reweighting error")
-    ax.set_title("LRE per method (lower is fairer; dots: runs)")
+    ax.set(ylabel="length reweighting error", title="LRE per method (lower is fairer; dots: runs)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -235,8 +232,7 @@ def _plot_mean_curves(ax, groups: Groups, key: str, ylabel: str) -> None:
         if by_step:
             steps = sorted(by_step)
             ax.plot(steps, [np.mean(by_step[s]) for s in steps], "-", color=color, lw=1.8, label=f"{g} (n={len(runs)})")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel="RL step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)

@@ -66,9 +66,7 @@ def scatter_figure(samples_by_group: Mapping[str, np.ndarray], sigma_by_group: M
             grid = np.linspace(max(xs[:, 0].min(), 1.0), xs[:, 0].max(), 100)
             ax.plot(grid, 2 * sigma * np.sqrt(grid), "k--", lw=1, label="+- 2 sigma_hat sqrt(L)")
             ax.plot(grid, -2 * sigma * np.sqrt(grid), "k--", lw=1)
-        ax.set_title(f"{group} (n = {len(xs)})")
-        ax.set_xlabel("response length L (tokens)")
-        ax.set_ylabel("S_L = sum_t log ratio")
+        ax.set(title=f"{group} (n = {len(xs)})", xlabel="response length L (tokens)", ylabel="S_L = sum_t log ratio")
         ax.legend(fontsize=7, loc="best")
     for ax in axes[n:]:
         ax.set_visible(False)
