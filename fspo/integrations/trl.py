@@ -28,7 +28,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fspo.clipping.base import ClipRule  # noqa: E402
 from fspo.clipping.fspo import FSPOClip  # noqa: E402
-from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, fspo_settings  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_settings  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
 from fspo.diagnostics.length_counts import fractions, length_counts  # noqa: E402
 from fspo.losses import aggregate  # noqa: E402
@@ -173,14 +173,12 @@ class FSPOTrainer(GRPOTrainer):
         weights = inputs["importance_sampling_ratio"] if self.use_vllm and self.vllm_importance_sampling_correction \
             else None
         config = SimpleNamespace(**fspo_settings(self.args), global_batch_info=info)
-        if self._fspo_rule is None:
-            loss, _, res = fspo_loss(old, logps, inputs["advantages"], mask, agg_mode, config, weights)
-        else:  # any rule; a calibrated / EMA band observes every training micro-batch (all processes)
-            loss, _, res = _run_full(self._fspo_rule, old, logps, inputs["advantages"], mask, agg_mode, config,
-                                     rollout_is_weights=weights)
-            if mode == "train":
-                m = mask.bool()
-                self._fspo_rule.observe(res.seq_log_ratio, m.sum(-1), (logps.detach() - old).float() * m, m)
+        rule = FSPOClip(**fspo_settings(self.args)) if self._fspo_rule is None else self._fspo_rule
+        loss, _, res = _run_full(rule, old, logps, inputs["advantages"], mask, agg_mode, config,
+                                 rollout_is_weights=weights)
+        if self._fspo_rule is not None and mode == "train":  # a calibrated / EMA band observes every micro-batch
+            m = mask.bool()
+            self._fspo_rule.observe(res.seq_log_ratio, m.sum(-1), (logps.detach() - old).float() * m, m)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps) - (ref - logps) - 1

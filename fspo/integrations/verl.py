@@ -21,7 +21,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import PolicyLossConfig  # noqa: E402
 
 from fspo.clipping.fspo import FSPOClip  # noqa: E402
-from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, setting  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_settings, setting  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
 from fspo.diagnostics.length_counts import count_metrics, length_counts  # noqa: E402
 
@@ -79,13 +79,10 @@ def compute_policy_loss_fspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     """verl's policy-loss signature: (loss, pg_metrics) of the registry's ``fspo`` (or the running band, logging
     ``actor/fspo/sigma_hat``) plus the per-length counts."""
     rule = running_rule(config)
-    if rule is None:
-        loss, metrics, res = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                                       rollout_is_weights)
-    else:
-        rule.to(log_prob.device)
-        loss, metrics, res = _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                       config, rollout_is_weights=rollout_is_weights)
+    loss, metrics, res = _run_full(FSPOClip(**fspo_settings(config)) if rule is None else rule.to(log_prob.device),
+                                   old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                   rollout_is_weights=rollout_is_weights)
+    if rule is not None:
         metrics[f"{PREFIX}/sigma_hat"] = float(rule.sigma_hat)
         if log_prob.requires_grad:  # a training call (not a metrics-only pass): update the running band
             m = response_mask.bool()

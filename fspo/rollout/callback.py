@@ -224,10 +224,7 @@ class RolloutCallback(L.Callback):
         if self.pipeline is not None:
             self.pipeline.close()
 
-    def on_exception(self, trainer, pl_module, exception):
-        # Lightning skips `teardown` hooks when fit raises (a signal stop included): stop the engine here
-        if self.pipeline is not None:
-            self.pipeline.close()
+    on_exception = teardown  # Lightning skips `teardown` hooks when fit raises (a signal stop included)
 
     def _filter_groups(self, trainer, pl_module, rollout: RolloutBatch, out: RewardOutput, params: SamplingConfig,
                        target: int, timings: Dict[str, float]):
