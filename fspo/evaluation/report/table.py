@@ -136,7 +136,7 @@ def _f(v, digits: int = 4) -> str:
     return "-" if v is None else f"{float(v):.{digits}f}"
 
 
-def _md(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+def md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body]) + "\n"
 
@@ -153,7 +153,7 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
         if avg:
             cells.append(pair(r.get("average best"), r.get("average last")))
         body.append(cells)
-    return _md(header, body)
+    return md_table(header, body)
 
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
@@ -171,7 +171,7 @@ def fairness_markdown(rows: Sequence[Row]) -> str:
                      _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
                      _f(r.get("reward last")), _f(r.get("lre_w_grad")), _f(r.get("probe_cos"), 3),
                      _f(r.get("partition_lre"))])
-    return _md(header, body)
+    return md_table(header, body)
 
 
 def _pm(m, s, digits: int = 4) -> str:
@@ -189,4 +189,4 @@ def seeds_markdown(t1_rows: Sequence[Row], fair_rows: Sequence[Row], bench: str 
                      _pm(r.get("out_of_band_frac"), r.get("out_of_band_frac std"), 3),
                      _pm(a.get(f"{bench} best"), a.get(f"{bench} best std"), 3),
                      _pm(a.get(f"{bench} last"), a.get(f"{bench} last std"), 3)])
-    return _md(header, body)
+    return md_table(header, body)
