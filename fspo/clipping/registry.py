@@ -194,7 +194,7 @@ def fspo_settings(config: Any) -> Dict[str, Any]:
 def fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
               config: Any = None, rollout_is_weights: Optional[Tensor] = None
               ) -> Tuple[Tensor, Dict[str, float], ClipResult]:
-    """``fspo`` returning its `ClipResult` too (the adapters' per-length diagnostics)."""
+    """``fspo`` returning its `ClipResult` too (what per-length diagnostics need)."""
     rule = FSPOClip(**fspo_settings(config))
     return _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                      rollout_is_weights=rollout_is_weights)

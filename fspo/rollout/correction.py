@@ -157,10 +157,6 @@ class RolloutCorrection(torch.nn.Module):
         """A mode or the off-policy mask is on."""
         return self.reweights or self.opsm.enabled
 
-    @property
-    def fair(self) -> bool:
-        return self.mode in ("seq_fair_mask", "seq_fair_tis")
-
     @staticmethod
     def _inputs(batch) -> Tuple[Tensor, Tensor, Tensor]:
         if batch.engine_log_probs is None or batch.old_log_probs is None:
