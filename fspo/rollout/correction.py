@@ -128,7 +128,7 @@ class RolloutCorrection(torch.nn.Module):
                                         and 0 <= cap_min < 1):
             raise ValueError(f"rollout_correction.cap_min must be null (the peers' default) or a number in [0, 1) "
                              f"(the ratio floor; 0: none), got {cap_min!r}")
-        self.mode, self.cap, self.z, self.band_kind = mode, float(cap), float(z), band
+        self.mode, self.cap, self.z = mode, float(cap), float(z)
         floor = cap_min if cap_min is not None else (1.0 / self.cap if mode == "seq_mask" else 0.0)
         self.log_floor = math.log(floor) if floor > 0 else -math.inf  # log of the fixed modes' ratio floor
         if self.reweights and old_log_probs != "recompute":
