@@ -39,9 +39,9 @@ class CPPOClip(DPPOClip):
                  budget: str = CPPOSettings.budget, clip_ratio_c: float = CPPOSettings.clip_ratio_c,
                  value: str = CPPOSettings.value) -> None:
         ClipRule.__init__(self)
-        s = CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                         clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget, owner=type(self).__name__)
-        self._take(s)
+        self._take(CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget,
+                                owner=type(self).__name__))
 
     def weights(self, p: Prepared) -> Tensor:
         """w_t [B, T] (1 on padding)."""

@@ -48,9 +48,8 @@ class CTPOClip(ClipRule):
                  la_clip_c: Optional[float] = CTPOSettings.la_clip_c, la_power: float = CTPOSettings.la_power,
                  ratio_mode: str = CTPOSettings.ratio_mode, acceptance: str = CTPOSettings.acceptance) -> None:
         super().__init__()
-        s = CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
-                         owner=type(self).__name__)
-        self._take(s)
+        self._take(CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
+                                owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:

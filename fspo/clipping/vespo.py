@@ -75,9 +75,8 @@ class VESPOClip(ClipRule):
                  value: str = VESPOSettings.value, length_scale: str = VESPOSettings.length_scale,
                  ref_length: float = VESPOSettings.ref_length) -> None:
         super().__init__()
-        s = VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
-                          owner=type(self).__name__)
-        self._take(s)
+        self._take(VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
+                                 owner=type(self).__name__))
 
     def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
         """x_i: S_i, or S_i sqrt(ref_length / L_i) with ``length_scale="sqrt"``, clamped to [log 1e-8, 20]."""
