@@ -19,9 +19,8 @@ class CISPOClip(ClipRule):
         J = sum_t w_t A_t logp_t,    d loss_t / d logp_t = -w_t A_t   on every token.
 
     ``value`` (base.py): ``verl`` token_loss = -w_t A_t logp_t, ``surrogate`` -w_t A_t (1 + logp_t - sg(logp_t)).
-    Settings: ``clip_ratio_low`` in [0, 1] (1: no floor, MiniMax-M1's), ``clip_ratio_high`` >= 0. Masks (A_t != 0):
-    upper r_t > 1 + high, lower r_t < 1 - low: a bounded weight, not a zero gradient. ``in_band``: 1 - low <= r_t
-    <= 1 + high. No dual, no cap.
+    Masks (A_t != 0): upper r_t > 1 + high, lower r_t < 1 - low: a bounded weight, not a zero gradient.
+    ``in_band``: 1 - low <= r_t <= 1 + high. No dual, no cap.
     """
 
     settings = ("clip_ratio_low", "clip_ratio_high", "value")

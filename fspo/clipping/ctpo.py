@@ -34,11 +34,10 @@ class CTPOClip(ClipRule):
         log r_t = min(sg(C_t) + logp_t - sg(logp_t), 10);  lo_t = -low t^p, hi_t = high t^p, du_t = c t^p
         loss_t = max(-A_t r_t, -A_t exp(clip(log r_t, lo_t, hi_t)));  for A_t < 0: min(loss_t, -A_t exp(du_t))
 
-    Settings (the repository's names; ctpo.sh's values): ``la_clip_low``, ``la_clip_high``, ``la_clip_c`` (None:
-    no dual, ours; < high allowed, as CTPO), ``la_power``. Masks: upper A_t > 0, C_t > hi_t; lower A_t < 0,
-    C_t < lo_t; dual A_t < 0, r_t > exp(du_t); cap C_t > 10 alone. ``acceptance`` (our reading): ``prefix``
-    lo_t <= C_t <= hi_t per token; ``last`` the last prefix's decision on every token (FSPO's event for cumprod,
-    p = 1/2, high = low).
+    Settings: the repository's names and ctpo.sh's values (``la_clip_c`` None: no dual, ours; below ``la_clip_high``
+    allowed, as CTPO). Masks: upper A_t > 0, C_t > hi_t; lower A_t < 0, C_t < lo_t; dual A_t < 0, r_t > exp(du_t);
+    cap C_t > 10 alone. ``acceptance`` (our reading): ``prefix`` lo_t <= C_t <= hi_t per token; ``last`` the last
+    prefix's decision on every token (FSPO's event for cumprod, p = 1/2, high = low).
     """
 
     settings = ("la_clip_low", "la_clip_high", "la_clip_c", "la_power", "ratio_mode", "acceptance")

@@ -51,9 +51,8 @@ class FSPOClip(ClipRule):
 
     on every token of sequence i, in the gradient form ``ratio_grad`` (base.py). Binding: upper A > 0, S > hi;
     lower A < 0, S < lo; dual A < 0, S > du. ``in_band``: lo <= S <= hi. With ``c_dual=None`` a negative-advantage
-    S above 20 is ``clip_cap``. L = 0 gives loss 0. Settings (checked by `FSPOSettings`): ``c_upper``,
-    ``c_lower``, ``c_dual``, ``band`` (fixed | ema | `CALIBRATORS`; ``calibration``: the calibrator's keywords),
-    ``drift`` zero | kl, ``z``, ``alpha``, ``sigma0``, ``ratio_grad``.
+    S above 20 is ``clip_cap``. L = 0 gives loss 0. Settings: `FSPOSettings` (``band``: fixed | ema |
+    `CALIBRATORS`, ``calibration`` the calibrator's keywords).
     """
 
     settings = ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "ratio_grad")

@@ -22,9 +22,8 @@ class SAPOClip(ClipRule):
 
         J = f(r_t) A_t,    d loss_t / d logp_t = -A_t r_t w_t,   w_t = 4 s (1 - s),  s = sigmoid(tau_t (r_t - 1)).
 
-    ``value`` as in base.py (surrogate: -A_t (f(r_t) - 2 / tau_t + 1)). Settings: ``tau_pos``, ``tau_neg`` > 0.
-    Diagnostics: clipped where w_t < 1/2, |r_t - 1| > 2 asinh(1) / tau_t; upper / lower above / below r = 1
-    (A_t != 0); no dual, no cap.
+    ``value`` as in base.py (surrogate: -A_t (f(r_t) - 2 / tau_t + 1)). Diagnostics: clipped where w_t < 1/2,
+    |r_t - 1| > 2 asinh(1) / tau_t; upper / lower above / below r = 1 (A_t != 0); no dual, no cap.
     """
 
     settings = ("tau_pos", "tau_neg", "value")
