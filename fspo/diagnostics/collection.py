@@ -40,9 +40,8 @@ def check_metric_names(metrics: Mapping[str, float]) -> None:
 
 
 class FairnessMetrics(torch.nn.Module):
-    """Length-fairness diagnostics of one run: submodules ``clip`` (`ClipFractionByLength`), ``log_ratio``
-    (`LogRatioStats`), ``rollout`` (`RolloutLengthStats`), ``acf`` (`TokenLogRatioACF`); ``metric_kwargs`` go to
-    each (``process_group``, ``sync_on_compute``).
+    """Length-fairness diagnostics of one run; ``metric_kwargs`` (``process_group``, ``sync_on_compute``) go to
+    each of its metrics.
 
     The first mini-batch of a step is on-policy (S = 0, always in band): the log-ratio statistics and, unless
     ``acceptance_on_policy``, the acceptance counts leave it out (as the paper's Figure 1 count); the binding

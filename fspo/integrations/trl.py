@@ -150,7 +150,7 @@ class FSPOTrainer(GRPOTrainer):
         width = int(getattr(self.args, "length_bin_width", 200))
         self._fspo_bins = LengthBins(width=width, max_len=max(int(self.max_completion_length or width), width))
         self._fspo_counts: Dict[str, Optional[torch.Tensor]] = {"train": None, "eval": None}
-        self._fspo_rule = build_rule(self.args)  # None: the fixed band; a rule with state (EMA band) keeps it here
+        self._fspo_rule = build_rule(self.args)  # a rule's state (an EMA band's) lives here
         if self._fspo_rule is not None:
             self._fspo_rule.to(self.accelerator.device)
 

@@ -121,7 +121,7 @@ class AsyncEngine:
     def push(self, policy, slot: int) -> None:
         """Copy ``policy``'s full parameters into weight slot ``slot`` (no request may be reading it). A collective."""
         with torch.no_grad():
-            for k, v in iter_full_state_dict(policy):  # full tensors, gathered one at a time under FSDP
+            for k, v in iter_full_state_dict(policy):
                 self.slots[slot][k].copy_(v)
 
     def submit(self, slot: int, prompt_ids: Sequence[List[int]], params: SamplingConfig) -> None:

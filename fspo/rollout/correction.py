@@ -164,7 +164,6 @@ class RolloutCorrection(torch.nn.Module):
                              "HFEngine with rollout.engine.compact=true) and the trainer's old log-probs")
         return batch.old_log_probs, batch.engine_log_probs, batch.response_mask
 
-    # ------------------------------------------------------------------ per step
     @torch.no_grad()
     def fit(self, batch) -> None:
         """Once per step on this rank's rollout: the band's m and s and the quantile band's observation (all ranks),
@@ -221,7 +220,6 @@ class RolloutCorrection(torch.nn.Module):
         hit = hit & (length > 0)
         return (w[:, None] * m).float(), hit.to(torch.float64)
 
-    # ------------------------------------------------------------------ per micro-batch
     @torch.no_grad()
     def weights(self, batch, current: Optional[Tensor] = None) -> Tensor:
         """The detached per-token weights [B, T] of ``batch`` (a micro-batch), with the step's `fit`; with the
