@@ -12,8 +12,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from fspo.evaluation.report.collect import RunRecord
 
 ORDER = ("base", "grpo", "rloo", "rloo_wide", "gspo", "fspo")  # the paper's row order
-# lre / lre_w / q_bar / out_of_band_frac: the paper's acceptance event (ratio inside the band, any
-# sign of A); binding_*, seq_clip_frac: binding clips
 FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_bar", "run/fairness/q_bar"),
             ("out_of_band_frac", "run/band/out_frac"), ("binding_lre", "run/fairness/binding_lre"),
             ("binding_q_bar", "run/fairness/binding_q_bar"),
@@ -21,7 +19,7 @@ FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_ba
             ("qq_slope", "run/logratio/qq_slope"), ("qq_r2", "run/logratio/qq_r2"),
             ("std_exponent", "run/logratio/std_exponent"), ("std_exponent_r2", "run/logratio/std_exponent_r2"),
             ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"),
-            # measured gradients (diagnostics.grad_probe_every, fspo/update/grad_probe.py): the last probed step's
+            # measured gradients (diagnostics.grad_probe_every): the last probed step's
             ("lre_w_grad", "probe/lre_w"), ("probe_cos", "probe/cos"), ("partition_lre", "probe/partition_lre"))
 Row = Dict[str, object]
 
