@@ -26,7 +26,7 @@ from fspo.evaluation.report.table import (
 )
 
 log = logging.getLogger(__name__)
-LAB_MIN_COUNT = 50  # sequences a length bin needs in the length-law lab's tests (law_lab.py)
+LAB_MIN_COUNT = 50  # sequences a length bin needs in the length-law lab's tests
 QQ_ARTIFACT = "plots/logratio_qq.png"
 
 
@@ -112,7 +112,7 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
 
     figs = F.clip_by_length_figures(groups)
     seq_records = download_records(tracking_uri, groups, out / "records")
-    if seq_records:  # the length-law lab: CIs, tests and the sweep's targets (law_lab.py)
+    if seq_records:  # the length-law lab: CIs, tests and the sweep's targets
         own = {g: own_band(rs[0]) for g, rs in groups.items()}
         rows = lab_rows(seq_records, min_count=LAB_MIN_COUNT, own_bands=own)
         lab_md = lab_markdown(rows, targets(rows))
