@@ -3,7 +3,7 @@
     prompt:   "Q:23+45-7\nA:"
     solution: "23+45=68\n68-7=61\nAnswer: 61"        (+ EOS)
 
-k-1 step lines, so response lengths grow linearly with k (defaults: 16 to 88 tokens). Train, validation and test
+k-1 step lines, so response lengths grow linearly with k. Train, validation and test
 come from three seeds; validation drops prompts of the train split, test those of train and validation.
 """
 from __future__ import annotations
