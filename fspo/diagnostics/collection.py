@@ -58,7 +58,7 @@ class FairnessMetrics(torch.nn.Module):
         self.clip = ClipFractionByLength(bins, lre_min_len=lre_min_len, **metric_kwargs)
         self.log_ratio = LogRatioStats(bins, reservoir_size=reservoir_size, seed=seed, **metric_kwargs)
         self.rollout = RolloutLengthStats(**metric_kwargs)
-        self.acf = TokenLogRatioACF(bins, **metric_kwargs)  # per-token d_t along the response (positions in `bins`)
+        self.acf = TokenLogRatioACF(bins, **metric_kwargs)
         self._last: Optional[Dict[str, float]] = None
 
     @torch.no_grad()

@@ -154,7 +154,7 @@ class AsyncEngine:
                     code = None if self.proc is None else self.proc.exitcode
                     raise RuntimeError(f"the rollout engine process died (exit code {code}); "
                                        f"see the log above") from None
-                if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does (checkpoint, exit 0)
+                if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does
                     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
                     log.warning("stop signal while waiting for the rollout engine: stopping this step")
