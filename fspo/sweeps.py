@@ -1,20 +1,15 @@
 """The sweep configs in ``sweeps/``: list them and expand one into its jobs, as Hydra would.
 
-Owns: `list_sweeps`, `list_arms` (sweeps/arm/: the length sweeps' arms), `sweep_jobs` (the override lists
-Hydra's basic sweeper launches for ``python experiments/run.py -m --config-dir sweeps --config-name <name>
-[overrides]``) and `job_config` (one job's composed config). Used by tests and to preview a sweep:
+`sweep_jobs` gives the override lists Hydra's basic sweeper launches for ``python experiments/run.py -m
+--config-dir sweeps --config-name <name> [overrides]``, `job_config` one job's composed config. To preview:
 
     python -m fspo.sweeps                       # every sweep and its jobs
     python -m fspo.sweeps methods seed=1,2      # one sweep, with command-line overrides
-    python -m fspo.sweeps --help                # usage
-
-Leaves out: running the jobs (experiments/run.py) and the MLflow parent run
-(fspo/tracking/sweep_parent.py).
 """
 from __future__ import annotations
 
+import argparse
 import sys
-import textwrap
 from pathlib import Path
 from typing import List, Sequence
 
@@ -70,27 +65,18 @@ def job_config(name: str, job_overrides: Sequence[str]) -> DictConfig:
     return _compose(name, list(job_overrides), return_hydra_config=False)
 
 
-USAGE = """usage: python -m fspo.sweeps [-h] [NAME [OVERRIDE ...]]
-
-Preview Hydra sweeps: print the jobs (override lists) that
-`python experiments/run.py -m --config-dir sweeps --config-name NAME [OVERRIDE ...]` would launch.
-Without NAME: every sweep in sweeps/ and its jobs.
-
-positional arguments:
-  NAME        a sweep: {names}
-  OVERRIDE    command-line overrides as for run.py (seed=1,2 replaces the sweep's seeds;
-              +arm=a,b runs the arms a and b of a length sweep, from sweeps/arm/:
-{arms})
-
-options:
-  -h, --help  show this help message and exit"""
-
-
 def main(argv: Sequence[str]) -> int:
     """CLI: print the jobs of one sweep (``name [overrides]``) or of every sweep; ``-h``: usage."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fspo.sweeps", description="Preview Hydra sweeps: print the jobs (override lists) that "
+        "`python experiments/run.py -m --config-dir sweeps --config-name NAME [OVERRIDE ...]` would launch. Without "
+        "NAME: every sweep in sweeps/ and its jobs.")
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"a sweep: {', '.join(list_sweeps())}")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="command-line overrides as for run.py "
+                        "(seed=1,2 replaces the sweep's seeds; +arm=a,b runs the arms a and b of a length sweep, "
+                        f"from sweeps/arm/: {', '.join(list_arms())})")
     if any(a in ("-h", "--help") for a in argv):
-        arms = textwrap.fill(", ".join(list_arms()), 100, initial_indent=" " * 14, subsequent_indent=" " * 14)
-        print(USAGE.format(names=", ".join(list_sweeps()), arms=arms))
+        parser.print_help()
         return 0
     if argv and argv[0] not in list_sweeps():
         print(f"error: unknown sweep {argv[0]!r}: choose one of {list_sweeps()} (files in {SWEEPS_DIR}); "

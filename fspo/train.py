@@ -56,18 +56,13 @@ def build_fairness(cfg: DictConfig, seed: int) -> FairnessMetrics:
                            figure_min_count=int(d.get("figure_min_count", 20)))
 
 
-def _probes(cfg: DictConfig) -> list:
-    """The random-direction gate when ``diagnostics.law.random_direction`` is set; after the rollout callback."""
-    eps = OmegaConf.select(cfg, "diagnostics.law.random_direction", default=None)
-    return [RandomDirectionGate(float(eps), seed=int(cfg.seed))] if eps else []
-
-
 def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the job described by ``cfg``; returns ``trainer.callback_metrics`` as floats. ``overrides``: this launch's
     command line (restored onto a continued run's saved config). A stop signal is honoured from the first line
     to the last: the run stops with one line naming the command that continues it."""
     quiet_third_party()  # each console line once, third-party noise filtered
-    with honour_stop_signals(_signal_names(cfg)):
+    names = OmegaConf.select(cfg, "checkpoint.signals", default=None)  # StepCheckpoint checks them
+    with honour_stop_signals([str(n) for n in names] if OmegaConf.is_list(names) else []):
         check_config(cfg)  # every setting, before anything is locked, loaded, written or opened
         if place(cfg, overrides):  # a GPU model on the GPUs found, or one line saying what it needs
             check_config(cfg)  # the placed settings together
@@ -88,12 +83,6 @@ def train(cfg: DictConfig, overrides: Optional[Sequence[str]] = None) -> Dict[st
             except (SIGTERMException, KeyboardInterrupt) as e:
                 _report_stop(e, seen, plan, out_dir)
                 raise
-
-
-def _signal_names(cfg: DictConfig) -> list:
-    """``checkpoint.signals`` as names (StepCheckpoint checks them)."""
-    names = OmegaConf.select(cfg, "checkpoint.signals", default=None)
-    return [str(n) for n in names] if OmegaConf.is_list(names) else []
 
 
 def _report_stop(exc: BaseException, seen: Dict[str, Any], plan: ResumePlan, out_dir: Path) -> None:
@@ -178,7 +167,7 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     # logging and checkpoints
     log_params_once(loggers, flatten_params(OmegaConf.to_container(cfg, resolve=True)))
     for lg in loggers if plan.ckpt_path is None else ():  # every run, once (a resume logged them already)
-        lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)  # fspo/models/lora.py
+        lg.log_metrics({k: float(v) for k, v in param_counts(policy).items()}, step=0)
     record_run_id(loggers, out_dir)
     ckpt = StepCheckpoint(checkpoint_dir(out_dir), **(OmegaConf.select(cfg, "checkpoint", default=None) or {}),
                           run_id_fn=lambda: getattr(logger, "run_id", None), run_config=OmegaConf.to_yaml(cfg),
@@ -188,9 +177,11 @@ def _train(cfg: DictConfig, plan: ResumePlan, seen: Dict[str, Any], recheck: boo
     val_every = max(1, min(int(cfg.val.every_n_steps), int(cfg.steps)))  # fit validates every val_every steps
     progress = make_progress(str(OmegaConf.select(cfg, "progress.mode", default="auto")),
                              int(OmegaConf.select(cfg, "progress.every_n_steps", default=5)), int(cfg.steps)) \
-        if OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) else None  # fspo/tracking/progress.py
+        if OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) else None
+    eps = OmegaConf.select(cfg, "diagnostics.law.random_direction", default=None)  # after the rollout callback
+    probes = [RandomDirectionGate(float(eps), seed=int(cfg.seed))] if eps else []
     trainer = instantiate(cfg.trainer, default_root_dir=str(out_dir), logger=loggers,
-                          callbacks=[rollout, ckpt] + ([progress] if progress is not None else []) + _probes(cfg),
+                          callbacks=[rollout, ckpt] + ([progress] if progress is not None else []) + probes,
                           enable_progress_bar=progress is not None, plugins=slurm_plugins(),
                           val_check_interval=val_every if val_source is not None else None,
                           limit_val_batches=None if val_source is not None else 0)

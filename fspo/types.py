@@ -88,16 +88,10 @@ class RolloutBatch:
         p_keep = int(self.prompt_mask.sum(-1).max().item()) if self.batch_size else 0
         t_keep = int(self.lengths.max().item()) if self.batch_size else 0
         p0 = self.prompt_ids.shape[1] - p_keep
-        kw = dict(
-            prompt_ids=self.prompt_ids[:, p0:],
-            prompt_mask=self.prompt_mask[:, p0:],
-            response_ids=self.response_ids[:, :t_keep],
-            response_mask=self.response_mask[:, :t_keep],
-        )
-        for f in ("old_log_probs", "engine_log_probs"):
-            v = getattr(self, f)
-            if v is not None:
-                kw[f] = v[:, :t_keep]
+        kw = {f: getattr(self, f)[:, p0:] for f in ("prompt_ids", "prompt_mask")}
+        for f in ("response_ids", "response_mask", "old_log_probs", "engine_log_probs"):
+            if getattr(self, f) is not None:
+                kw[f] = getattr(self, f)[:, :t_keep]
         return replace(self, **kw)
 
     def to(self, device) -> "RolloutBatch":

@@ -97,7 +97,7 @@ class RatioClipRule(ClipRule):
     or None (no dual clip)."""
 
     settings = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
-    settings_class: ClassVar[type] = RatioClipSettings  # the dataclass that checks them (a rule's own: its extras)
+    settings_class: ClassVar[type] = RatioClipSettings  # the dataclass that checks them
 
     def __init__(self, clip_ratio_low: float, clip_ratio_high: float,
                  clip_ratio_c: Optional[float], **extra) -> None:

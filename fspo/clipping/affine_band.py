@@ -13,9 +13,7 @@ from typing import Dict, Tuple
 import torch
 from torch import Tensor
 
-from fspo.clipping.calibration import _MomentBand
-
-_N, _LOGL, _R2 = 0, 1, 2
+from fspo.clipping.calibration import _LOGL, _N, _R2, _MomentBand
 
 
 class AffineVarianceBand(_MomentBand):

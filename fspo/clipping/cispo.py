@@ -8,7 +8,7 @@ from torch import Tensor
 
 from fspo.clipping._common import token_ratio_inputs, weight_clip_result
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.registry import _masked_mean, _ratio_kwargs, _run, register_policy_loss
+from fspo.clipping.registry import _masked_mean, _ratio_kwargs, rule_loss
 from fspo.clipping.settings import CISPOSettings
 
 
@@ -19,9 +19,8 @@ class CISPOClip(ClipRule):
         J = sum_t w_t A_t logp_t,    d loss_t / d logp_t = -w_t A_t   on every token.
 
     ``value`` (base.py): ``verl`` token_loss = -w_t A_t logp_t, ``surrogate`` -w_t A_t (1 + logp_t - sg(logp_t)).
-    Settings: ``clip_ratio_low`` in [0, 1] (1: no floor, MiniMax-M1's), ``clip_ratio_high`` >= 0. Masks (A_t != 0):
-    upper r_t > 1 + high, lower r_t < 1 - low: a bounded weight, not a zero gradient. ``in_band``: 1 - low <= r_t
-    <= 1 + high. No dual, no cap.
+    Masks (A_t != 0): upper r_t > 1 + high, lower r_t < 1 - low: a bounded weight, not a zero gradient.
+    ``in_band``: 1 - low <= r_t <= 1 + high. No dual, no cap.
     """
 
     settings = ("clip_ratio_low", "clip_ratio_high", "value")
@@ -43,12 +42,8 @@ class CISPOClip(ClipRule):
         return weight_clip_result(-w * adv * factor, d, ratio, ratio.detach() == w, adv, p)
 
 
-
-@register_policy_loss("cispo")
-def policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "token-mean", config: Any = None):
+@rule_loss("cispo", metrics=lambda res, m, *_: {"actor/pg_clipfrac": _masked_mean(~res.in_band, m)})
+def policy_loss_cispo(config: Any) -> ClipRule:
     """verl's ``cispo``: `CISPOClip(value="verl")`. ``actor/pg_clipfrac`` = token share with r != clip(r),
     ``actor/pg_clipfrac_lower`` = 0."""
-    rule = CISPOClip(**_ratio_kwargs(config, CISPOClip), value="verl")
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                metrics_fn=lambda res, m: {"actor/pg_clipfrac": _masked_mean(~res.in_band, m)})
+    return CISPOClip(**_ratio_kwargs(config, CISPOClip), value="verl")

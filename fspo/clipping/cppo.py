@@ -12,7 +12,7 @@ from torch import Tensor
 from fspo.clipping._common import Prepared
 from fspo.clipping.base import ClipRule
 from fspo.clipping.dppo import DPPOClip, verl_mask_metrics
-from fspo.clipping.registry import _get, _ratio_kwargs, _run, register_policy_loss
+from fspo.clipping.registry import _get, _ratio_kwargs, rule_loss
 from fspo.clipping.settings import BUDGETS, CPPOSettings  # noqa: F401  (BUDGETS: this rule's names)
 
 
@@ -39,9 +39,9 @@ class CPPOClip(DPPOClip):
                  budget: str = CPPOSettings.budget, clip_ratio_c: float = CPPOSettings.clip_ratio_c,
                  value: str = CPPOSettings.value) -> None:
         ClipRule.__init__(self)
-        s = CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                         clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget, owner=type(self).__name__)
-        self._take(s)
+        self._take(CPPOSettings(divergence=divergence, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                clip_ratio_c=clip_ratio_c, value=value, w_min=w_min, budget=budget,
+                                owner=type(self).__name__))
 
     def weights(self, p: Prepared) -> Tensor:
         """w_t [B, T] (1 on padding)."""
@@ -69,13 +69,8 @@ class CPPOClip(DPPOClip):
         return valid & budget_ok, in_band & band_ok
 
 
-
-@register_policy_loss("cppo")
-def policy_loss_cppo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
+@rule_loss("cppo", metrics=verl_mask_metrics)
+def policy_loss_cppo(config: Any) -> ClipRule:
     """CPPO: `CPPOClip(value="verl")`, config as DPPO's plus ``divergence``, ``w_min``, ``budget``."""
     extra = {k: _get(config, k) for k in ("divergence", "w_min", "budget") if _get(config, k) is not None}
-    rule = CPPOClip(**_ratio_kwargs(config, CPPOClip), **extra, value="verl")
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                metrics_fn=verl_mask_metrics(rule, old_log_prob, log_prob, advantages, response_mask),
-                rollout_is_weights=rollout_is_weights)
+    return CPPOClip(**_ratio_kwargs(config, CPPOClip), **extra, value="verl")

@@ -4,7 +4,7 @@ gradient alone. At t = L it is FSPO's event with c = high = low.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.registry import _get, rule_loss
 from fspo.clipping.settings import ACCEPTANCES, RATIO_MODES, CTPOSettings  # noqa: F401  (this rule's names)
 
 #: CTPO's cap on the prefix log-ratio before exp
@@ -34,11 +34,10 @@ class CTPOClip(ClipRule):
         log r_t = min(sg(C_t) + logp_t - sg(logp_t), 10);  lo_t = -low t^p, hi_t = high t^p, du_t = c t^p
         loss_t = max(-A_t r_t, -A_t exp(clip(log r_t, lo_t, hi_t)));  for A_t < 0: min(loss_t, -A_t exp(du_t))
 
-    Settings (the repository's names; ctpo.sh's values): ``la_clip_low``, ``la_clip_high``, ``la_clip_c`` (None:
-    no dual, ours; < high allowed, as CTPO), ``la_power``. Masks: upper A_t > 0, C_t > hi_t; lower A_t < 0,
-    C_t < lo_t; dual A_t < 0, r_t > exp(du_t); cap C_t > 10 alone. ``acceptance`` (our reading): ``prefix``
-    lo_t <= C_t <= hi_t per token; ``last`` the last prefix's decision on every token (FSPO's event for cumprod,
-    p = 1/2, high = low).
+    Settings: the repository's names and ctpo.sh's values (``la_clip_c`` None: no dual, ours; below ``la_clip_high``
+    allowed, as CTPO). Masks: upper A_t > 0, C_t > hi_t; lower A_t < 0, C_t < lo_t; dual A_t < 0, r_t > exp(du_t);
+    cap C_t > 10 alone. ``acceptance`` (our reading): ``prefix`` lo_t <= C_t <= hi_t per token; ``last`` the last
+    prefix's decision on every token (FSPO's event for cumprod, p = 1/2, high = low).
     """
 
     settings = ("la_clip_low", "la_clip_high", "la_clip_c", "la_power", "ratio_mode", "acceptance")
@@ -48,9 +47,8 @@ class CTPOClip(ClipRule):
                  la_clip_c: Optional[float] = CTPOSettings.la_clip_c, la_power: float = CTPOSettings.la_power,
                  ratio_mode: str = CTPOSettings.ratio_mode, acceptance: str = CTPOSettings.acceptance) -> None:
         super().__init__()
-        s = CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
-                         owner=type(self).__name__)
-        self._take(s)
+        self._take(CTPOSettings(la_clip_low, la_clip_high, la_clip_c, la_power, ratio_mode, acceptance,
+                                owner=type(self).__name__))
 
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
@@ -104,17 +102,15 @@ class CTPOClip(ClipRule):
         return np.where(L > 0, per_len[np.maximum(L, 1) - 1], 0.0)
 
 
-def _ctpo_loss(ratio_mode: str):
-    def fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
-           config: Any = None):
+def _ctpo(ratio_mode: str) -> Callable[[Any], ClipRule]:
+    def build(config: Any) -> ClipRule:
         kw: Dict[str, Any] = {"la_clip_low": _get(config, "la_clip_low"), "la_clip_high": _get(config, "la_clip_high"),
                               "la_clip_c": _get(config, "la_clip_c"), "la_power": _get(config, "clip_ratio_la_power")}
-        rule = CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
-        return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
-    fn.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})`, "
-                  "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power``.")
-    return fn
+        return CTPOClip(**{k: v for k, v in kw.items() if v is not None}, ratio_mode=ratio_mode)
+    build.__doc__ = (f"The CTPO repository's ``cum-token-{ratio_mode}-la``: `CTPOClip(ratio_mode={ratio_mode!r})`, "
+                     "config ``la_clip_low``, ``la_clip_high``, ``la_clip_c``, ``clip_ratio_la_power``.")
+    return build
 
 
-policy_loss_ctpo = register_policy_loss("ctpo")(register_policy_loss("cum-token-cumprod-la")(_ctpo_loss("cumprod")))
-policy_loss_ctpo_geomean = register_policy_loss("cum-token-geomean-la")(_ctpo_loss("geomean"))
+policy_loss_ctpo = rule_loss("ctpo", "cum-token-cumprod-la")(_ctpo("cumprod"))
+policy_loss_ctpo_geomean = rule_loss("cum-token-geomean-la")(_ctpo("geomean"))

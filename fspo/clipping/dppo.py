@@ -3,7 +3,7 @@ registry names ``dppo_tv`` / ``dppo_kl`` (verl 0.9.1's, tests/test_verl_parity.p
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -94,44 +94,29 @@ class DPPOClip(ClipRule):
         return mask_result(loss, d, adv, valid, in_band, p)
 
 
-
-def verl_mask_metrics(rule: DPPOClip, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
-                      response_mask: Tensor):
+def verl_mask_metrics(res: ClipResult, m: Tensor, rule: DPPOClip, old_log_prob: Tensor, log_prob: Tensor,
+                      advantages: Tensor, response_mask: Tensor) -> Dict[str, float]:
     """verl's DPPO metrics: ``actor/pg_clipfrac`` = masked token share (A = 0 takes the A <= 0 test),
     ``actor/pg_clipfrac_lower`` = share of valid tokens with r > C."""
-    def fn(res: ClipResult, m: Tensor):
-        p, _, adv, ratio = token_ratio_inputs("DPPO metrics", log_prob.detach(), old_log_prob, advantages,
-                                              response_mask)
-        div, prob, old_prob = binary_divergence(rule.divergence, p.log_prob, p.old_log_prob)
-        valid, _ = rule.valid(p, adv, div, prob, old_prob)
-        raw = torch.exp((p.log_prob - p.old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-        def mean(x):
-            return float((x.float() * m).sum() / m.sum().clamp(min=1.0))
-        return {"actor/pg_clipfrac": mean(~valid), "actor/pg_clipfrac_lower": mean((raw > rule.clip_ratio_c) & valid)}
-    return fn
+    p, _, adv, ratio = token_ratio_inputs("DPPO metrics", log_prob.detach(), old_log_prob, advantages, response_mask)
+    div, prob, old_prob = binary_divergence(rule.divergence, p.log_prob, p.old_log_prob)
+    valid, _ = rule.valid(p, adv, div, prob, old_prob)
+    raw = torch.exp((p.log_prob - p.old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return {"actor/pg_clipfrac": _masked_mean(~valid, m),
+            "actor/pg_clipfrac_lower": _masked_mean((raw > rule.clip_ratio_c) & valid, m)}
 
 
 # imported after the rule: the registry imports every rule file, and cppo.py subclasses DPPOClip
-from fspo.clipping.registry import _ratio_kwargs, _run, register_policy_loss  # noqa: E402
+from fspo.clipping.registry import _masked_mean, _ratio_kwargs, rule_loss  # noqa: E402
 
 
-def _dppo(kind: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-          rollout_is_weights=None):
-    rule = DPPOClip(kind, **_ratio_kwargs(config, DPPOClip), value="verl")
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                metrics_fn=verl_mask_metrics(rule, old_log_prob, log_prob, advantages, response_mask),
-                rollout_is_weights=rollout_is_weights)
-
-
-@register_policy_loss("dppo_tv")
-def policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mask,
-                        loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
+@rule_loss("dppo_tv", metrics=verl_mask_metrics)
+def policy_loss_dppo_tv(config: Any) -> ClipRule:
     """verl's ``dppo_tv``: `DPPOClip("tv", value="verl")`; ``clip_ratio*`` are the thresholds."""
-    return _dppo("tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return DPPOClip("tv", **_ratio_kwargs(config, DPPOClip), value="verl")
 
 
-@register_policy_loss("dppo_kl")
-def policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask,
-                        loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights=None):
+@rule_loss("dppo_kl", metrics=verl_mask_metrics)
+def policy_loss_dppo_kl(config: Any) -> ClipRule:
     """verl's ``dppo_kl``: `DPPOClip("kl", value="verl")`; ``clip_ratio*`` are the thresholds."""
-    return _dppo("kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return DPPOClip("kl", **_ratio_kwargs(config, DPPOClip), value="verl")

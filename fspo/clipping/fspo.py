@@ -51,9 +51,8 @@ class FSPOClip(ClipRule):
 
     on every token of sequence i, in the gradient form ``ratio_grad`` (base.py). Binding: upper A > 0, S > hi;
     lower A < 0, S < lo; dual A < 0, S > du. ``in_band``: lo <= S <= hi. With ``c_dual=None`` a negative-advantage
-    S above 20 is ``clip_cap``. L = 0 gives loss 0. Settings (checked by `FSPOSettings`): ``c_upper``,
-    ``c_lower``, ``c_dual``, ``band`` (fixed | ema | `CALIBRATORS`; ``calibration``: the calibrator's keywords),
-    ``drift`` zero | kl, ``z``, ``alpha``, ``sigma0``, ``ratio_grad``.
+    S above 20 is ``clip_cap``. L = 0 gives loss 0. Settings: `FSPOSettings` (``band``: fixed | ema |
+    `CALIBRATORS`, ``calibration`` the calibrator's keywords).
     """
 
     settings = ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "ratio_grad")
@@ -77,7 +76,6 @@ class FSPOClip(ClipRule):
             extra = {"z": self.z} if getattr(cls, "needs_z", False) else {}
             self.calibrator = cls(sigma0=float(sigma0), **extra, **dict(calibration or {}))
 
-    # --- band -------------------------------------------------------------------------------
     def scales(self) -> Tuple[Scale, Scale, Optional[Scale]]:
         """(c_upper, c_lower, c_dual) in effect: the settings, or z*sigma_hat for the EMA band."""
         if self.band == "fixed":
@@ -105,7 +103,6 @@ class FSPOClip(ClipRule):
         du = (mu + dw).clamp(max=MAX_LOG_RATIO) if dw is not None else torch.full_like(hi, MAX_LOG_RATIO)
         return mu - lo, hi, du
 
-    # --- loss -------------------------------------------------------------------------------
     def forward(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
                 response_mask: Tensor) -> ClipResult:
         p = prepare(type(self).__name__, log_prob, old_log_prob, advantages, response_mask)
@@ -125,7 +122,6 @@ class FSPOClip(ClipRule):
         e = e.clamp(max=MAX_LOG_RATIO)  # changes only A == 0 rows (loss 0) once cap is taken above
         return seq_result(-a.unsqueeze(-1) * torch.exp(e), s, upper, lower, dual, in_band, cap, p)
 
-    # --- running estimates ------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, seq_log_ratio: Tensor, lengths: Tensor, token_log_ratio: Tensor,
                 response_mask: Tensor) -> None:

@@ -27,8 +27,8 @@ class GMPOClip(ClipRule):
         J_i = A_i exp(G_i)
 
     on every token as exp(sg(G_i) + c_t - sg(c_t)): gradient -A_i exp(G_i) on unclipped tokens, 0 on clipped ones.
-    Settings: ``clip_ratio_low``, ``clip_ratio_high`` > 0 (log space). G_i capped at 20 (``clip_cap``; not in
-    verl). Masks: upper A_t > 0, d_t > high; lower A_t < 0, d_t < -low; ``in_band`` -low <= d_t <= high.
+    ``clip_ratio_low`` / ``clip_ratio_high`` are log-space. G_i capped at 20 (``clip_cap``; not in verl). Masks:
+    upper A_t > 0, d_t > high; lower A_t < 0, d_t < -low; ``in_band`` -low <= d_t <= high.
     """
 
     settings = ("clip_ratio_low", "clip_ratio_high")
@@ -55,7 +55,6 @@ class GMPOClip(ClipRule):
         in_band = (dd >= -self.clip_ratio_low) & (dd <= self.clip_ratio_high)
         return seq_result(-a.unsqueeze(-1) * torch.exp(e), dd.sum(-1), (sgn > 0) & (dd > self.clip_ratio_high),
                           (sgn < 0) & (dd < -self.clip_ratio_low), torch.zeros_like(p.mask), in_band, cap, p)
-
 
 
 @register_policy_loss("geo_mean")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fspo.clipping.gspo import GSPOClip
-from fspo.clipping.registry import _ratio_kwargs, _run, register_policy_loss
+from fspo.clipping.registry import _ratio_kwargs, rule_loss
 
 
 class LUSPOClip(GSPOClip):
@@ -20,11 +20,8 @@ class LUSPOClip(GSPOClip):
     """
 
 
-@register_policy_loss("luspo")
-def policy_loss_luspo(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "seq-mean-token-sum", config: Any = None):
+@rule_loss("luspo", mode="seq-mean-token-sum", default_mode="seq-mean-token-sum", kl_clamp=None)
+def policy_loss_luspo(config: Any) -> GSPOClip:
     """LUSPO: `LUSPOClip`, aggregated with seq-mean-token-sum whatever ``loss_agg_mode`` says (the length factor is
     the method); metrics as gspo's."""
-    rule = LUSPOClip(**_ratio_kwargs(config, LUSPOClip))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-sum", config,
-                kl_clamp=None)
+    return LUSPOClip(**_ratio_kwargs(config, LUSPOClip))

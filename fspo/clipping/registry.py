@@ -85,12 +85,6 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float((x.float() * mask).sum() / mask.sum().clamp(min=1.0))
 
 
-def _seq_kwargs(config: Any) -> Dict[str, Any]:
-    """``ratio_grad`` from ``config``, only when set."""
-    v = _get(config, "ratio_grad")
-    return {} if v is None else {"ratio_grad": v}
-
-
 def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
     """verl's ``global_batch_info`` as `aggregate` keywords, and its ``dp_size`` (1); dp_size > 1 needs the global
     denominator ``mode`` uses (ValueError otherwise)."""
@@ -107,17 +101,11 @@ def _batch_info(config: Any, mode: str) -> Tuple[Dict[str, Any], Any]:
     return totals, dp
 
 
-def _run(*args, **kwargs) -> Tuple[Tensor, Dict[str, float]]:
-    """`_run_full` without the `ClipResult`."""
-    return _run_full(*args, **kwargs)[:2]
-
-
 def _run_full(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
               response_mask: Tensor, mode: str, config: Any, kl_clamp: Optional[float] = MAX_LOG_RATIO,
-              metrics_fn: Optional[Callable[[ClipResult, Tensor], Dict[str, float]]] = None,
               rollout_is_weights: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, float], ClipResult]:
     """Apply ``rule``, weight by ``rollout_is_weights``, aggregate with ``mode`` and verl's batch info; returns
-    (loss, metrics, `ClipResult`). ``metrics_fn(result, mask)`` overrides metrics a rule reports differently."""
+    (loss, metrics, `ClipResult`)."""
     totals, dp = _batch_info(config, mode)
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
@@ -140,35 +128,49 @@ def _run_full(rule: ClipRule, old_log_prob: Tensor, log_prob: Tensor, advantages
     metrics = {"actor/pg_clipfrac": _masked_mean(res.clip_upper | res.clip_lower, m),
                "actor/ppo_kl": _masked_mean(-d, m),
                "actor/pg_clipfrac_lower": _masked_mean(res.clip_dual, m)}
-    if metrics_fn is not None:
-        metrics.update(metrics_fn(res, m))
     return loss, metrics, res
 
 
-@register_policy_loss("vanilla")
-@register_policy_loss("grpo")
-def policy_loss_grpo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None):
+def rule_loss(*names: str, mode: Optional[str] = None, default_mode: str = "token-mean",
+              kl_clamp: Optional[float] = MAX_LOG_RATIO, metrics: Optional[Callable[..., Dict[str, float]]] = None
+              ) -> Callable[[Callable[[Any], ClipRule]], PolicyLossFn]:
+    """Decorator turning ``build(config) -> rule`` into a policy loss registered under ``names`` (docstring kept):
+    `_run_full` with ``mode`` (None: the caller's ``loss_agg_mode``, default ``default_mode``) and ``kl_clamp``;
+    ``metrics(result, mask, rule, old_log_prob, log_prob, advantages, response_mask)`` overrides metrics."""
+    def deco(build: Callable[[Any], ClipRule]) -> PolicyLossFn:
+        def fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = default_mode,
+               config: Any = None, rollout_is_weights: Optional[Tensor] = None):
+            rule = build(config)
+            loss, out, res = _run_full(rule, old_log_prob, log_prob, advantages, response_mask, mode or loss_agg_mode,
+                                       config, kl_clamp, rollout_is_weights)
+            if metrics is not None:
+                out.update(metrics(res, response_mask.bool().float(), rule, old_log_prob, log_prob, advantages,
+                                   response_mask))
+            return loss, out
+        fn.__name__, fn.__doc__ = build.__name__, build.__doc__
+        for name in names:
+            register_policy_loss(name)(fn)
+        return fn
+    return deco
+
+
+@rule_loss("vanilla", "grpo")
+def policy_loss_grpo(config: Any) -> ClipRule:
     """GRPO / verl vanilla: `GRPOClip` (0.2 / 0.28, dual 3.0)."""
-    rule = GRPOClip(**_ratio_kwargs(config, GRPOClip))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    return GRPOClip(**_ratio_kwargs(config, GRPOClip))
 
 
-@register_policy_loss("rloo")
-def policy_loss_rloo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None):
+@rule_loss("rloo")
+def policy_loss_rloo(config: Any) -> ClipRule:
     """RLOO: `RLOOClip` (0.4 / 0.667, dual 3.0; ``ratio_grad``)."""
-    rule = RLOOClip(**_ratio_kwargs(config, RLOOClip), **_seq_kwargs(config))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    grad = _get(config, "ratio_grad")
+    return RLOOClip(**_ratio_kwargs(config, RLOOClip), **({} if grad is None else {"ratio_grad": grad}))
 
 
-@register_policy_loss("gspo")
-def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "seq-mean-token-mean", config: Any = None):
+@rule_loss("gspo", default_mode="seq-mean-token-mean", kl_clamp=None)
+def policy_loss_gspo(config: Any) -> ClipRule:
     """GSPO: `GSPOClip` (3e-4 / 4e-4, no dual); default mode seq-mean-token-mean, as verl."""
-    rule = GSPOClip(**_ratio_kwargs(config, GSPOClip))
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                kl_clamp=None)
+    return GSPOClip(**_ratio_kwargs(config, GSPOClip))
 
 
 #: FSPO's stateless settings and their defaults, the paper's (Table 4)
@@ -192,20 +194,16 @@ def fspo_settings(config: Any) -> Dict[str, Any]:
 def fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
               config: Any = None, rollout_is_weights: Optional[Tensor] = None
               ) -> Tuple[Tensor, Dict[str, float], ClipResult]:
-    """``fspo`` returning its `ClipResult` too (the adapters' per-length diagnostics)."""
+    """``fspo`` returning its `ClipResult` too (what per-length diagnostics need)."""
     rule = FSPOClip(**fspo_settings(config))
     return _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                      rollout_is_weights=rollout_is_weights)
 
 
-@register_policy_loss("fspo")
-def policy_loss_fspo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None,
-                     rollout_is_weights: Optional[Tensor] = None):
+@rule_loss("fspo")
+def policy_loss_fspo(config: Any) -> ClipRule:
     """FSPO, fixed band: `FSPOClip(**fspo_settings(config))` (paper: 0.03 each; ``ratio_grad``)."""
-    loss, metrics, _ = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                                 rollout_is_weights)
-    return loss, metrics
+    return FSPOClip(**fspo_settings(config))
 
 
 def _import_rule_modules() -> None:

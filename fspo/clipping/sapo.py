@@ -9,7 +9,7 @@ from torch import Tensor
 
 from fspo.clipping._common import token_ratio_inputs, weight_clip_result
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.registry import _get, rule_loss
 from fspo.clipping.settings import SAPOSettings
 
 #: |tau (r - 1)| where the gate's weight 4 s (1 - s) falls to 1/2
@@ -22,9 +22,8 @@ class SAPOClip(ClipRule):
 
         J = f(r_t) A_t,    d loss_t / d logp_t = -A_t r_t w_t,   w_t = 4 s (1 - s),  s = sigmoid(tau_t (r_t - 1)).
 
-    ``value`` as in base.py (surrogate: -A_t (f(r_t) - 2 / tau_t + 1)). Settings: ``tau_pos``, ``tau_neg`` > 0.
-    Diagnostics: clipped where w_t < 1/2, |r_t - 1| > 2 asinh(1) / tau_t; upper / lower above / below r = 1
-    (A_t != 0); no dual, no cap.
+    ``value`` as in base.py (surrogate: -A_t (f(r_t) - 2 / tau_t + 1)). Diagnostics: clipped where w_t < 1/2,
+    |r_t - 1| > 2 asinh(1) / tau_t; upper / lower above / below r = 1 (A_t != 0); no dual, no cap.
     """
 
     settings = ("tau_pos", "tau_neg", "value")
@@ -47,13 +46,10 @@ class SAPOClip(ClipRule):
         return weight_clip_result(-gate * adv, d, ratio, in_band, adv, p)
 
 
-
-@register_policy_loss("sapo")
-def policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "seq-mean-token-mean", config: Any = None):
+@rule_loss("sapo", mode="seq-mean-token-mean", default_mode="seq-mean-token-mean",
+           metrics=lambda res, m, *_: {"actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0})
+def policy_loss_sapo(config: Any) -> ClipRule:
     """verl's ``sapo``: `SAPOClip(value="verl")` with config ``tau_pos`` / ``tau_neg``, aggregated with
     seq-mean-token-mean whatever ``loss_agg_mode`` says, as verl; clip fractions 0."""
     kw = {k: _get(config, k) for k in ("tau_pos", "tau_neg")}
-    rule = SAPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
-                metrics_fn=lambda res, m: {"actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0})
+    return SAPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")

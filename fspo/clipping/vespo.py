@@ -21,7 +21,7 @@ from fspo.clipping._common import (
     token_log_ratio,
 )
 from fspo.clipping.base import ClipResult, ClipRule
-from fspo.clipping.registry import _get, _run, register_policy_loss
+from fspo.clipping.registry import _get, rule_loss
 from fspo.clipping.settings import LENGTH_SCALES, VESPOSettings  # noqa: F401  (LENGTH_SCALES: this rule's names)
 
 #: a sequence counts as clipped below this log weight
@@ -75,9 +75,8 @@ class VESPOClip(ClipRule):
                  value: str = VESPOSettings.value, length_scale: str = VESPOSettings.length_scale,
                  ref_length: float = VESPOSettings.ref_length) -> None:
         super().__init__()
-        s = VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
-                          owner=type(self).__name__)
-        self._take(s)
+        self._take(VESPOSettings(k_pos, lambda_pos, k_neg, lambda_neg, value, length_scale, ref_length,
+                                 owner=type(self).__name__))
 
     def kernel_input(self, s: Tensor, lengths: Tensor) -> Tensor:
         """x_i: S_i, or S_i sqrt(ref_length / L_i) with ``length_scale="sqrt"``, clamped to [log 1e-8, 20]."""
@@ -121,16 +120,13 @@ class VESPOClip(ClipRule):
         return out
 
 
-
 VESPO_KEYS = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "length_scale", "ref_length")
 
 
-@register_policy_loss("vespo")
-def policy_loss_vespo(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "token-mean", config: Any = None):
+@rule_loss("vespo")
+def policy_loss_vespo(config: Any) -> ClipRule:
     """VESPO: `VESPOClip(value="verl")`, config ``k_pos``, ``lambda_pos``, ``k_neg``, ``lambda_neg`` (also under
     ``config.policy_loss.vespo``, the recipe's place)."""
     sub = _get(_get(config, "policy_loss"), "vespo")
     kw = {key: (_get(sub, key) if _get(sub, key) is not None else _get(config, key)) for key in VESPO_KEYS}
-    rule = VESPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")
-    return _run(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    return VESPOClip(**{k: v for k, v in kw.items() if v is not None}, value="verl")

@@ -3,7 +3,7 @@
     prompt:   "Q:23+45-7\nA:"
     solution: "23+45=68\n68-7=61\nAnswer: 61"        (+ EOS)
 
-k-1 step lines, so response lengths grow linearly with k (defaults: 16 to 88 tokens). Train, validation and test
+k-1 step lines, so response lengths grow linearly with k. Train, validation and test
 come from three seeds; validation drops prompts of the train split, test those of train and validation.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def worked_solution(nums: List[int], ops: List[str]) -> Tuple[str, int]:
     return "\n".join(lines), total
 
 
-class ArithmeticTask:
+class ArithmeticTask(ListSource):
     """``size`` problems of ``split`` from `split_seed` ``(seed, split)``. Val and test exclude the first
     ``exclude_size`` train prompts (default ``10 * size``), test also the val split of ``val_size`` (default
     ``size``). ``meta["nums"]``/``meta["ops"]`` let the warm start render the worked solution."""
@@ -68,13 +68,7 @@ class ArithmeticTask:
                 out.append(s)
             if len(out) == size:
                 break
-        self.source = ListSource(out, name=f"arithmetic/{split}")
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, i: int) -> Sample:
-        return self.source[i]
+        super().__init__(out, name=f"arithmetic/{split}")
 
 
 def _generate(n: int, seed: int, min_ops: int, max_ops: int, max_operand: int) -> List[Sample]:

@@ -58,8 +58,6 @@ class PromptDataModule(L.LightningDataModule):
     def __init__(self, train_source, val_source=None, prompts_per_step: int = 16, steps: int = 100,
                  val_batch_size: int = 64, seed: int = 0):
         super().__init__()
-        if len(train_source) == 0:
-            raise ValueError("the training prompt set is empty: check the data settings (data.*)")
         if val_source is not None and len(val_source) == 0:
             raise ValueError("the validation prompt set is empty: set val.size > 0 or disable validation")
         self.train_source, self.val_source = train_source, val_source

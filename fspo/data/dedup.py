@@ -102,10 +102,9 @@ class NearDuplicateIndex:
         return best
 
 
-def merge_deduplicated(primary: Sequence[Record], secondary: Sequence[Record],
-                       near: bool = True) -> Tuple[List[Record], DedupStats]:
-    """Primary records without exact duplicates, then secondary records that are neither exact nor
-    (when ``near``) near duplicates of a kept primary record. Order is preserved."""
+def merge_deduplicated(primary: Sequence[Record], secondary: Sequence[Record]) -> Tuple[List[Record], DedupStats]:
+    """Primary records without exact duplicates, then secondary records that are neither exact nor near
+    duplicates of a kept primary record. Order is preserved."""
     stats = DedupStats()
     kept: List[Record] = []
     seen: Dict[str, int] = {}
@@ -117,7 +116,7 @@ def merge_deduplicated(primary: Sequence[Record], secondary: Sequence[Record],
             continue
         seen[key] = len(kept)
         kept.append(r)
-    index = NearDuplicateIndex([r.problem for r in kept]) if near and secondary else None
+    index = NearDuplicateIndex([r.problem for r in kept]) if secondary else None
     for row, r in enumerate(secondary):
         key = normalize_problem(r.problem)
         if key in seen:

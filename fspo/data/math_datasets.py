@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from fspo.data.base import ListSource, Sample
 from fspo.data.dedup import DedupStats, Record, merge_deduplicated
 from fspo.data.math_io import ON_BAD_ROW, BadRow, RowCollector, open_source, require_str, resolve_data_dir
-from fspo.data.templates import BOXED_INSTRUCTION, TEMPLATES, render
+from fspo.data.templates import BOXED_INSTRUCTION, render
 
 _DAPO_HEAD = "Solve the following math problem step by step."
 _DAPO_TAIL = "Remember to put your answer on its own line after"
@@ -157,5 +157,3 @@ def load_math_source(name: str, data_dir: Optional[str] = None, template: str = 
     source.stats = stats
     return source
 
-
-__all__ = ["load_math_source", "read_records", "FILES", "NAMES", "EVAL_SETS", "TRAIN_SETS", "TEMPLATES"]

@@ -45,7 +45,7 @@ def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
     return min(hi, max(lo, int(math.floor(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))))
 
 
-class ModChainTask:
+class ModChainTask(ListSource):
     """``size`` problems of ``split`` (seeds as `ArithmeticTask`), v0 uniform in 0..9; prompts repeat across
     splits by design (the task measures the clip, not generalisation). ``answer`` is ``"v0,n"``."""
 
@@ -66,10 +66,4 @@ class ModChainTask:
             n, v0 = _log_uniform_int(rng, min_lines, max_lines), rng.randrange(10)
             out.append(Sample(prompt=render_prompt(v0, n), answer=f"{v0},{n}",
                               meta={"source": "mod_chain", "row": i, "v0": v0, "n": n, "step": step}))
-        self.source = ListSource(out, name=f"mod_chain/{split}")
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, i: int) -> Sample:
-        return self.source[i]
+        super().__init__(out, name=f"mod_chain/{split}")

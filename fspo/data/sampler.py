@@ -14,7 +14,7 @@ class PromptStepSampler:
 
     def __init__(self, num_prompts: int, prompts_per_step: int, steps: int, seed: int = 0):
         if num_prompts < 1:
-            raise ValueError("the training prompt set is empty: check data settings")
+            raise ValueError("the training prompt set is empty: check the data settings (data.*)")
         if prompts_per_step < 1 or steps < 0:
             raise ValueError(f"need prompts_per_step >= 1 and steps >= 0, got {prompts_per_step}, {steps}")
         self.num_prompts, self.prompts_per_step, self.steps, self.seed = num_prompts, prompts_per_step, steps, seed

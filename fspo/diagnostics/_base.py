@@ -18,11 +18,12 @@ class DiagnosticMetric(Metric):
     higher_is_better = None
 
     def add_state(self, name: str, default, dist_reduce_fx=None, persistent: bool = False) -> None:
-        """As `Metric.add_state`, remembering the state's dtype."""
+        """As `Metric.add_state`, remembering a tensor state's dtype (a list state has none)."""
         super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
         if not hasattr(self, "_state_dtypes"):
             self._state_dtypes: Dict[str, torch.dtype] = {}
-        self._state_dtypes[name] = default.dtype
+        if isinstance(default, torch.Tensor):
+            self._state_dtypes[name] = default.dtype
 
     def _apply(self, fn: Callable, exclude_state: Sequence[str] = ""):
         this = super()._apply(fn, exclude_state)

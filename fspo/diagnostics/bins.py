@@ -51,11 +51,6 @@ class LengthBins:
         return len(self.edges)
 
     @property
-    def lower(self) -> List[float]:
-        """Lower edge of each bin."""
-        return [float(e) for e in self.edges]
-
-    @property
     def upper(self) -> List[float]:
         """Upper edge of each bin (``inf`` for the overflow bin)."""
         return [float(e) for e in self.edges[1:]] + [math.inf]

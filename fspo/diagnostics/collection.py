@@ -40,9 +40,8 @@ def check_metric_names(metrics: Mapping[str, float]) -> None:
 
 
 class FairnessMetrics(torch.nn.Module):
-    """Length-fairness diagnostics of one run: submodules ``clip`` (`ClipFractionByLength`), ``log_ratio``
-    (`LogRatioStats`), ``rollout`` (`RolloutLengthStats`), ``acf`` (`TokenLogRatioACF`); ``metric_kwargs`` go to
-    each (``process_group``, ``sync_on_compute``).
+    """Length-fairness diagnostics of one run; ``metric_kwargs`` (``process_group``, ``sync_on_compute``) go to
+    each of its metrics.
 
     The first mini-batch of a step is on-policy (S = 0, always in band): the log-ratio statistics and, unless
     ``acceptance_on_policy``, the acceptance counts leave it out (as the paper's Figure 1 count); the binding
@@ -59,7 +58,7 @@ class FairnessMetrics(torch.nn.Module):
         self.clip = ClipFractionByLength(bins, lre_min_len=lre_min_len, **metric_kwargs)
         self.log_ratio = LogRatioStats(bins, reservoir_size=reservoir_size, seed=seed, **metric_kwargs)
         self.rollout = RolloutLengthStats(**metric_kwargs)
-        self.acf = TokenLogRatioACF(bins, **metric_kwargs)  # per-token d_t along the response (positions in `bins`)
+        self.acf = TokenLogRatioACF(bins, **metric_kwargs)
         self._last: Optional[Dict[str, float]] = None
 
     @torch.no_grad()

@@ -150,19 +150,19 @@ def _ratio(a: float, b: float) -> Optional[float]:
     return math.inf if a > 0 else None
 
 
-def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], by_update: bool = True,
-                  min_history: int = 64, window: Optional[int] = None) -> Dict[str, np.ndarray]:
-    """Fit ``make_band()`` on steps t - ``window`` .. t - 1 (all earlier when None; the same mini-batch index when
-    ``by_update``) and judge step t with it, where >= ``min_history`` sequences fit. Returns ``judged``,
-    ``outside``, ``lo``, ``hi`` per row (NaN where not judged)."""
+def out_of_sample(L, S, step, update, make_band: Callable[[], AffineBand], min_history: int = 64
+                  ) -> Dict[str, np.ndarray]:
+    """Fit ``make_band()`` on the earlier steps' sequences of the same mini-batch index and judge step t with it,
+    where >= ``min_history`` sequences fit. Returns ``judged``, ``outside``, ``lo``, ``hi`` per row (NaN where not
+    judged)."""
     L, S = np.asarray(L, float), np.asarray(S, float)
     step, update = np.asarray(step), np.asarray(update)
     judged, outside = np.zeros(len(L), bool), np.zeros(len(L), bool)
     lo, hi = np.full(len(L), np.nan), np.full(len(L), np.nan)
     for t in np.unique(step):
-        for u in (np.unique(update[step == t]) if by_update else [None]):
-            now = (step == t) & ((update == u) if u is not None else True)
-            past = (step < t) & ((step >= t - window) if window else True) & ((update == u) if u is not None else True)
+        for u in np.unique(update[step == t]):
+            now = (step == t) & (update == u)
+            past = (step < t) & (update == u)
             if past.sum() < min_history:
                 continue
             band = make_band().fit(L[past], S[past])

@@ -29,12 +29,6 @@ class SequenceLedger(DiagnosticMetric):
         super().__init__(**kwargs)
         self.add_state("rows", default=[], dist_reduce_fx="cat")
 
-    def add_state(self, name, default, dist_reduce_fx=None, persistent: bool = False) -> None:
-        if isinstance(default, list):  # list states have no dtype to keep
-            return super(DiagnosticMetric, self).add_state(name, default, dist_reduce_fx=dist_reduce_fx,
-                                                           persistent=persistent)
-        return super().add_state(name, default, dist_reduce_fx, persistent)
-
     @torch.no_grad()
     def update(self, step: int, update: int, group_ids: Tensor, lengths: Tensor, token_log_ratio: Tensor,
                response_mask: Tensor, advantages: Tensor, in_band: Tensor) -> None:

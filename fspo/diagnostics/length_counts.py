@@ -14,6 +14,7 @@ from fspo.clipping.base import ClipResult
 from fspo.diagnostics.bins import LengthBins
 
 ROWS = ("seq", "clip", "out")
+BIN_WIDTH = 200  # the adapters' length bins, in tokens
 
 
 def length_counts(result: ClipResult, response_mask: Tensor, bins: LengthBins) -> Tensor:

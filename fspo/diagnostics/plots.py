@@ -1,5 +1,5 @@
-"""Diagnostic figures (paper Fig. qL and Fig. seq_ratio_qqplot): matplotlib's object API on the Agg canvas, never
-pyplot, so no global state and no display.
+"""Diagnostic figures (paper Fig. qL and Fig. seq_ratio_qqplot): matplotlib's object API (a `Figure` saves as PNG
+through Agg), never pyplot, so no global state and no display.
 """
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy.special import ndtri
 
@@ -18,16 +17,12 @@ Curve = Union[Callable[[np.ndarray], np.ndarray], XY]
 
 
 def _new_figure(size=(6.4, 4.4)) -> Tuple[Figure, Axes]:
-    """A Figure attached to the Agg canvas."""
     fig = Figure(figsize=size, dpi=100)
-    FigureCanvasAgg(fig)
     return fig, fig.add_subplot(1, 1, 1)
 
 
 def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str, loc: str = "best") -> Figure:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc=loc)

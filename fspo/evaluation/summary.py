@@ -16,7 +16,6 @@ from fspo.tracking.orphans import end_orphans, owner_tags
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------- summary
 def summarize(entries: List[Dict[str, Any]], metric: str = "avg_at_k") -> Dict[str, Any]:
     """Best/last summary of ``entries`` (``{"checkpoint", "step", "base", "metrics": {benchmark: {metric: value}}}``):
     ``{"metric", "benchmarks": {name: {"best", "last", "base"}}, "average", "checkpoints"}``."""
@@ -68,7 +67,6 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------- MLflow
 class MlflowRecorder:
     """One evaluation's MLflow sink: a new run in ``experiment_name``, or the existing run ``run_id``. Every artifact
     is also written under ``out_dir``."""

@@ -28,9 +28,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fspo.clipping.base import ClipRule  # noqa: E402
 from fspo.clipping.fspo import FSPOClip  # noqa: E402
-from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, fspo_settings  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_settings  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
-from fspo.diagnostics.length_counts import fractions, length_counts  # noqa: E402
+from fspo.diagnostics.length_counts import BIN_WIDTH, fractions, length_counts  # noqa: E402
 from fspo.losses import aggregate  # noqa: E402
 
 LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
@@ -63,7 +63,7 @@ class FSPOConfig(GRPOConfig):
     c_lower: float = _paper(FSPO_DEFAULTS["c_lower"], "lower band c, log space per sqrt(token)")
     c_dual: Optional[float] = _paper(FSPO_DEFAULTS["c_dual"], "dual clip c for A < 0 (None: off)")
     ratio_grad: str = _paper(FSPO_DEFAULTS["ratio_grad"], "per-token gradient of the sequence ratio")
-    length_bin_width: int = _paper(200, "length bins of 200 tokens for the per-length clip fractions")
+    length_bin_width: int = _paper(BIN_WIDTH, f"length bins of {BIN_WIDTH} tokens for the per-length clip fractions")
     clip_rule: Optional[dict] = field(default=None, metadata={"help": "another clip rule of fspo.clipping instead "
                                       "of the fixed FSPO band, as a Hydra node, e.g. {'_target_': "
                                       "'fspo.clipping.fspo.FSPOClip', 'band': 'ema', 'z': 1.0} or "
@@ -89,7 +89,7 @@ def check_args(args: GRPOConfig) -> None:
          "set it to None"),
         (args.entropy_coef != 0.0 or args.use_adaptive_entropy, "the entropy bonus is not supported by "
          "FSPOTrainer; set entropy_coef=0.0 and use_adaptive_entropy=False"),
-        (int(getattr(args, "length_bin_width", 200)) < 1, "length_bin_width must be >= 1 token, got "
+        (int(getattr(args, "length_bin_width", BIN_WIDTH)) < 1, "length_bin_width must be >= 1 token, got "
          f"{getattr(args, 'length_bin_width', None)!r}"),
     ]
     for bad, msg in refuse:
@@ -147,10 +147,10 @@ class FSPOTrainer(GRPOTrainer):
         if args is not None:  # before the model loads; TRL's default GRPOConfig() passes
             check_args(args)
         super().__init__(*a, **kw)
-        width = int(getattr(self.args, "length_bin_width", 200))
+        width = int(getattr(self.args, "length_bin_width", BIN_WIDTH))
         self._fspo_bins = LengthBins(width=width, max_len=max(int(self.max_completion_length or width), width))
         self._fspo_counts: Dict[str, Optional[torch.Tensor]] = {"train": None, "eval": None}
-        self._fspo_rule = build_rule(self.args)  # None: the fixed band; a rule with state (EMA band) keeps it here
+        self._fspo_rule = build_rule(self.args)  # a rule's state (an EMA band's) lives here
         if self._fspo_rule is not None:
             self._fspo_rule.to(self.accelerator.device)
 
@@ -173,14 +173,12 @@ class FSPOTrainer(GRPOTrainer):
         weights = inputs["importance_sampling_ratio"] if self.use_vllm and self.vllm_importance_sampling_correction \
             else None
         config = SimpleNamespace(**fspo_settings(self.args), global_batch_info=info)
-        if self._fspo_rule is None:
-            loss, _, res = fspo_loss(old, logps, inputs["advantages"], mask, agg_mode, config, weights)
-        else:  # any rule; a calibrated / EMA band observes every training micro-batch (all processes)
-            loss, _, res = _run_full(self._fspo_rule, old, logps, inputs["advantages"], mask, agg_mode, config,
-                                     rollout_is_weights=weights)
-            if mode == "train":
-                m = mask.bool()
-                self._fspo_rule.observe(res.seq_log_ratio, m.sum(-1), (logps.detach() - old).float() * m, m)
+        rule = FSPOClip(**fspo_settings(self.args)) if self._fspo_rule is None else self._fspo_rule
+        loss, _, res = _run_full(rule, old, logps, inputs["advantages"], mask, agg_mode, config,
+                                 rollout_is_weights=weights)
+        if self._fspo_rule is not None and mode == "train":  # a calibrated / EMA band observes every micro-batch
+            m = mask.bool()
+            self._fspo_rule.observe(res.seq_log_ratio, m.sum(-1), (logps.detach() - old).float() * m, m)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             kl = torch.exp(ref - logps) - (ref - logps) - 1

@@ -21,12 +21,13 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import PolicyLossConfig  # noqa: E402
 
 from fspo.clipping.fspo import FSPOClip  # noqa: E402
-from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_loss, setting  # noqa: E402
+from fspo.clipping.registry import FSPO_DEFAULTS, _run_full, fspo_settings, setting  # noqa: E402
+from fspo.clipping.settings import FSPOSettings  # noqa: E402
 from fspo.diagnostics.bins import LengthBins  # noqa: E402
-from fspo.diagnostics.length_counts import count_metrics, length_counts  # noqa: E402
+from fspo.diagnostics.length_counts import BIN_WIDTH, count_metrics, length_counts  # noqa: E402
 
 PREFIX = "actor/fspo"
-BIN_WIDTH, BIN_MAX = 200, 8192
+BIN_MAX = 8192
 
 
 @dataclass
@@ -40,10 +41,10 @@ class FSPOPolicyLossConfig(PolicyLossConfig):
     ratio_grad: str = FSPO_DEFAULTS["ratio_grad"]
     length_bin_width: int = BIN_WIDTH
     length_bin_max: int = BIN_MAX
-    band: str = "fixed"  # fixed (c_*) | ema | power | per_bin: FSPO's running bands
-    z: float = 1.0
-    alpha: float = 0.1
-    sigma0: float = 0.03
+    band: str = FSPOSettings.band  # fixed (c_*) | ema | power | per_bin: FSPO's running bands
+    z: float = FSPOSettings.z
+    alpha: float = FSPOSettings.alpha
+    sigma0: float = FSPOSettings.sigma0
     calibration: Optional[Dict[str, Any]] = None
 
 
@@ -61,8 +62,7 @@ BAND_KEYS = ("band", "z", "alpha", "sigma0", "c_dual", "ratio_grad")
 def running_rule(config: Any) -> Optional[FSPOClip]:
     """None for ``band: fixed``; else this process's `FSPOClip` for the config's band settings, kept between
     calls."""
-    kw = {k: setting(config, k, d) for k, d in zip(BAND_KEYS, ("fixed", 1.0, 0.1, 0.03, FSPO_DEFAULTS["c_dual"],
-                                                              FSPO_DEFAULTS["ratio_grad"]))}
+    kw = {k: setting(config, k, getattr(FSPOSettings, k)) for k in BAND_KEYS}
     if kw["band"] == "fixed":
         return None
     calibration = setting(config, "calibration", None)
@@ -79,13 +79,10 @@ def compute_policy_loss_fspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     """verl's policy-loss signature: (loss, pg_metrics) of the registry's ``fspo`` (or the running band, logging
     ``actor/fspo/sigma_hat``) plus the per-length counts."""
     rule = running_rule(config)
-    if rule is None:
-        loss, metrics, res = fspo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                                       rollout_is_weights)
-    else:
-        rule.to(log_prob.device)
-        loss, metrics, res = _run_full(rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                       config, rollout_is_weights=rollout_is_weights)
+    loss, metrics, res = _run_full(FSPOClip(**fspo_settings(config)) if rule is None else rule.to(log_prob.device),
+                                   old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                   rollout_is_weights=rollout_is_weights)
+    if rule is not None:
         metrics[f"{PREFIX}/sigma_hat"] = float(rule.sigma_hat)
         if log_prob.requires_grad:  # a training call (not a metrics-only pass): update the running band
             m = response_mask.bool()

@@ -4,7 +4,7 @@ Per training step, over all of its samples (summed over ranks, so every rank sto
 - any non-finite score stops the run with a line naming the reward;
 - a reward that fails on EVERY sample (raises, or reports every sample in ``errors``) stops the run;
 - a reward that raises on some samples: those score 0, are counted (``reward/errors``, ``reward/raised``) and
-  warned about; the run stops when the raised fraction exceeds ``reward_guard.max_error_frac`` (default 0).
+  warned about; the run stops when the raised fraction exceeds ``reward_guard.max_error_frac``.
   Errors a reward reports itself (a verifier timeout scored 0) do not count against the threshold.
 """
 from __future__ import annotations

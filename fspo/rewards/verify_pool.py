@@ -145,20 +145,14 @@ class VerifyPool:
             [sys.executable, "-m", "fspo.rewards.verify_pool", str(theirs.fileno()), self.check, str(self.memory_mb)],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        self._ctl = ours
+        self._ctl, self._ctl_lines = ours, ours.makefile("rb")  # one reply outstanding at a time
         if not wait([ours], timeout=START_TIMEOUT_S) or self._readline() != "ready":
             self.close()
             raise RuntimeError(f"verification zygote did not start within {START_TIMEOUT_S:.0f}s "
                                f"(check {self.check!r}; see its stderr above)")
 
     def _readline(self) -> str:
-        out = b""
-        while not out.endswith(b"\n"):
-            chunk = self._ctl.recv(1)
-            if not chunk:
-                return ""
-            out += chunk
-        return out.decode().strip()
+        return self._ctl_lines.readline().decode().strip()
 
     def _fork_worker(self) -> _Worker:
         if self._zygote is None or self._zygote.poll() is not None:
@@ -220,6 +214,7 @@ class VerifyPool:
             w.kill()
         self.workers = []
         if self._ctl is not None:
+            self._ctl_lines.close()
             self._ctl.close()
             self._ctl = None
         if self._zygote is not None:

@@ -121,7 +121,7 @@ class AsyncEngine:
     def push(self, policy, slot: int) -> None:
         """Copy ``policy``'s full parameters into weight slot ``slot`` (no request may be reading it). A collective."""
         with torch.no_grad():
-            for k, v in iter_full_state_dict(policy):  # full tensors, gathered one at a time under FSDP
+            for k, v in iter_full_state_dict(policy):
                 self.slots[slot][k].copy_(v)
 
     def submit(self, slot: int, prompt_ids: Sequence[List[int]], params: SamplingConfig) -> None:
@@ -154,7 +154,7 @@ class AsyncEngine:
                     code = None if self.proc is None else self.proc.exitcode
                     raise RuntimeError(f"the rollout engine process died (exit code {code}); "
                                        f"see the log above") from None
-                if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does (checkpoint, exit 0)
+                if self.should_stop():  # SIGTERM while waiting: stop as the synchronous path does
                     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
                     log.warning("stop signal while waiting for the rollout engine: stopping this step")

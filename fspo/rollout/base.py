@@ -5,7 +5,6 @@ Lifecycle, driven by the rollout callback: ``setup(model, tokenizer, workdir)`` 
 params)``: ``len(prompts) * params.n`` completions, those of prompt k in rows ``k*n .. k*n+n-1`` with
 ``group_ids == k``, prompts left-padded, responses right-padded (EOS in the mask), optionally
 ``engine_log_probs``; ``sleep()`` / ``wake(tags)`` free engine memory around training (engine_memory.py).
-The sampling settings, `SamplingConfig`, live in settings.py (torch-free: the config schemas store them).
 """
 from __future__ import annotations
 

@@ -78,7 +78,6 @@ class RolloutCallback(L.Callback):
             adv = adv * self.advantage_mask(rollout.lengths, rollout.group_ids).to(adv.device)
         return adv
 
-    # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer, pl_module, stage):
         self._workdir = Path(trainer.default_root_dir) / "engine"
 
@@ -116,7 +115,6 @@ class RolloutCallback(L.Callback):
         trainer = attached_trainer(pl_module)
         optimizers = trainer.optimizers if trainer is not None else []
         t0 = time.perf_counter()
-        # free the trainer's gradients, wake the engine's weights, sync, then its KV cache; sleep after
         with rollout_memory(self.engine, pl_module.policy, optimizers,
                             offload_optimizer=bool(getattr(self.engine, "offload_optimizer", False))):
             t1 = time.perf_counter()
@@ -132,11 +130,10 @@ class RolloutCallback(L.Callback):
         return guarded_reward(self.reward_fn, texts, refs, rollout.lengths.tolist(), rollout.overlong.tolist(),
                               params.max_new_tokens)
 
-    # ------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = int(pl_module.rl_step)
         rank, world = dp_rank_size(pl_module)
-        part = rank_slice(len(batch["prompts"]), rank, world)  # this rank's contiguous share of the prompts
+        part = rank_slice(len(batch["prompts"]), rank, world)
         prompts, answers = batch["prompts"][part], batch["answers"][part]
         params = replace(self.sampling, seed=step_seed(self.seed, step, rank))
         timings: Dict[str, float] = {}
@@ -224,10 +221,7 @@ class RolloutCallback(L.Callback):
         if self.pipeline is not None:
             self.pipeline.close()
 
-    def on_exception(self, trainer, pl_module, exception):
-        # Lightning skips `teardown` hooks when fit raises (a signal stop included): stop the engine here
-        if self.pipeline is not None:
-            self.pipeline.close()
+    on_exception = teardown  # Lightning skips `teardown` hooks when fit raises (a signal stop included)
 
     def _filter_groups(self, trainer, pl_module, rollout: RolloutBatch, out: RewardOutput, params: SamplingConfig,
                        target: int, timings: Dict[str, float]):
@@ -256,7 +250,6 @@ class RolloutCallback(L.Callback):
         kept.advantages = self._advantages(kept, kept.rewards)
         return kept, metrics
 
-    # ------------------------------------------------------------------ validation
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         rank, world = dp_rank_size(pl_module)
         params = replace(self.val_sampling, seed=val_seed(self.seed, batch_idx, rank))

@@ -128,7 +128,7 @@ class RolloutCorrection(torch.nn.Module):
                                         and 0 <= cap_min < 1):
             raise ValueError(f"rollout_correction.cap_min must be null (the peers' default) or a number in [0, 1) "
                              f"(the ratio floor; 0: none), got {cap_min!r}")
-        self.mode, self.cap, self.z, self.band_kind = mode, float(cap), float(z), band
+        self.mode, self.cap, self.z = mode, float(cap), float(z)
         floor = cap_min if cap_min is not None else (1.0 / self.cap if mode == "seq_mask" else 0.0)
         self.log_floor = math.log(floor) if floor > 0 else -math.inf  # log of the fixed modes' ratio floor
         if self.reweights and old_log_probs != "recompute":
@@ -157,10 +157,6 @@ class RolloutCorrection(torch.nn.Module):
         """A mode or the off-policy mask is on."""
         return self.reweights or self.opsm.enabled
 
-    @property
-    def fair(self) -> bool:
-        return self.mode in ("seq_fair_mask", "seq_fair_tis")
-
     @staticmethod
     def _inputs(batch) -> Tuple[Tensor, Tensor, Tensor]:
         if batch.engine_log_probs is None or batch.old_log_probs is None:
@@ -168,7 +164,6 @@ class RolloutCorrection(torch.nn.Module):
                              "HFEngine with rollout.engine.compact=true) and the trainer's old log-probs")
         return batch.old_log_probs, batch.engine_log_probs, batch.response_mask
 
-    # ------------------------------------------------------------------ per step
     @torch.no_grad()
     def fit(self, batch) -> None:
         """Once per step on this rank's rollout: the band's m and s and the quantile band's observation (all ranks),
@@ -225,7 +220,6 @@ class RolloutCorrection(torch.nn.Module):
         hit = hit & (length > 0)
         return (w[:, None] * m).float(), hit.to(torch.float64)
 
-    # ------------------------------------------------------------------ per micro-batch
     @torch.no_grad()
     def weights(self, batch, current: Optional[Tensor] = None) -> Tensor:
         """The detached per-token weights [B, T] of ``batch`` (a micro-batch), with the step's `fit`; with the

@@ -45,8 +45,7 @@ def logits_pipeline(params: SamplingConfig, prompt_len: int, eos_id: int) -> Log
 
 
 class Decoded(NamedTuple):
-    """``tokens`` [B, T] int64 (``pad_id`` after each row's EOS); ``log_probs`` [B, T] float32 under the raw
-    logits, 0 after the row's end."""
+    """``tokens`` and ``log_probs`` (float32, 0 after the row's end), [B, T] (module docstring)."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from fspo.rollout.base import RolloutEngine, SamplingConfig
 from fspo.rollout.decode import decode_compact
+from fspo.rollout.rows import left_pad
 from fspo.runtime.launch.distributed import is_sharded
 from fspo.types import RolloutBatch
 
@@ -23,18 +24,6 @@ def completion_mask(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Te
     before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS count strictly before t
     mask = (before == 0).long()
     return mask, ~is_eos.any(dim=1)
-
-
-def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists into (ids [B, P], mask [B, P])."""
-    p = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), p), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), p), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, p - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, p - len(s):] = 1
-    return ids, mask
 
 
 def context_advice(longest: int, max_new_tokens: int, context: int) -> str:

@@ -1,7 +1,10 @@
-"""Rows of generated samples -> `RolloutBatch` (the vLLM engine's packing)."""
+"""Padding token lists, and rows of generated samples -> `RolloutBatch` (the vLLM engine's packing)."""
 from __future__ import annotations
 
+from typing import List, Sequence
+
 import torch
+from torch import Tensor
 
 from fspo.types import RolloutBatch
 
@@ -15,21 +18,28 @@ def pad_id(tokenizer, model) -> int:
     return 0
 
 
+def left_pad(seqs: Sequence[List[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists into (ids [B, P], mask [B, P])."""
+    p = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), p), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), p), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, p - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, p - len(s):] = 1
+    return ids, mask
+
+
 def to_rollout_batch(rows, pad_token_id: int) -> RolloutBatch:
     """Pack ``(group_id, prompt_ids, response_ids, response_logprobs, overlong)`` rows: prompts left-padded,
     responses right-padded, response_mask 1 on every generated token, engine_log_probs 0 on padding."""
     b = len(rows)
-    p_len = max((len(r[1]) for r in rows), default=0)
     t_len = max((len(r[2]) for r in rows), default=0)
-    prompt_ids = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, p_len), dtype=torch.long)
+    prompt_ids, prompt_mask = left_pad([r[1] for r in rows], pad_token_id)
     response_ids = torch.full((b, t_len), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((b, t_len), dtype=torch.long)
     logps = torch.zeros((b, t_len), dtype=torch.float32)
-    for i, (_, p, r, lp, _) in enumerate(rows):
-        if p:
-            prompt_ids[i, p_len - len(p):] = torch.tensor(p)
-            prompt_mask[i, p_len - len(p):] = 1
+    for i, (_, _, r, lp, _) in enumerate(rows):
         if r:
             response_ids[i, :len(r)] = torch.tensor(r)
             response_mask[i, :len(r)] = 1

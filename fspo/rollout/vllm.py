@@ -83,7 +83,6 @@ class VLLMEngine(RolloutEngine):
         self._synced = False
         self.weight_dtype: Optional[torch.dtype] = None  # the engine's weights' dtype, set in setup
 
-    # ------------------------------------------------------------------ lifecycle
     def setup(self, model, tokenizer, workdir: str) -> None:
         """Export ``model`` + ``tokenizer`` to ``workdir/vllm_model`` and start `vllm.LLM` from it (every rank).
         A sharded or LoRA model starts with dummy weights: `generate` refuses to run before `sync_weights`."""
@@ -121,7 +120,6 @@ class VLLMEngine(RolloutEngine):
             model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         self.on_gpu = not current_platform.is_cpu()
-        # auto: bfloat16 on GPUs, the policy's own dtype on CPU
         dtype = engine_dtype(self.dtype, str(next(model.parameters()).dtype).removeprefix("torch."), self.on_gpu)
         kw = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=self.seed + self.replica,
                   enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
@@ -163,7 +161,6 @@ class VLLMEngine(RolloutEngine):
             drain(model, _DTYPE_ALIASES.get(name) or getattr(torch, name))
             return
         self.wake([WEIGHTS])  # the KV cache stays asleep
-        # a LoRA policy's adapters merged into its base; every tensor gathered in the engine's dtype
         weights = engine_weights(model, self.weight_dtype)
 
         def _reload(worker):
@@ -197,7 +194,6 @@ class VLLMEngine(RolloutEngine):
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
-    # ------------------------------------------------------------------ generation
     def check_lengths(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Raise ValueError if any prompt is empty or longest prompt + max_new_tokens > max_model_len."""
         if any(len(p) == 0 for p in prompt_token_ids):

@@ -26,7 +26,7 @@ from fspo.evaluation.report.table import (
 )
 
 log = logging.getLogger(__name__)
-LAB_MIN_COUNT = 50  # sequences a length bin needs in the length-law lab's tests (law_lab.py)
+LAB_MIN_COUNT = 50  # sequences a length bin needs in the length-law lab's tests
 QQ_ARTIFACT = "plots/logratio_qq.png"
 
 
@@ -111,8 +111,8 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     (out / "law.md").write_text(law_markdown(law))
 
     figs = F.clip_by_length_figures(groups)
-    seq_records = download_records(tracking_uri, groups, out / "records")  # runs' diagnostics/sequences.csv
-    if seq_records:  # the length-law lab: CIs, tests and the sweep's targets (law_lab.py)
+    seq_records = download_records(tracking_uri, groups, out / "records")
+    if seq_records:  # the length-law lab: CIs, tests and the sweep's targets
         own = {g: own_band(rs[0]) for g, rs in groups.items()}
         rows = lab_rows(seq_records, min_count=LAB_MIN_COUNT, own_bands=own)
         lab_md = lab_markdown(rows, targets(rows))
@@ -125,7 +125,7 @@ def make_report(tracking_uri: str, out: Path, experiments: Sequence[str] = (), f
     figs["learning_curves"] = F.learning_curves_figure(groups)
     figs["overlong_rate"] = F.overlong_figure(groups)
     sl = write_scatter(tracking_uri, groups, {g: F.group_sigma(rs) for g, rs in groups.items()}, out)
-    if sl is not None:  # Figure 1 (left): S_L against L, mean +- 2 std per bin (scatter.py); sl_band.csv
+    if sl is not None:  # Figure 1 (left)
         figs["sl_scatter"] = sl
     qq = _download_qq(tracking_uri, groups, out / "qq")
     figs["logratio_qq_grid"] = F.image_grid_figure(qq, "Q-Q plots of standardised S_L (per run)")

@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from fspo.diagnostics.bins import label_edges
 from fspo.evaluation.report.collect import RunRecord
 
-MIN_COUNT = 100  # sequences per run (a run of the length-fairness sweep counts ~3,840 for acceptance)
+MIN_COUNT = 100  # sequences per run
 RUN_COUNT_PREFIX = "run/band/n_seq/"
 
 Cell = Tuple[float, Optional[float]]  # (mean c(L) over runs, mean count per run or None)

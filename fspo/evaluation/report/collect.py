@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from fspo.diagnostics.metric_keys import canonical_key
 from fspo.evaluation.best_last import best_last
 
-ROLE_TAG = "fspo.role"  # set on sweep parents and report runs (fspo/tracking/sweep_parent.py); jobs have none
+ROLE_TAG = "fspo.role"  # set on sweep parents and report runs; jobs have none
 BENCH_RE = re.compile(r"^(val/accuracy|eval/[^/]+/avg_at_(?:k|\d+))$")
 CURVES = ("reward/mean", "rollout/response_len_mean", "rollout/overlong_rate", "val/accuracy")
 RUN_CLIP_PREFIX = "run/clip/seq_frac/len_"  # binding-clip fraction by length (what the optimizer sees)
@@ -120,7 +120,7 @@ def load_runs(client, experiments: Sequence[str] = (), filter_string: str = "",
     for r in runs:
         if r.data.tags.get(ROLE_TAG) or r.info.status not in statuses:
             continue
-        stored = {canonical_key(k): k for k in r.data.metrics}  # our names -> MLflow keys (metric_keys.py)
+        stored = {canonical_key(k): k for k in r.data.metrics}  # our names -> MLflow keys
         rec = RunRecord(r.info.run_id, r.info.run_name or r.info.run_id, r.info.experiment_id, r.info.status,
                         dict(r.data.tags), dict(r.data.params), {k: r.data.metrics[s] for k, s in stored.items()})
         keys = set(rec.benchmarks()) | {k for k in CURVES if k in rec.metrics}

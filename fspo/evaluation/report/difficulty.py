@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 Table = Dict[str, list]
@@ -81,17 +80,13 @@ def difficulty_figure(rows_by_name: Mapping[str, Sequence[Mapping[str, float]]])
     """Figure 4: per benchmark, overlong rate (top) and length excluding overlong (bottom) by rank."""
     n = max(len(rows_by_name), 1)
     fig = Figure(figsize=(4.2 * n, 6.0), layout="constrained")
-    FigureCanvasAgg(fig)
     axes = fig.subplots(2, n, squeeze=False, sharex="col")
     for j, (name, rows) in enumerate(rows_by_name.items()):
-        x = [r["rank"] for r in rows]
-        axes[0][j].bar(x, [r["overlong_rate"] for r in rows], width=1.0, color="tab:red")
-        axes[0][j].set_title(name)
-        axes[0][j].set_ylabel("overlong rate")
-        axes[0][j].set_ylim(0, 1)
-        axes[1][j].plot(x, [r["mean_len_excl_overlong"] for r in rows], ".", color="tab:blue")
-        axes[1][j].set_ylabel("mean length, overlong excluded")
-        axes[1][j].set_xlabel("problem, easiest -> hardest (by accuracy)")
+        x, top, bottom = [r["rank"] for r in rows], axes[0][j], axes[1][j]
+        top.bar(x, [r["overlong_rate"] for r in rows], width=1.0, color="tab:red")
+        top.set(title=name, ylabel="overlong rate", ylim=(0, 1))
+        bottom.plot(x, [r["mean_len_excl_overlong"] for r in rows], ".", color="tab:blue")
+        bottom.set(ylabel="mean length, overlong excluded", xlabel="problem, easiest -> hardest (by accuracy)")
     fig.suptitle("Per-problem overlong rate and length by difficulty")
     return fig
 

@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib on the Agg canvas). Theory curves rebuild the clip rule from the run's
+"""The report's figures (matplotlib's `Figure`, no pyplot). Theory curves rebuild the clip rule from the run's
 ``clip/*`` params and draw its ``theory_clip_fraction(L, sigma)`` with sigma the group's mean
 ``run/logratio/sigma_hat`` (FSPO's EMA band: the stationary 2 Phi(-z)).
 """
@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fspo.diagnostics.bins import bin_midpoint as _bin_mid
@@ -32,7 +31,6 @@ def safe_name(s: str) -> str:
 
 def _figure(ncols: int = 1, size=(6.4, 4.4)) -> tuple:
     fig = Figure(figsize=(size[0] * ncols, size[1]), dpi=100)
-    FigureCanvasAgg(fig)
     return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
 
 
@@ -114,7 +112,6 @@ def clip_by_length_grid(groups: Groups, min_count: float = MIN_COUNT) -> Figure:
     ncols = min(4, n)
     nrows = (n + ncols - 1) // ncols
     fig = Figure(figsize=(3.6 * ncols, 3.0 * nrows + 0.5), dpi=100)
-    FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
     xmax = 1.0
     for i, (g, runs) in enumerate(groups.items()):
@@ -181,9 +178,7 @@ def std_vs_sqrt_len_figure(groups: Groups) -> Figure:
         g = np.linspace(0.0, ax.get_xlim()[1], 50)
         s = float(np.mean(sig))
         ax.plot(g, s * g, "k--", lw=1.2, label=f"sigma sqrt(L), sigma = {s:.3f}")
-    ax.set_xlabel("sqrt(L)")
-    ax.set_ylabel("std(S_L)")
-    ax.set_title("std of the sequence log-ratio by length (paper: sigma sqrt(L))")
+    ax.set(xlabel="sqrt(L)", ylabel="std(S_L)", title="std of the sequence log-ratio by length (paper: sigma sqrt(L))")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -217,8 +212,7 @@ def lre_figure(groups: Groups) -> Figure:
             ax.plot([i + (j - 0.5) * 0.38] * len(vals), vals, "k.", ms=4)
         ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=errs, capsize=3, label=lab, alpha=0.8)
     ax.set_xticks(x, list(groups), rotation=20)
-    ax.set_ylabel("length reweighting error")
-    ax.set_title("LRE per method (lower is fairer; dots: runs)")
+    ax.set(ylabel="length reweighting error", title="LRE per method (lower is fairer; dots: runs)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -238,8 +232,7 @@ def _plot_mean_curves(ax, groups: Groups, key: str, ylabel: str) -> None:
         if by_step:
             steps = sorted(by_step)
             ax.plot(steps, [np.mean(by_step[s]) for s in steps], "-", color=color, lw=1.8, label=f"{g} (n={len(runs)})")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel="RL step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -274,7 +267,6 @@ def image_grid_figure(images: Mapping[str, Path], title: str, ncols: int = 4) ->
     ncols = min(ncols, n)
     nrows = (n + ncols - 1) // ncols
     fig = Figure(figsize=(4.0 * ncols, 4.0 * nrows + 0.4), dpi=100)
-    FigureCanvasAgg(fig)
     for i, (name, path) in enumerate(images.items()):
         ax = fig.add_subplot(nrows, ncols, i + 1)
         ax.imshow(mpimg.imread(str(path)))

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 from fspo.diagnostics.bins import label_edges
 from fspo.evaluation.report.collect import RunRecord
+from fspo.evaluation.report.table import md_table
 
 COUNT_PREFIX = "run/band/n_seq/"
 OOB_PREFIX = "run/band/out_frac/"
@@ -73,7 +74,5 @@ def law_markdown(rows: Sequence[Dict[str, object]]) -> str:
             ("bins_lo", "bins from"), ("bins_hi", "bins to"), ("oob_first", "c(L) first"), ("oob_last", "c(L) last"),
             ("oob_max_min", "c(L) max/min"), ("lre", "LRE"), ("sigma_hat", "sigma_hat"), ("acf_1", "acf lag 1"),
             ("acf_tau", "acf tau")]
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(_f(r.get(c), 0 if c in ("bins_lo", "bins_hi") else 3) for c, _ in cols) + " |")
-    return "\n".join(lines) + "\n"
+    return md_table([h for _, h in cols],
+                    [[_f(r.get(c), 0 if c in ("bins_lo", "bins_hi") else 3) for c, _ in cols] for r in rows])

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from fspo.diagnostics import law_bands as lb
 from fspo.diagnostics import law_stats as st
@@ -155,12 +157,11 @@ def _c_curve(ax, res: dict, label: str) -> None:
         ax.errorbar(res["mean_l"], c, yerr=err, marker="o", ms=3, capsize=2, label=label)
 
 
-def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
+def lab_figure(rows: Dict[str, dict], title: str = "Length law") -> Figure:
     """Left: each in-loop arm's own c(L) with Wilson CIs. Middle: every band on the measure-only arm's sequences.
     Right: std(S_L) by bin (log-log) with each arm's exponent and CI, and a slope-1/2 line."""
-    import matplotlib.pyplot as plt
-
-    fig, (a, m, b) = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig = Figure(figsize=(17, 4.8))
+    a, m, b = fig.subplots(1, 3)
     for g, r in rows.items():
         if "measure" not in g:
             _c_curve(a, r["own"], g)
@@ -183,8 +184,6 @@ def lab_figure(rows: Dict[str, dict], title: str = "Length law"):
           title="every band on the same sequences (measure-only arm)")
     b.set(xscale="log", yscale="log", xlabel="response length L (tokens)", ylabel="std of S_L",
           title="std(S_L) by length (the law: slope 1/2)")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
     for ax in (a, m, b):
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())  # log axes: plain tick labels, no overlapping minors

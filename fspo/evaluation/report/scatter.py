@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fspo.evaluation.report.collect import read_artifact
@@ -53,7 +52,6 @@ def scatter_figure(samples_by_group: Mapping[str, np.ndarray], sigma_by_group: M
     ncols = min(n, 3)
     nrows = -(-n // ncols)
     fig = Figure(figsize=(4.6 * ncols, 3.8 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     for ax, (group, xs) in zip(axes, samples_by_group.items()):
         ax.scatter(xs[:, 0], xs[:, 1], s=3, alpha=0.25, color="tab:gray", rasterized=True)
@@ -68,9 +66,7 @@ def scatter_figure(samples_by_group: Mapping[str, np.ndarray], sigma_by_group: M
             grid = np.linspace(max(xs[:, 0].min(), 1.0), xs[:, 0].max(), 100)
             ax.plot(grid, 2 * sigma * np.sqrt(grid), "k--", lw=1, label="+- 2 sigma_hat sqrt(L)")
             ax.plot(grid, -2 * sigma * np.sqrt(grid), "k--", lw=1)
-        ax.set_title(f"{group} (n = {len(xs)})")
-        ax.set_xlabel("response length L (tokens)")
-        ax.set_ylabel("S_L = sum_t log ratio")
+        ax.set(title=f"{group} (n = {len(xs)})", xlabel="response length L (tokens)", ylabel="S_L = sum_t log ratio")
         ax.legend(fontsize=7, loc="best")
     for ax in axes[n:]:
         ax.set_visible(False)

@@ -12,8 +12,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from fspo.evaluation.report.collect import RunRecord
 
 ORDER = ("base", "grpo", "rloo", "rloo_wide", "gspo", "fspo")  # the paper's row order
-# lre / lre_w / q_bar / out_of_band_frac: the paper's acceptance event (ratio inside the band, any
-# sign of A); binding_*, seq_clip_frac: binding clips
 FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_bar", "run/fairness/q_bar"),
             ("out_of_band_frac", "run/band/out_frac"), ("binding_lre", "run/fairness/binding_lre"),
             ("binding_q_bar", "run/fairness/binding_q_bar"),
@@ -21,7 +19,7 @@ FAIRNESS = (("lre", "run/fairness/lre"), ("lre_w", "run/fairness/lre_w"), ("q_ba
             ("qq_slope", "run/logratio/qq_slope"), ("qq_r2", "run/logratio/qq_r2"),
             ("std_exponent", "run/logratio/std_exponent"), ("std_exponent_r2", "run/logratio/std_exponent_r2"),
             ("overlong_rate", "run/rollout/overlong_rate"), ("response_len_mean", "run/rollout/response_len_mean"),
-            # measured gradients (diagnostics.grad_probe_every, fspo/update/grad_probe.py): the last probed step's
+            # measured gradients (diagnostics.grad_probe_every): the last probed step's
             ("lre_w_grad", "probe/lre_w"), ("probe_cos", "probe/cos"), ("partition_lre", "probe/partition_lre"))
 Row = Dict[str, object]
 
@@ -136,7 +134,7 @@ def _f(v, digits: int = 4) -> str:
     return "-" if v is None else f"{float(v):.{digits}f}"
 
 
-def _md(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+def md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body]) + "\n"
 
@@ -153,7 +151,7 @@ def table1_markdown(benches: Sequence[str], rows: Sequence[Row]) -> str:
         if avg:
             cells.append(pair(r.get("average best"), r.get("average last")))
         body.append(cells)
-    return _md(header, body)
+    return md_table(header, body)
 
 
 def fairness_markdown(rows: Sequence[Row]) -> str:
@@ -171,7 +169,7 @@ def fairness_markdown(rows: Sequence[Row]) -> str:
                      _f(r.get("overlong_rate"), 3), _f(r.get("response_len_mean"), 1),
                      _f(r.get("reward last")), _f(r.get("lre_w_grad")), _f(r.get("probe_cos"), 3),
                      _f(r.get("partition_lre"))])
-    return _md(header, body)
+    return md_table(header, body)
 
 
 def _pm(m, s, digits: int = 4) -> str:
@@ -189,4 +187,4 @@ def seeds_markdown(t1_rows: Sequence[Row], fair_rows: Sequence[Row], bench: str 
                      _pm(r.get("out_of_band_frac"), r.get("out_of_band_frac std"), 3),
                      _pm(a.get(f"{bench} best"), a.get(f"{bench} best std"), 3),
                      _pm(a.get(f"{bench} last"), a.get(f"{bench} last std"), 3)])
-    return _md(header, body)
+    return md_table(header, body)
