@@ -158,8 +158,8 @@ def test_update_settings_refused_before_anything_loads(argv, msg):
 
 
 def test_defaults_are_stated_once():
-    """conf/config.yaml's ``ppo:`` and conf/clip/*.yaml state no value their schema (fspo/config) states: each
-    keeps what selects its schema, interpolations and the values that differ."""
+    """conf/config.yaml, conf/rollout/hf.yaml's ``sampling`` and conf/clip/*.yaml state no value their schema
+    (fspo/config) states: each keeps what selects its schema, interpolations and the values that differ."""
     import dataclasses
 
     from hydra.core.config_store import ConfigStore
@@ -167,16 +167,22 @@ def test_defaults_are_stated_once():
 
     import fspo.config
 
-    def restated(node, schema):
-        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
-        literal = [k for k in node if k != "defaults" and not node._get_node(k)._is_interpolation()]
-        return [k for k in literal if k in defaults and node[k] == defaults[k]]
+    def restated(node, schema, prefix=""):
+        out = []
+        for f in dataclasses.fields(schema):
+            if f.name not in node or node._get_node(f.name)._is_interpolation():
+                continue
+            if dataclasses.is_dataclass(f.default_factory):
+                out += restated(node[f.name], f.default_factory, f"{prefix}{f.name}.")
+            elif f.default is not dataclasses.MISSING and node[f.name] == f.default:
+                out.append(prefix + f.name)
+        return out
 
     schemas = {name: node for name, _, _, node in fspo.config.stored()}
     root = OmegaConf.load(REPO / "conf" / "config.yaml")
-    for key in ("ppo", "diagnostics"):
-        assert restated(root[key], schemas[f"{key}_schema"]) == [], key
-    assert "memory_plan" not in root and "progress" not in root
+    assert root.defaults[-2:] == ["run_schema", "_self_"]
+    assert restated(root, schemas["run_schema"]) == []
+    assert set(root) == {"defaults", "hydra", "aggregator", "ppo", "rollout_correction", "diagnostics", "val"}
     hf = OmegaConf.load(REPO / "conf" / "rollout" / "hf.yaml")
     assert restated(hf.get("sampling") or OmegaConf.create(), schemas["schema"]) == []
     for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):

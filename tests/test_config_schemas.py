@@ -66,6 +66,14 @@ def test_schemas_import_no_torch():
     ("clip=grpo clip.clip_ratio_c=off", "clip_ratio_c"),
     ("clip.c_uper=0.05", "c_uper"),  # an unknown key (``+clip.c_uper`` is Hydra's force-add: config_keys.py)
     ("+method=grpo clip.c_upper=0.05", "c_upper"),  # GRPO's node has no FSPO key
+    ("steps=abc", "steps"),  # the root schema (RunConfig) and the nodes inside it
+    ("steps=1.5", "steps"),
+    ("val.sampling.n=two", "n"),
+    ("guard.max_kl=high", "max_kl"),
+    ("rollout_correction.cap=abc", "cap"),
+    ("model.lora.rank=1.5", "rank"),
+    ("guard.limit=1", "limit"),
+    ("model.lora.rnak=8", "rnak"),
 ])
 def test_unknown_keys_and_wrong_types_do_not_compose(override, msg):
     from hydra.errors import ConfigCompositionException
@@ -96,6 +104,7 @@ def test_configuration_page_is_current():
 @pytest.mark.parametrize("argv,msg", [
     (["clip.c_upper=abc"], "clip.c_upper=abc: Value 'abc' of type 'str' could not be converted to Float"),
     (["+method=grpo", "ppo.mini_batch_size=2.5"], "ppo.mini_batch_size=2.5: Value '2.5' of type 'float' could not"),
+    (["steps=abc"], "steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
 ])
 def test_run_py_names_a_wrong_type_in_one_line(argv, msg):
     from fspo.cli import early_error

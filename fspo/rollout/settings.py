@@ -1,12 +1,15 @@
 """The rollout's sampling settings as a plain value, checked without torch (stored as a schema by fspo/config).
 
-Owns: `SamplingConfig` (``rollout.sampling`` and ``val.sampling``). Leaves out: the engines that sample
-(base.py's `RolloutEngine`, hf.py, vllm.py).
+Owns: `SamplingConfig` (``rollout.sampling`` and ``val.sampling``) and `CorrectionSettings` (the keys, defaults
+and docs of ``rollout_correction``). Leaves out: the engines that sample (base.py's `RolloutEngine`, hf.py,
+vllm.py) and the correction itself (correction.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from omegaconf import MISSING
 
 
 @dataclass
@@ -36,3 +39,22 @@ class SamplingConfig:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"rollout.sampling.min_new_tokens must be in [0, max_new_tokens="
                              f"{self.max_new_tokens}], got {self.min_new_tokens}")
+
+
+@dataclass
+class CorrectionSettings:
+    """``rollout_correction:``, the train-inference mismatch correction (fspo/rollout/correction.py
+    `RolloutCorrection`): a detached weight per token."""
+
+    mode: str = "none"  # none | token_tis | seq_is | seq_mask | seq_masked_is | seq_fair_mask | seq_fair_tis
+    cap: float = 2.0  # fixed modes: cap on exp(d_t) / exp(S) (verl threshold 2.0, TRL cap 3.0)
+    cap_min: Optional[float] = None  # fixed modes: the ratio's floor; null: 1/cap for seq_mask, none otherwise
+    z: float = 3.0  # fair modes: h(L) = z s sqrt(L) (band: sqrt) or the erf(z/sqrt2) quantile (band: quantile)
+    band: str = "sqrt"  # sqrt | quantile (fspo/clipping/quantile_band.py, per geometric length bin)
+    off_policy_mask: str = "none"  # none | mean (DeepSeek-V3.2 OPSM) | sqrt (length-fair: summed KL > delta sqrt(L))
+    off_policy_threshold: Optional[float] = None  # delta: per token (mean) or per sqrt(token) (sqrt)
+    old_log_probs: str = MISSING  # mirror of ppo.old_log_probs
+    temperature: float = MISSING  # mirror of ppo.logprob_temperature
+    bin_width: int = MISSING  # mirror of diagnostics.bin_width
+    max_len: int = MISSING  # mirror of diagnostics.max_len
+    lre_min_len: Any = MISSING  # mirror of diagnostics.lre_min_len

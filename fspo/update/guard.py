@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from fspo.runtime.launch.distributed import any_rank, reduce_sum
+from fspo.update.settings import GuardSettings
 from fspo.update.stats import k3_sum_tensor
 
 log = logging.getLogger(__name__)
-ACTIONS = ("stop", "skip", "warn", "off")
 
 
 class DivergenceError(ValueError):
@@ -53,21 +53,8 @@ class UpdateMeter:
 
 
 @dataclass
-class DivergenceGuard:
-    """Limits checked before every optimizer step; null disables a limit."""
-
-    action: str = "stop"
-    max_grad_norm: Optional[float] = 1.0e4
-    max_loss: Optional[float] = 1.0e3
-    max_kl: Optional[float] = 1.0
-
-    def __post_init__(self):
-        if self.action not in ACTIONS:
-            raise ValueError(f"guard.action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
-        for k in ("max_grad_norm", "max_loss", "max_kl"):
-            v = getattr(self, k)
-            if v is not None and not float(v) > 0:
-                raise ValueError(f"guard.{k} must be > 0 or null, got {v}")
+class DivergenceGuard(GuardSettings):
+    """Limits checked before every optimizer step (`GuardSettings`: the keys, defaults and ranges)."""
 
     @property
     def enabled(self) -> bool:

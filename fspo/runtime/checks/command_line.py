@@ -166,7 +166,7 @@ def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
         path = _yaml(name, dirs)
         if path is None:  # a schema stored in Hydra's ConfigStore (fspo/config): the key it fills
             stored = ConfigStore.instance().repo.get(f"{name}.yaml")
-            keys |= {stored.package} if stored is not None and stored.package else set()
+            keys |= {str(k) for k in stored.node.keys()} if stored is not None else set()
         if path is None or path in seen:
             continue
         seen.add(path)
