@@ -2,7 +2,7 @@
 
 `fspo.cli.unknown_key_error` composes the config the command line selects (fspo/runtime/checks/config_keys.py)
 and names the closest key of the node the typo was meant for (the clip rule's keys differ per rule);
-`fspo.cli.value_error` checks the key table and the clip rule's settings (fspo/clipping/settings.py) on it.
+`fspo.cli.early_error` (run.py's first check) checks the values on it (config_rules.py `check_values`).
 Before, ``clip.c_uper=0.05`` got Hydra's advice to append ``+clip.c_uper``, which failed ~15 s later with a
 TypeError, and ``clip.c_upper=-1`` was refused only after the memory plan.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fspo.cli import unknown_key_error, value_error
+from fspo.cli import early_error, unknown_key_error
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 3.0  # CPU seconds of the whole refusal, python start-up included
@@ -70,21 +70,21 @@ def test_known_keys_and_appends_pass(argv):
     (["+method=luspo", "clip.clip_ratio_low=1"], "clip.clip_ratio_low=1: LUSPOClip: clip_ratio_low must be < 1"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
-    assert value_error(argv).startswith(msg)
+    assert early_error(argv).startswith(msg)
     assert "torch" not in subprocess.run(
-        [sys.executable, "-c", f"import sys; from fspo.cli import value_error; value_error({argv!r}); "
+        [sys.executable, "-c", f"import sys; from fspo.cli import early_error; early_error({argv!r}); "
          f"print(' '.join(m for m in sys.modules if m == 'torch'))"], cwd=REPO, capture_output=True, text=True
     ).stdout
 
 
 def test_valid_values_pass():
-    assert value_error(["clip.c_upper=0.05", "clip.c_dual=0.05", "ppo.lr=1e-5"]) is None
-    assert value_error([]) is None
+    assert early_error(["clip.c_upper=0.05", "clip.c_dual=0.05", "ppo.lr=1e-5"]) is None
+    assert early_error([]) is None
 
 
 def test_a_value_that_does_not_resolve_yet_is_left_to_the_run(monkeypatch):
     monkeypatch.delenv("FSPO_UNSET_FOR_TEST", raising=False)
-    assert value_error(["ppo.lr=${oc.env:FSPO_UNSET_FOR_TEST}"]) is None
+    assert early_error(["ppo.lr=${oc.env:FSPO_UNSET_FOR_TEST}"]) is None
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -117,7 +117,7 @@ def test_every_clip_rule_has_settings():
         node = clip_config(path.stem)
         assert node._target_ in SETTINGS, path.name
         instantiate(node)  # each option's values pass its rule, and its settings class (the early check) agrees
-        assert value_error([f"clip={path.stem}"]) is None, path.name
+        assert early_error([f"clip={path.stem}"]) is None, path.name
 
 
 def test_settings_pin_the_rules():
@@ -138,9 +138,8 @@ def test_settings_pin_the_rules():
     sig = inspect.signature(FSPOClip.__init__).parameters
     for name in ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "sigma0", "ratio_grad"):
         assert sig[name].default == getattr(FSPOSettings, name), name
-    for target, (cls, owner) in SETTINGS.items():  # every settings class takes exactly its rule's arguments
+    for target, cls in SETTINGS.items():  # every settings class takes exactly its rule's arguments
         rule = hydra_get_class(target)
-        assert rule.__name__ == owner
         args = set(inspect.signature(rule.__init__).parameters) - {"self"}
         fields = {f.name for f in dataclasses.fields(cls)} - {"owner"}
         assert args <= fields, (target, args - fields)
@@ -154,7 +153,7 @@ def test_settings_pin_the_rules():
     (["ppo.autocast=bf16", "ppo.old_log_probs=engine"], "ppo.autocast=bf16 with ppo.old_log_probs=engine"),
 ])
 def test_update_settings_refused_before_anything_loads(argv, msg):
-    assert value_error(argv).startswith(msg)
+    assert early_error(argv).startswith(msg)
 
 
 def test_defaults_are_stated_once():

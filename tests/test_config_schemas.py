@@ -115,7 +115,7 @@ def test_run_py_names_a_wrong_type_in_one_line(argv, msg):
 
 def test_a_typed_float_is_shown_as_typed():
     """The schema makes ``clip.c_upper=-1`` a float; the message shows the value as the command line gave it."""
-    from fspo.cli import value_error
+    from fspo.cli import early_error
 
-    assert value_error(["clip.c_upper=-1"]) == "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"
-    assert value_error(["ppo.lr=-1"]) == "ppo.lr=-1: must be a number > 0; set ppo.lr=2e-05"
+    assert early_error(["clip.c_upper=-1"]) == "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"
+    assert early_error(["ppo.lr=-1"]) == "ppo.lr=-1: must be a number > 0; set ppo.lr=2e-05"

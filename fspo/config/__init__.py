@@ -34,7 +34,7 @@ FSPO_TARGET = "fspo.clipping.fspo.FSPOClip"
 def stored() -> Iterator[Tuple[str, Optional[str], type, type]]:
     """(name, group, settings class, schema) of every stored schema."""
     yield "run_schema", None, RunConfig, RunConfig
-    for target, (cls, _) in SETTINGS.items():
+    for target, cls in SETTINGS.items():
         yield f"{target.split('.')[2]}_schema", "clip", cls, schema(cls, target, drop=("owner", "calibration"))
     yield "fspo_calibrated_schema", "clip", FSPOSettings, schema(FSPOSettings, FSPO_TARGET)
     yield "schema", "sampling", SamplingConfig, SAMPLING

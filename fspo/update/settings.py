@@ -143,8 +143,10 @@ class GuardSettings:
 
     def __post_init__(self):
         if self.action not in GUARD_ACTIONS:
-            raise ValueError(f"guard.action must be one of {', '.join(GUARD_ACTIONS)}, got {self.action!r}")
+            raise ValueError(f"guard.action={self.action}: must be one of {', '.join(GUARD_ACTIONS)} (what a breached "
+                             f"divergence limit does); set guard.action=stop")
         for k in ("max_grad_norm", "max_loss", "max_kl"):
             v = getattr(self, k)
-            if v is not None and not float(v) > 0:
-                raise ValueError(f"guard.{k} must be > 0 or null, got {v}")
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"guard.{k}={v:g}: must be a number > 0 or null (a divergence limit); "
+                                 f"set guard.{k}={getattr(GuardSettings, k):g}")

@@ -12,7 +12,7 @@ Owns:
   ``+stpes=5``, which it then accepts silently and the default run starts); top-level keys from the YAML
   files, nested keys against the composed config (config_keys.py).
 - `early_error` (run.py): that, then the values set on the command line checked before torch loads
-  (`value_error`, config_keys.py `early_value_error`).
+  (config_keys.py `early_value_error`).
 Leaves out: the entry points themselves (experiments/*.py; fspo/cli.py re-exports these for them).
 """
 from __future__ import annotations
@@ -241,8 +241,9 @@ def _type_error(errors: list) -> Optional[str]:
 
 
 def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """`unknown_key_error` and then `value_error`, composing the config once where the command line composes
-    (the entry point's first check: a typo or a value out of range never starts a run)."""
+    """`unknown_key_error` and then the values set on the command line (`early_value_error`: ``clip.c_upper=-1``),
+    composing the config once where the command line composes (the entry point's first check: a typo or a value
+    out of range never starts a run). A sweep (``-m``) has its keys checked; each job's values when it starts."""
     argv = legacy_forms(argv)
     if {"-m", "--multirun"} & set(argv) or not _key_args(argv):
         return unknown_key_error(argv, config_name, conf_dir)
@@ -256,19 +257,6 @@ def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path
     if not cfgs:  # a key Hydra cannot set: the closest one named; a wrong type; else Hydra's own message
         return unknown_key_error(argv, config_name, conf_dir) or _type_error(errors)
     return nested_key_error(argv, cfgs, applied=True) or _values(cfgs[0])
-
-
-def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """One line for the first value of ``argv``'s ``key=value`` overrides that the up-front rules refuse
-    (`early_value_error`: ``clip.c_upper=-1``), before torch loads; None when they pass, when ``argv`` sets
-    no key or runs a sweep (``-m``: each job is checked when it starts)."""
-    if not _key_args(argv) or {"-m", "--multirun"} & set(argv):
-        return None
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
-    cfgs = _compositions(argv, name, dirs, with_values=True)
-    return _values(cfgs[0]) if cfgs else None
 
 
 def _values(cfg) -> Optional[str]:

@@ -33,7 +33,7 @@ from fspo.runtime.checks.config_rules import (
     LR_WARN,
     SETTINGS_OBJECTS,
     ConfigError,
-    check_rules,
+    check_values,
     get_setting,
     setting_error,
 )
@@ -149,11 +149,11 @@ def _lora_checks(cfg: DictConfig) -> None:
 
 
 def _build_settings(cfg: DictConfig) -> None:
-    """Build each of `SETTINGS_OBJECTS` present in ``cfg`` so that its own checks run; their ValueErrors
-    (messages that name the key) become `ConfigError`."""
-    for key in SETTINGS_OBJECTS:
+    """Build each of `SETTINGS_OBJECTS` present in ``cfg`` that `check_values` did not (they need torch) so that its
+    own checks run; their ValueErrors (messages that name the key) become `ConfigError`."""
+    for key, torch_free in SETTINGS_OBJECTS.items():
         node = OmegaConf.select(cfg, key)
-        if not isinstance(node, DictConfig) or "_target_" not in node:
+        if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_) in torch_free:
             continue
         try:
             instantiate(node)
@@ -168,9 +168,8 @@ def _build_settings(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> List[str]:
     """Raise `ConfigError` for the first bad setting of ``cfg`` (see the module docstring); return the
     warnings, each also logged."""
-    check_rules(cfg)
     warnings: List[str] = []
-    _cross_checks(cfg, warnings)
+    check_values(cfg, then=lambda c: _cross_checks(c, warnings))
     _build_settings(cfg)
     for w in warnings:
         log.warning("%s", w)

@@ -1,17 +1,21 @@
-"""The rule table of the up-front config check: one `Rule` per key (type, range, what it means, an example
-value), and how one value is checked against its rule.
+"""The value rules of the up-front config check, checked once by `check_values`: the rule table (one `Rule` per
+key without a settings class: type, range, what it means, an example value) and the torch-free settings objects.
 
-Owns: `Rule`, `RULES`, `ConfigError` and the message form ``<key>=<value>: <what is wrong> (<what the key
-means>); <the fix>``. Leaves out: the combinations of keys and building the settings objects
-(fspo/runtime/checks/config_check.py, `check_config`, which walks this table first).
+Owns: `Rule`, `RULES`, `ConfigError`, `check_values` (the one checker: run.py calls it before torch loads, through
+fspo/runtime/checks/config_keys.py, and `check_config` at the start of every run) and the message form
+``<key>=<value>: <what is wrong> (<what the key means>); <the fix>``. Leaves out: the combinations of keys and the
+settings objects that need torch (fspo/runtime/checks/config_check.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+
+from fspo.clipping.settings import settings_error
 
 ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
@@ -19,8 +23,16 @@ LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always 
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
 # fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# pure values: built here
-SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")
+# the settings objects: key -> {its _target_: the torch-free class built in its place by `check_values`}; a node of
+# another class is built by config_check.py (after the other checks, as the run builds it)
+SETTINGS_OBJECTS = {
+    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},
+    "aggregator": {},
+    "rollout.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
+    "val.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
+    "guard": {"fspo.update.guard.DivergenceGuard": "fspo.update.settings.GuardSettings"},
+    "rollout_correction": {},
+}
 
 
 class ConfigError(ValueError):
@@ -132,12 +144,6 @@ RULES: Tuple[Rule, ...] = (
     # checkpoints
     _int("checkpoint.every_n_steps", 0, "RL steps between checkpoints (0: only the last)", 10),
     _int("checkpoint.keep_last", 1, "checkpoints kept", 2),
-    # divergence guard (fspo/update/guard.py)
-    Rule("guard.action", "choice", choices=("stop", "skip", "warn", "off"), meaning="what a breached "
-         "divergence limit does", example="stop"),
-    _pos("guard.max_grad_norm", "divergence limit on the gradient norm before clipping", 1e4, nullable=True),
-    _pos("guard.max_loss", "divergence limit on the mini-batch's mean token loss", 1e3, nullable=True),
-    _pos("guard.max_kl", "divergence limit on the mean KL(old || current) per token", 1.0, nullable=True),
     Rule("reward_guard.max_error_frac", "number", lo=0, hi=1, meaning="the fraction of a step's samples the reward "
          "may raise on before the run stops", example=0.0),
 )
@@ -153,12 +159,30 @@ def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
 
 
-def check_rules(cfg: DictConfig) -> None:
-    """Every rule of `RULES` whose key ``cfg`` has: the first value out of its rule raises `ConfigError`."""
+def check_values(cfg: DictConfig, then: Optional[Callable[[DictConfig], None]] = None) -> None:
+    """The first value of ``cfg`` out of its rules raises `ConfigError`: every rule of `RULES` whose key ``cfg``
+    has, then ``then(cfg)`` (check_config's combinations of keys), then each torch-free settings object of
+    `SETTINGS_OBJECTS` built from its node (its ranges and cross-key rules, e.g. PPOConfig's batch arithmetic) and
+    the clip rule's settings. Imports no torch."""
     for rule in RULES:
         value = get_setting(cfg, rule.key)
         if value is not ABSENT:
             check_rule(rule, value)
+    if then is not None:
+        then(cfg)
+    for key, torch_free in SETTINGS_OBJECTS.items():
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig) and str(node.get("_target_")) in torch_free:
+            values = OmegaConf.to_container(node, resolve=True)
+            try:
+                get_class(torch_free[values.pop("_target_")])(**values)
+            except ValueError as e:  # the messages name the key
+                raise ConfigError(str(e)) from None
+            except TypeError:  # a key the class does not take: the key check names the closest one
+                pass
+    clip = OmegaConf.select(cfg, "clip")
+    if isinstance(clip, DictConfig) and (bad := settings_error(OmegaConf.to_container(clip, resolve=True))):
+        raise ConfigError(bad)
 
 
 def check_rule(rule: Rule, value: Any) -> None:
