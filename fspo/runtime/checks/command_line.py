@@ -25,7 +25,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from fspo.runtime.checks.config_keys import compose_for_check, early_value_error, nested_key_error
+from fspo.runtime.checks.config_keys import (
+    FLAGS_WITH_VALUE,
+    _args,
+    compose_for_check,
+    early_value_error,
+    nested_key_error,
+)
 from fspo.runtime.checks.method_aliases import legacy_forms
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -87,8 +93,9 @@ def _option_groups(group: str, option: str, dirs: Sequence[Path]) -> Set[str]:
     return groups
 
 
-def _config_location(argv: Sequence[str], config_name: str) -> tuple[str, List[Path]]:
-    """(primary config name, search folders) from Hydra's ``--config-name/-cn`` and ``--config-dir/-cd``."""
+def _config_location(argv: Sequence[str], config_name: str, conf_dir: Path = CONF_DIR) -> tuple[str, List[Path]]:
+    """(primary config name, search folders, ``conf_dir`` among them) from Hydra's ``--config-name/-cn`` and
+    ``--config-dir/-cd``."""
     name, extra = config_name, []
     it = list(argv)
     for i, a in enumerate(it):
@@ -104,7 +111,8 @@ def _config_location(argv: Sequence[str], config_name: str) -> tuple[str, List[P
                     name = val
                 else:
                     extra.append(Path(val).expanduser().resolve())
-    return name, [*extra, CONF_DIR]
+    dirs = [*extra, CONF_DIR]
+    return name, dirs + ([] if conf_dir in dirs else [conf_dir])
 
 
 def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
@@ -113,12 +121,9 @@ def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
     ``+group=x`` when the primary config's defaults list has no ``group`` entry, and ``+group=x``
     becomes ``group=x`` when it has one. Other arguments (keys, flags, ``++``/``~`` forms) pass as they are."""
     argv = legacy_forms(argv)  # clip=<rule>, +arm=<arm> without --config-dir: deprecated, composing as before
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     present = defaults_groups(name, dirs)
-    flag_values = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                              "--config-path", "-cp", "--experimental-rerun")}
+    flag_values = {i + 1 for i, a in enumerate(argv) if a in FLAGS_WITH_VALUE}
     groups = {p.name for d in dirs if d.is_dir() for p in d.iterdir()
               if p.is_dir() and not p.name.startswith((".", "_"))}
 
@@ -192,15 +197,9 @@ def unknown_key_error(argv: Sequence[str], config_name: str = "config", conf_dir
     runs the default. ``++key=`` (force-add), ``~key`` and flags pass unchecked."""
     import difflib
 
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     known = None
-    skip = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                       "--config-path", "-cp", "--experimental-rerun")}
-    for i, a in enumerate(argv):
-        if i in skip or a.startswith(("-", "~", "++")) or "=" not in a:
-            continue
+    for a in _args(argv):
         key = a.partition("=")[0].lstrip("+").split(".")[0].split("@")[0]
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             continue
@@ -249,9 +248,7 @@ def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path
         return unknown_key_error(argv, config_name, conf_dir)
     if (top := unknown_key_error([a for a in argv if "." not in a.partition("=")[0]], config_name, conf_dir)):
         return top
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     errors: list = []
     cfgs = _compositions(argv, name, dirs, with_values=True, errors=errors)
     if not cfgs:  # a key Hydra cannot set: the closest one named; a wrong type; else Hydra's own message
