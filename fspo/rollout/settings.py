@@ -28,17 +28,18 @@ class SamplingConfig:
     min_new_tokens: int = 0  # EOS suppressed before this many tokens (benchmarks: = max_new_tokens)
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"rollout.sampling.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"rollout.sampling.min_new_tokens must be in [0, max_new_tokens="
-                             f"{self.max_new_tokens}], got {self.min_new_tokens}")
+        key, n, new, lo = "rollout.sampling", self.n, self.max_new_tokens, self.min_new_tokens
+        for bad, name, problem in (
+                (n < 1, "n", "must be a whole number >= 1 (completions per prompt, the group of the advantages)"),
+                (self.temperature < 0, "temperature", "must be a number >= 0 (the sampling temperature)"),
+                (not 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1] (nucleus sampling mass)"),
+                (new < 1, "max_new_tokens", "must be a whole number >= 1 (the longest response sampled)")):
+            if bad:
+                value = getattr(self, name)
+                raise ValueError(f"{key}.{name}={value:g}: {problem}; set {key}.{name}={getattr(SamplingConfig, name)}")
+        if not 0 <= lo <= new:
+            raise ValueError(f"{key}.min_new_tokens={lo}: must be in [0, {key}.max_new_tokens={new}]; lower it or "
+                             f"raise {key}.max_new_tokens")
 
 
 @dataclass

@@ -58,12 +58,7 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if n == 1 and adv in GROUP_ADVANTAGES:
         raise setting_error("rollout.sampling.n", n, f"with one completion per prompt every group-relative advantage "
                     f"({adv.rsplit('.', 1)[-1]}) is 0, so nothing learns", "set rollout.sampling.n >= 2")
-    lo_new = get_setting(cfg, "rollout.sampling.min_new_tokens")
     hi_new = get_setting(cfg, "rollout.sampling.max_new_tokens")
-    if lo_new is not ABSENT and hi_new is not ABSENT and lo_new > hi_new:
-        raise setting_error("rollout.sampling.min_new_tokens", lo_new,
-                            f"is above rollout.sampling.max_new_tokens={hi_new}",
-                            "lower it or raise rollout.sampling.max_new_tokens")
     threads, cores = get_setting(cfg, "cpu_threads"), usable_cores()
     if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
         raise setting_error("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch "

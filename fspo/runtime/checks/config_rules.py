@@ -27,10 +27,10 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-s
 # the settings objects: key -> {its _target_: the torch-free class built in its place by `check_values`}; a node of
 # another class is built by config_check.py (after the other checks, as the run builds it)
 SETTINGS_OBJECTS = {
-    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},
-    "aggregator": {},
     "rollout.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
     "val.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
+    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},  # after its mirrors' nodes
+    "aggregator": {},
     "guard": {"fspo.update.guard.DivergenceGuard": "fspo.update.settings.GuardSettings"},
     "rollout_correction": {},
 }
@@ -95,13 +95,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
          "parameter dtype"),
     # rollouts
-    _int("rollout.sampling.n", 1, "completions per prompt, the group of the advantages", 8),
-    _int("rollout.sampling.max_new_tokens", 1, "the longest response sampled", 128),
-    _int("rollout.sampling.min_new_tokens", 0, "tokens before EOS is allowed", 0),
     _pos("rollout.sampling.temperature", "the training sampling temperature; training needs samples "
          "that differ and finite log-probs", 1.0),
-    Rule("rollout.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="nucleus sampling mass",
-         example=1.0),
     _int("rollout.engine.batch_size", 1, "sequences the engine decodes at once", 256),
     # validation and diagnostics
     _int("val.size", 0, "held-out prompts; 0 turns validation off"),
