@@ -1,12 +1,9 @@
 """The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
 
-Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), one settings
-dataclass per rule (GSPO and LUSPO share `GSPOSettings`), whose fields are the rule's constructor arguments with
-their defaults and one-line docs (stored as the schemas of conf/clip/ by fspo/config) and whose ``__post_init__``
-is the rule's argument check (the rules build them in ``__init__``), `SETTINGS` (a rule's ``clip._target_`` -> its
-settings class) and `settings_error` (a ``clip:`` node checked before anything loads:
-fspo/runtime/checks/config_rules.py). Importing this module imports no torch (fspo/clipping/__init__.py is lazy).
-Leaves out: the rules themselves.
+Owns: `check_positive` and `check_choice` (one ValueError naming the setting); one settings dataclass per rule:
+its fields the rule's arguments with defaults and docs (conf/clip/'s schemas), its ``__post_init__`` the rule's
+argument check; `SETTINGS` (``clip._target_`` -> class) and `settings_error` (a ``clip:`` node checked early).
+Imports no torch. Leaves out: the rules themselves.
 """
 from __future__ import annotations
 

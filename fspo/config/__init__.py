@@ -1,15 +1,10 @@
 """The run's typed config: the settings dataclasses stored as schemas in Hydra's ConfigStore, and their docs.
 
-Owns: `register` (run when fspo is imported, so every composition of conf/ finds the schemas its defaults lists
-name): ``run_schema`` (the root: `RunConfig` of fspo/config/groups.py, with ``ppo``, ``model``, ``guard``,
-``rollout_correction``, ``val``, ``diagnostics``, ``memory_plan``, ``progress`` inside), ``sampling/schema``
-(``rollout.sampling``) and ``clip/<rule>_schema`` (each rule's settings class of fspo/clipping/settings.py with
-its ``_target_``; ``fspo_calibrated_schema`` adds the calibrated bands' ``calibration``). A schema types its
-node: a value of the wrong type, or an unknown key where the node is closed, does not compose. `field_docs` (a
-field's one-line doc: the comment on its line), `render` (the schemas' fields, defaults and docs: the
-``fspo_schema_help`` resolver of ``--help``) and `docs_page` (docs/configuration.md's generated part;
-``python -m fspo.config`` rewrites it). Imports no torch. Leaves out: value ranges (each settings class's
-``__post_init__``, checked before anything loads by fspo/runtime/checks/config_keys.py).
+Owns: `register` (run when fspo is imported): ``run_schema`` (the root, fspo/config/groups.py),
+``sampling/schema`` and ``clip/<rule>_schema`` (``fspo_calibrated_schema``: with ``calibration``). A value of the
+wrong type, or an unknown key where a node is closed, does not compose. `field_docs` (the comment on a field's
+line), `render` (``--help``'s typed settings) and `docs_page` (docs/configuration.md's generated part,
+``python -m fspo.config``). Imports no torch. Leaves out: value ranges (fspo/runtime/checks/config_rules.py).
 """
 from __future__ import annotations
 
@@ -49,7 +44,7 @@ def register() -> None:
 def field_docs(cls: type) -> Dict[str, str]:
     """{field: its one-line doc}: the comment on the field's line in ``cls`` or the base class that states it."""
     docs: Dict[str, str] = {}
-    cls = getattr(cls, "__settings__", cls)  # a schema made by `schema`: its settings class states the docs
+    cls = getattr(cls, "__settings__", cls)  # a schema made by `schema`: the docs of its class
     for c in reversed([c for c in cls.__mro__ if is_dataclass(c)]):
         for line in inspect.getsource(c).splitlines():
             m = re.match(r"    (\w+): [^#]*#\s*(.*)$", line)

@@ -1,12 +1,8 @@
 """The run's config as typed schemas: keys, types, defaults and one-line docs, stated once.
 
-Owns: `RunConfig` (the root, stored by fspo/config before conf/config.yaml's own values, which keep only their
-interpolations and what differs) and its plain groups: `ModelConfig` (with `LoraConfig`), `DiagnosticsConfig`
-(with `LawConfig`), `MemoryPlanConfig`, `ProgressConfig`, `ValConfig`, `RewardGuardConfig`; the settings classes
-of their owners (`PPOConfig`, `GuardSettings`, `CorrectionSettings`, `SamplingConfig`) enter through `schema`.
-The root and ``model`` stay open to keys no schema lists (a sweep's ``sweep:``, ``extra_loggers``, a model's
-``arch:``); their listed keys are typed. Leaves out: the value ranges (the settings classes' ``__post_init__``
-and fspo/runtime/checks/config_rules.py) and the code that reads them.
+Owns: `RunConfig` (the root) and its plain nodes; `schema` makes one of a settings class (PPOConfig, ...).
+The root and ``model`` also take keys they do not list (a sweep's ``sweep:``, ``extra_loggers``, a model's
+``arch:``). Leaves out: the value ranges (config_rules.py, the settings classes) and the code that reads them.
 """
 from __future__ import annotations
 
@@ -20,14 +16,14 @@ from fspo.rollout.settings import CorrectionSettings, SamplingConfig
 from fspo.update.settings import GuardSettings, PPOConfig
 
 PPO_TARGET = "fspo.update.settings.PPOConfig"
-SAMPLING_TARGET = "fspo.rollout.base.SamplingConfig"  # (re-exported there: stored configs name it so)
-# a dataclass subclassing Dict takes keys beyond its fields (OmegaConf warns that this form is deprecated)
+SAMPLING_TARGET = "fspo.rollout.base.SamplingConfig"  # (the name stored configs use)
+# a dataclass subclassing Dict takes keys it does not list (a form OmegaConf calls deprecated)
 warnings.filterwarnings("ignore", message="Class `(RunConfig|ModelConfig)` subclasses `Dict`")
 
 
 def schema(cls: type, target: Optional[str], drop: Sequence[str] = ("owner",), **defaults: Any) -> type:
-    """``cls``'s fields but ``drop`` (types, defaults; ``defaults`` replace some) as a dataclass led by
-    ``_target_: str = target`` (none when ``target`` is None); ``__settings__`` names ``cls`` (the fields' docs)."""
+    """``cls``'s fields but ``drop`` (``defaults`` replace some) as a dataclass led by ``_target_: str = target``;
+    ``__settings__`` is ``cls`` (its source has the fields' docs)."""
     hints = get_type_hints(cls)
     specs = [] if target is None else [("_target_", str, field(default=target))]
     for f in fields(cls):
@@ -97,9 +93,9 @@ class LoraConfig:
 
     rank: int = 0  # r; 0: off (full fine-tuning)
     alpha: Any = 16  # scale alpha / r of B A (a number)
-    lr: Optional[float] = 5.0e-4  # AdamW's lr for the adapters (replaces ppo.lr when rank > 0; null: ppo.lr)
+    lr: Optional[float] = 5.0e-4  # AdamW's lr for the adapters (null: ppo.lr)
     dropout: float = 0.0  # on the adapters' input in training passes
-    target_modules: Any = None  # linear layers by name (q_proj, ..., down_proj); null: every one of attention and MLP
+    target_modules: Any = None  # linear layers by name (q_proj, ...); null: every one of attention and MLP
 
 
 @dataclass
@@ -111,9 +107,9 @@ class ModelConfig(Dict[str, Any]):
     path: Optional[str] = None  # a local HF folder (source=pretrained); null: hub_id
     hub_id: Optional[str] = None  # the Hugging Face hub id
     dtype: str = "float32"  # float32 | bfloat16 | float16: the trainable weights
-    layer_class: str = "Qwen3DecoderLayer"  # the decoder layer's class (FSDP units, activation checkpointing)
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward, on one device too
-    device: str = "cpu"  # cpu: as trainer/ says | cuda: on the GPUs found (fspo/runtime/launch/placement.py)
+    layer_class: str = "Qwen3DecoderLayer"  # the decoder layer's class (FSDP units)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    device: str = "cpu"  # cpu: as trainer/ says | cuda: on the GPUs found (docs/gpus.md)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (rank 0: off)
 
 
@@ -121,7 +117,7 @@ class ModelConfig(Dict[str, Any]):
 class RewardGuardConfig:
     """A NaN/inf reward or one failing on every sample stops the run (fspo/rewards/guard.py)."""
 
-    max_error_frac: float = 0.0  # fraction of a step's samples the reward may raise on (scored 0) before the stop
+    max_error_frac: float = 0.0  # share of a step's samples the reward may raise on (scored 0)
 
 
 @dataclass
@@ -134,7 +130,7 @@ class AggregatorConfig:
 
 @dataclass
 class ValConfig:
-    """Validation on held-out prompts: val/accuracy is Avg@n with the paper's test-time decoding (Table 5)."""
+    """Validation: val/accuracy is Avg@n on held-out prompts."""
 
     size: int = 256  # held-out prompts (disjoint from the train split); 0: no validation
     every_n_steps: int = 20  # RL steps between validations
@@ -151,21 +147,21 @@ class RunConfig(Dict[str, Any]):
     run_name: Optional[str] = None  # the MLflow run's name; null: <method>_s<seed>
     output_dir: Optional[str] = None  # null: Hydra's run folder (outputs/<date>/<time>)
     tags: Dict[str, Any] = field(default_factory=dict)  # extra MLflow tags
-    cpu_threads: Optional[int] = 1  # torch intra-op threads (null: torch's default); 1 is as fast for small models
-    logger_fallback: Optional[str] = None  # local: log to sqlite in output_dir when the tracking URI is unreachable
+    cpu_threads: Optional[int] = 1  # torch intra-op threads (null: torch's default)
+    logger_fallback: Optional[str] = None  # local: log to sqlite in output_dir if the tracking server is down
     reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # the reward's failures
-    resume: Optional[str] = None  # auto: continue the newest good checkpoint in output_dir | fresh | a path
+    resume: Optional[str] = None  # auto: the newest good checkpoint in output_dir | fresh | a path
     steps: int = 60  # RL steps (one rollout batch each)
-    prompts_per_step: int = 16  # prompts per RL step (verl's data.train_batch_size), x rollout.sampling.n samples
-    advantage_mask: Any = None  # advantages kept on some groups only (the length law's knock-out arm)
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum[-norm] | token-sum
+    prompts_per_step: int = 16  # prompts per RL step, x rollout.sampling.n samples
+    advantage_mask: Any = None  # advantages kept on some groups only (docs/length_law.md)
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-{mean,sum,sum-norm}
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy
-    dry_run: Any = False  # true: print the per-rank memory plan and exit (nothing loaded or written)
-    memory_plan: MemoryPlanConfig = field(default_factory=MemoryPlanConfig)  # the per-rank memory plan
+    dry_run: Any = False  # true: print the per-rank memory plan and exit
+    memory_plan: MemoryPlanConfig = field(default_factory=MemoryPlanConfig)  # the memory plan
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)  # the loss aggregation
     ppo: PPO = field(default_factory=PPO)  # the update
     guard: GUARD = field(default_factory=GUARD)  # the divergence guard
-    rollout_correction: CORRECTION = field(default_factory=CORRECTION)  # train-inference mismatch correction
+    rollout_correction: CORRECTION = field(default_factory=CORRECTION)  # the mismatch correction
     progress: ProgressConfig = field(default_factory=ProgressConfig)  # the console progress
-    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)  # the fairness diagnostics
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)  # diagnostics
     val: ValConfig = field(default_factory=ValConfig)  # validation

@@ -133,10 +133,9 @@ class PPOConfig:
 
 @dataclass
 class GuardSettings:
-    """The divergence guard's limits (fspo/update/guard.py `DivergenceGuard`), checked on every update before the
-    optimizer step; null disables a limit."""
+    """The divergence guard's limits (guard.py `DivergenceGuard`), checked before each optimizer step; null: off."""
 
-    action: str = "stop"  # stop: end the run naming the limit | skip: drop that update exactly | warn: log, step | off
+    action: str = "stop"  # stop: end the run (one line) | skip: drop that update | warn: log and step | off
     max_grad_norm: Optional[float] = 1.0e4  # global gradient norm before clipping (healthy runs: < 10)
     max_loss: Optional[float] = 1.0e3  # |mean per-token surrogate loss| of the mini-batch (healthy: < 5)
     max_kl: Optional[float] = 1.0  # mean per-token KL(old || current), k3, of the mini-batch (healthy: < 0.05)

@@ -94,8 +94,7 @@ def _option_groups(group: str, option: str, dirs: Sequence[Path]) -> Set[str]:
 
 
 def _config_location(argv: Sequence[str], config_name: str, conf_dir: Path = CONF_DIR) -> tuple[str, List[Path]]:
-    """(primary config name, search folders, ``conf_dir`` among them) from Hydra's ``--config-name/-cn`` and
-    ``--config-dir/-cd``."""
+    """(primary config name, search folders) from ``--config-name/-cn``, ``--config-dir/-cd`` and ``conf_dir``."""
     name, extra = config_name, []
     it = list(argv)
     for i, a in enumerate(it):
@@ -240,9 +239,8 @@ def _type_error(errors: list) -> Optional[str]:
 
 
 def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """`unknown_key_error` and then the values set on the command line (`early_value_error`: ``clip.c_upper=-1``),
-    composing the config once where the command line composes (the entry point's first check: a typo or a value
-    out of range never starts a run). A sweep (``-m``) has its keys checked; each job's values when it starts."""
+    """`unknown_key_error`, then the values (`early_value_error`: ``clip.c_upper=-1``) on the config composed
+    once: a typo or a value out of range never starts a run. A sweep (``-m``): its keys only."""
     argv = legacy_forms(argv)
     if {"-m", "--multirun"} & set(argv) or not _key_args(argv):
         return unknown_key_error(argv, config_name, conf_dir)

@@ -144,8 +144,7 @@ def _lora_checks(cfg: DictConfig) -> None:
 
 
 def _build_settings(cfg: DictConfig) -> None:
-    """Build each of `SETTINGS_OBJECTS` present in ``cfg`` that `check_values` did not (they need torch) so that its
-    own checks run; their ValueErrors (messages that name the key) become `ConfigError`."""
+    """Build the `SETTINGS_OBJECTS` that need torch, so that their checks run; a ValueError: `ConfigError`."""
     for key, torch_free in SETTINGS_OBJECTS.items():
         node = OmegaConf.select(cfg, key)
         if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_) in torch_free:

@@ -4,8 +4,7 @@ Owns: `compose_for_check` (the config Hydra would compose from a command line, t
 the groups it selects, and optionally its ``key=value`` overrides too), `nested_key_error` (a dotted key the
 composed config does not have, e.g. ``clip.c_uper=0.05`` or ``ppo.mini_batch_sise=8``: one line naming the
 closest key of the node it was meant for, which depends on the selected options: the clip rule's keys
-differ per rule) and `early_value_error` (the value rules, fspo/runtime/checks/config_rules.py `check_values`, on
-the composed config, before torch or any model is imported).
+differ per rule) and `early_value_error` (config_rules.py `check_values`, before torch is imported).
 Each returns one line or None; a command line this module cannot compose is left to Hydra, which reports it as before.
 Leaves out: the top-level keys (fspo/cli.py `unknown_key_error` checks those first, from the YAML files) and
 the checks of fspo/runtime/checks/config_check.py that need the settings objects or the machine.
@@ -116,8 +115,7 @@ def nested_key_error(argv: Sequence[str], cfgs: Sequence[DictConfig], applied: b
 
 
 def early_value_error(cfg: DictConfig) -> Optional[str]:
-    """The first value of ``cfg`` that `check_values` (fspo/runtime/checks/config_rules.py) refuses, as one line;
-    None when all pass. Imports no torch."""
+    """The first value of ``cfg`` that `check_values` refuses, as one line; None when all pass."""
     from fspo.runtime.checks.config_rules import ConfigError, check_values
 
     try:

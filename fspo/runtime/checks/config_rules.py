@@ -1,10 +1,8 @@
-"""The value rules of the up-front config check, checked once by `check_values`: the rule table (one `Rule` per
-key without a settings class: type, range, what it means, an example value) and the torch-free settings objects.
+"""The config's value rules, checked once by `check_values`: before torch loads (run.py) and by `check_config`.
 
-Owns: `Rule`, `RULES`, `ConfigError`, `check_values` (the one checker: run.py calls it before torch loads, through
-fspo/runtime/checks/config_keys.py, and `check_config` at the start of every run) and the message form
-``<key>=<value>: <what is wrong> (<what the key means>); <the fix>``. Leaves out: the combinations of keys and the
-settings objects that need torch (fspo/runtime/checks/config_check.py).
+Owns: `Rule`, `RULES` (keys without a settings class: type, range, meaning, example), `ConfigError`,
+`check_values` and the message form ``<key>=<value>: <what is wrong> (<what the key means>); <the fix>``.
+Leaves out: the combinations of keys and the settings that need torch (config_check.py).
 """
 from __future__ import annotations
 
@@ -24,12 +22,11 @@ LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always 
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
 # fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# the settings objects: key -> {its _target_: the torch-free class built in its place by `check_values`}; a node of
-# another class is built by config_check.py (after the other checks, as the run builds it)
+# settings objects: key -> {_target_: the torch-free class `check_values` builds}; others: config_check.py
 SETTINGS_OBJECTS = {
     "rollout.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
     "val.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
-    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},  # after its mirrors' nodes
+    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},  # after its mirrors
     "aggregator": {},
     "guard": {"fspo.update.guard.DivergenceGuard": "fspo.update.settings.GuardSettings"},
     "rollout_correction": {},
@@ -150,10 +147,8 @@ def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
 
 
 def check_values(cfg: DictConfig, then: Optional[Callable[[DictConfig], None]] = None) -> None:
-    """The first value of ``cfg`` out of its rules raises `ConfigError`: every rule of `RULES` whose key ``cfg``
-    has, then ``then(cfg)`` (check_config's combinations of keys), then each torch-free settings object of
-    `SETTINGS_OBJECTS` built from its node (its ranges and cross-key rules, e.g. PPOConfig's batch arithmetic) and
-    the clip rule's settings. Imports no torch."""
+    """`ConfigError` for the first bad value of ``cfg``: `RULES`, ``then(cfg)`` (check_config's combinations),
+    then the torch-free settings objects (their ranges and cross-key rules) and the clip rule's settings."""
     for rule in RULES:
         value = get_setting(cfg, rule.key)
         if value is not ABSENT:
@@ -176,7 +171,7 @@ def check_values(cfg: DictConfig, then: Optional[Callable[[DictConfig], None]] =
 
 
 def _default(key: str) -> Any:
-    """``key``'s default in the stored root schema (fspo/config `RunConfig`), None where it states none."""
+    """``key``'s default in the stored root schema (`RunConfig`), or None."""
     stored = ConfigStore.instance().repo.get("run_schema.yaml")
     return None if stored is None else OmegaConf.select(stored.node, key, default=None, throw_on_missing=False)
 
