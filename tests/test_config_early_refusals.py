@@ -68,6 +68,11 @@ def test_known_keys_and_appends_pass(argv):
     (["+method=vespo", "clip.ref_length=0"], "clip.ref_length=0: VESPOClip: ref_length must be > 0"),
     (["+method=ctpo", "clip.ratio_mode=x"], "clip.ratio_mode=x: CTPOClip: ratio_mode must be one of"),
     (["+method=luspo", "clip.clip_ratio_low=1"], "clip.clip_ratio_low=1: LUSPOClip: clip_ratio_low must be < 1"),
+    (["guard.max_kl=-1"], "guard.max_kl=-1: must be a number > 0 or null (a divergence limit); set guard.max_kl=1"),
+    (["guard.action=halt"], "guard.action=halt: must be one of stop, skip, warn, off"),
+    (["rollout.sampling.top_p=0"], "rollout.sampling.top_p=0: must be a number in (0, 1] (nucleus sampling mass); set"),
+    (["rollout.sampling.n=0"], "rollout.sampling.n=0: must be a whole number >= 1"),
+    (["rollout.sampling.min_new_tokens=200"], "rollout.sampling.min_new_tokens=200: must be in [0, rollout.sampling"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
     assert early_error(argv).startswith(msg)

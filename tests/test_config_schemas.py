@@ -119,3 +119,27 @@ def test_a_typed_float_is_shown_as_typed():
 
     assert early_error(["clip.c_upper=-1"]) == "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"
     assert early_error(["ppo.lr=-1"]) == "ppo.lr=-1: must be a number > 0; set ppo.lr=2e-05"
+
+
+def test_printed_keys_follow_the_config():
+    """``--cfg job`` prints the config groups' nodes, then the run's keys in `RunConfig`'s order."""
+    import dataclasses
+
+    from conftest import compose_config
+    from fspo.config.groups import RunConfig
+
+    groups = ["data", "reward", "clip", "advantage", "rollout", "trainer", "logger", "checkpoint"]
+    assert list(compose_config()) == groups + [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def test_one_checker_before_torch_and_in_check_config(monkeypatch):
+    """run.py's early check and `check_config` run the same `check_values`; it builds the torch-free settings."""
+    from conftest import compose_config
+    from fspo.runtime.checks import config_check, config_keys, config_rules
+
+    calls = []
+    monkeypatch.setattr(config_rules, "check_values", lambda cfg, then=None: calls.append(then))
+    monkeypatch.setattr(config_check, "check_values", config_rules.check_values)
+    cfg = compose_config()
+    assert config_keys.early_value_error(cfg) is None and config_check.check_config(cfg) == []
+    assert len(calls) == 2 and calls[0] is None and callable(calls[1])
