@@ -161,6 +161,23 @@ def test_update_settings_refused_before_anything_loads(argv, msg):
     assert early_error(argv).startswith(msg)
 
 
+
+def test_the_guard_and_the_correction_read_their_schemas_defaults():
+    """`DivergenceGuard` is `GuardSettings`; `RolloutCorrection`'s defaults are `CorrectionSettings`' (stated once)."""
+    import dataclasses
+    import inspect
+
+    from fspo.rollout.correction import RolloutCorrection
+    from fspo.rollout.settings import CorrectionSettings
+    from fspo.update.guard import DivergenceGuard
+    from fspo.update.settings import GuardSettings
+
+    assert issubclass(DivergenceGuard, GuardSettings) and dataclasses.fields(DivergenceGuard) == dataclasses.fields(
+        GuardSettings)
+    sig = inspect.signature(RolloutCorrection.__init__).parameters
+    stated = [f.name for f in dataclasses.fields(CorrectionSettings) if f.default != "???"]
+    assert stated and all(sig[k].default == getattr(CorrectionSettings, k) for k in stated)
+
 def test_defaults_are_stated_once():
     """conf/config.yaml, conf/rollout/hf.yaml's ``sampling`` and conf/clip/*.yaml state no value their schema
     (fspo/config) states: each keeps what selects its schema, interpolations and the values that differ."""
