@@ -21,11 +21,11 @@ SAMPLING_TARGET = "fspo.rollout.base.SamplingConfig"  # (the name stored configs
 warnings.filterwarnings("ignore", message="Class `(RunConfig|ModelConfig)` subclasses `Dict`")
 
 
-def schema(cls: type, target: Optional[str], drop: Sequence[str] = ("owner",), **defaults: Any) -> type:
+def schema(cls: type, target: str, drop: Sequence[str] = ("owner",), **defaults: Any) -> type:
     """``cls``'s fields but ``drop`` (``defaults`` replace some) as a dataclass led by ``_target_: str = target``;
     ``__settings__`` is ``cls`` (its source has the fields' docs)."""
     hints = get_type_hints(cls)
-    specs = [] if target is None else [("_target_", str, field(default=target))]
+    specs = [("_target_", str, field(default=target))]
     for f in fields(cls):
         if f.name not in drop:
             default = defaults.get(f.name, f.default)
