@@ -22,8 +22,8 @@ warnings.filterwarnings("ignore", message="Class `(RunConfig|ModelConfig)` subcl
 
 
 def schema(cls: type, target: str, drop: Sequence[str] = ("owner",), **defaults: Any) -> type:
-    """``cls``'s fields but ``drop`` (``defaults`` replace some) as a dataclass led by ``_target_: str = target``;
-    ``__settings__`` is ``cls`` (its source has the fields' docs)."""
+    """``cls``'s fields but ``drop`` (``defaults`` replace some) after ``_target_: str = target``;
+    ``__settings__`` is ``cls`` (the docs)."""
     hints = get_type_hints(cls)
     specs = [("_target_", str, field(default=target))]
     for f in fields(cls):

@@ -32,7 +32,7 @@ from fspo.diagnostics._base import DiagnosticMetric
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
 from fspo.rollout.off_policy_mask import OffPolicyMask
-from fspo.rollout.settings import CorrectionSettings as SETTINGS  # the defaults (the schema of rollout_correction)
+from fspo.rollout.settings import CorrectionSettings as SETTINGS  # its defaults
 from fspo.runtime.launch.distributed import reduce_sum
 
 MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_masked_is", "seq_fair_mask", "seq_fair_tis")

@@ -1,4 +1,4 @@
-"""The rollout's sampling settings as a plain value, checked without torch (stored as a schema by fspo/config).
+"""The rollout's settings as plain values, checked without torch (stored as schemas by fspo/config).
 
 Owns: `SamplingConfig` (``rollout.sampling``, ``val.sampling``) and `CorrectionSettings` (``rollout_correction``'s
 keys, defaults and docs). Leaves out: the engines (base.py, hf.py, vllm.py) and the correction (correction.py).
@@ -43,8 +43,7 @@ class SamplingConfig:
 
 @dataclass
 class CorrectionSettings:
-    """``rollout_correction:``, the train-inference mismatch correction (fspo/rollout/correction.py
-    `RolloutCorrection`): a detached weight per token."""
+    """``rollout_correction:``: `RolloutCorrection`'s settings (a detached weight per token)."""
 
     mode: str = "none"  # none | token_tis | seq_is | seq_mask | seq_masked_is | seq_fair_mask | ..._tis
     cap: float = 2.0  # fixed modes: cap on exp(d_t) / exp(S) (verl threshold 2.0, TRL cap 3.0)

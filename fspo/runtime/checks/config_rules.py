@@ -23,9 +23,10 @@ GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advant
 # fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # settings objects: key -> {_target_: the torch-free class `check_values` builds}; others: config_check.py
+SAMPLING = {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"}
 SETTINGS_OBJECTS = {
-    "rollout.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
-    "val.sampling": {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"},
+    "rollout.sampling": SAMPLING,
+    "val.sampling": SAMPLING,
     "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},  # after its mirrors
     "aggregator": {},
     "guard": {"fspo.update.guard.DivergenceGuard": "fspo.update.settings.GuardSettings"},
@@ -148,7 +149,7 @@ def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
 
 def check_values(cfg: DictConfig, then: Optional[Callable[[DictConfig], None]] = None) -> None:
     """`ConfigError` for the first bad value of ``cfg``: `RULES`, ``then(cfg)`` (check_config's combinations),
-    then the torch-free settings objects (their ranges and cross-key rules) and the clip rule's settings."""
+    the torch-free settings objects (ranges, cross-key rules) and the clip rule's settings."""
     for rule in RULES:
         value = get_setting(cfg, rule.key)
         if value is not ABSENT:
