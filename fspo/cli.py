@@ -28,7 +28,6 @@ from fspo.runtime.checks.command_line import (  # noqa: F401  (the entry points'
     known_top_keys,
     normalize_group_overrides,
     unknown_key_error,
-    value_error,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

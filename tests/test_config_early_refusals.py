@@ -2,7 +2,7 @@
 
 `fspo.cli.unknown_key_error` composes the config the command line selects (fspo/runtime/checks/config_keys.py)
 and names the closest key of the node the typo was meant for (the clip rule's keys differ per rule);
-`fspo.cli.value_error` checks the key table and the clip rule's settings (fspo/clipping/settings.py) on it.
+`fspo.cli.early_error` (run.py's first check) checks the values on it (config_rules.py `check_values`).
 Before, ``clip.c_uper=0.05`` got Hydra's advice to append ``+clip.c_uper``, which failed ~15 s later with a
 TypeError, and ``clip.c_upper=-1`` was refused only after the memory plan.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fspo.cli import unknown_key_error, value_error
+from fspo.cli import early_error, unknown_key_error
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 3.0  # CPU seconds of the whole refusal, python start-up included
@@ -68,23 +68,28 @@ def test_known_keys_and_appends_pass(argv):
     (["+method=vespo", "clip.ref_length=0"], "clip.ref_length=0: VESPOClip: ref_length must be > 0"),
     (["+method=ctpo", "clip.ratio_mode=x"], "clip.ratio_mode=x: CTPOClip: ratio_mode must be one of"),
     (["+method=luspo", "clip.clip_ratio_low=1"], "clip.clip_ratio_low=1: LUSPOClip: clip_ratio_low must be < 1"),
+    (["guard.max_kl=-1"], "guard.max_kl=-1: must be a number > 0 or null (a divergence limit); set guard.max_kl=1"),
+    (["guard.action=halt"], "guard.action=halt: must be one of stop, skip, warn, off"),
+    (["rollout.sampling.top_p=0"], "rollout.sampling.top_p=0: must be a number in (0, 1] (nucleus sampling mass); set"),
+    (["rollout.sampling.n=0"], "rollout.sampling.n=0: must be a whole number >= 1"),
+    (["rollout.sampling.min_new_tokens=200"], "rollout.sampling.min_new_tokens=200: must be in [0, rollout.sampling"),
 ])
 def test_values_refused_before_anything_loads(argv, msg):
-    assert value_error(argv).startswith(msg)
+    assert early_error(argv).startswith(msg)
     assert "torch" not in subprocess.run(
-        [sys.executable, "-c", f"import sys; from fspo.cli import value_error; value_error({argv!r}); "
+        [sys.executable, "-c", f"import sys; from fspo.cli import early_error; early_error({argv!r}); "
          f"print(' '.join(m for m in sys.modules if m == 'torch'))"], cwd=REPO, capture_output=True, text=True
     ).stdout
 
 
 def test_valid_values_pass():
-    assert value_error(["clip.c_upper=0.05", "clip.c_dual=0.05", "ppo.lr=1e-5"]) is None
-    assert value_error([]) is None
+    assert early_error(["clip.c_upper=0.05", "clip.c_dual=0.05", "ppo.lr=1e-5"]) is None
+    assert early_error([]) is None
 
 
 def test_a_value_that_does_not_resolve_yet_is_left_to_the_run(monkeypatch):
     monkeypatch.delenv("FSPO_UNSET_FOR_TEST", raising=False)
-    assert value_error(["ppo.lr=${oc.env:FSPO_UNSET_FOR_TEST}"]) is None
+    assert early_error(["ppo.lr=${oc.env:FSPO_UNSET_FOR_TEST}"]) is None
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -117,7 +122,7 @@ def test_every_clip_rule_has_settings():
         node = clip_config(path.stem)
         assert node._target_ in SETTINGS, path.name
         instantiate(node)  # each option's values pass its rule, and its settings class (the early check) agrees
-        assert value_error([f"clip={path.stem}"]) is None, path.name
+        assert early_error([f"clip={path.stem}"]) is None, path.name
 
 
 def test_settings_pin_the_rules():
@@ -138,9 +143,8 @@ def test_settings_pin_the_rules():
     sig = inspect.signature(FSPOClip.__init__).parameters
     for name in ("c_upper", "c_lower", "c_dual", "band", "drift", "z", "alpha", "sigma0", "ratio_grad"):
         assert sig[name].default == getattr(FSPOSettings, name), name
-    for target, (cls, owner) in SETTINGS.items():  # every settings class takes exactly its rule's arguments
+    for target, cls in SETTINGS.items():  # every settings class takes exactly its rule's arguments
         rule = hydra_get_class(target)
-        assert rule.__name__ == owner
         args = set(inspect.signature(rule.__init__).parameters) - {"self"}
         fields = {f.name for f in dataclasses.fields(cls)} - {"owner"}
         assert args <= fields, (target, args - fields)
@@ -154,12 +158,29 @@ def test_settings_pin_the_rules():
     (["ppo.autocast=bf16", "ppo.old_log_probs=engine"], "ppo.autocast=bf16 with ppo.old_log_probs=engine"),
 ])
 def test_update_settings_refused_before_anything_loads(argv, msg):
-    assert value_error(argv).startswith(msg)
+    assert early_error(argv).startswith(msg)
 
+
+
+def test_the_guard_and_the_correction_read_their_schemas_defaults():
+    """`DivergenceGuard` is `GuardSettings`; `RolloutCorrection`'s defaults are `CorrectionSettings`' (stated once)."""
+    import dataclasses
+    import inspect
+
+    from fspo.rollout.correction import RolloutCorrection
+    from fspo.rollout.settings import CorrectionSettings
+    from fspo.update.guard import DivergenceGuard
+    from fspo.update.settings import GuardSettings
+
+    assert issubclass(DivergenceGuard, GuardSettings) and dataclasses.fields(DivergenceGuard) == dataclasses.fields(
+        GuardSettings)
+    sig = inspect.signature(RolloutCorrection.__init__).parameters
+    stated = [f.name for f in dataclasses.fields(CorrectionSettings) if f.default != "???"]
+    assert stated and all(sig[k].default == getattr(CorrectionSettings, k) for k in stated)
 
 def test_defaults_are_stated_once():
-    """conf/config.yaml's ``ppo:`` and conf/clip/*.yaml state no value their schema (fspo/config) states: each
-    keeps what selects its schema, interpolations and the values that differ."""
+    """conf/config.yaml, conf/rollout/hf.yaml's ``sampling`` and conf/clip/*.yaml state no value their schema
+    (fspo/config) states: each keeps what selects its schema, interpolations and the values that differ."""
     import dataclasses
 
     from hydra.core.config_store import ConfigStore
@@ -167,16 +188,22 @@ def test_defaults_are_stated_once():
 
     import fspo.config
 
-    def restated(node, schema):
-        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
-        literal = [k for k in node if k != "defaults" and not node._get_node(k)._is_interpolation()]
-        return [k for k in literal if k in defaults and node[k] == defaults[k]]
+    def restated(node, schema, prefix=""):
+        out = []
+        for f in dataclasses.fields(schema):
+            if f.name not in node or node._get_node(f.name)._is_interpolation():
+                continue
+            if dataclasses.is_dataclass(f.default_factory):
+                out += restated(node[f.name], f.default_factory, f"{prefix}{f.name}.")
+            elif f.default is not dataclasses.MISSING and node[f.name] == f.default:
+                out.append(prefix + f.name)
+        return out
 
     schemas = {name: node for name, _, _, node in fspo.config.stored()}
     root = OmegaConf.load(REPO / "conf" / "config.yaml")
-    for key in ("ppo", "diagnostics"):
-        assert restated(root[key], schemas[f"{key}_schema"]) == [], key
-    assert "memory_plan" not in root and "progress" not in root
+    assert root.defaults[-2:] == ["run_schema", "_self_"]
+    assert restated(root, schemas["run_schema"]) == []
+    assert set(root) == {"defaults", "hydra", "aggregator", "ppo", "rollout_correction", "diagnostics", "val"}
     hf = OmegaConf.load(REPO / "conf" / "rollout" / "hf.yaml")
     assert restated(hf.get("sampling") or OmegaConf.create(), schemas["schema"]) == []
     for path in sorted((REPO / "conf" / "clip").glob("*.yaml")):

@@ -66,6 +66,14 @@ def test_schemas_import_no_torch():
     ("clip=grpo clip.clip_ratio_c=off", "clip_ratio_c"),
     ("clip.c_uper=0.05", "c_uper"),  # an unknown key (``+clip.c_uper`` is Hydra's force-add: config_keys.py)
     ("+method=grpo clip.c_upper=0.05", "c_upper"),  # GRPO's node has no FSPO key
+    ("steps=abc", "steps"),  # the root schema (RunConfig) and the nodes inside it
+    ("steps=1.5", "steps"),
+    ("val.sampling.n=two", "n"),
+    ("guard.max_kl=high", "max_kl"),
+    ("rollout_correction.cap=abc", "cap"),
+    ("model.lora.rank=1.5", "rank"),
+    ("guard.limit=1", "limit"),
+    ("model.lora.rnak=8", "rnak"),
 ])
 def test_unknown_keys_and_wrong_types_do_not_compose(override, msg):
     from hydra.errors import ConfigCompositionException
@@ -96,6 +104,7 @@ def test_configuration_page_is_current():
 @pytest.mark.parametrize("argv,msg", [
     (["clip.c_upper=abc"], "clip.c_upper=abc: Value 'abc' of type 'str' could not be converted to Float"),
     (["+method=grpo", "ppo.mini_batch_size=2.5"], "ppo.mini_batch_size=2.5: Value '2.5' of type 'float' could not"),
+    (["steps=abc"], "steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
 ])
 def test_run_py_names_a_wrong_type_in_one_line(argv, msg):
     from fspo.cli import early_error
@@ -106,7 +115,31 @@ def test_run_py_names_a_wrong_type_in_one_line(argv, msg):
 
 def test_a_typed_float_is_shown_as_typed():
     """The schema makes ``clip.c_upper=-1`` a float; the message shows the value as the command line gave it."""
-    from fspo.cli import value_error
+    from fspo.cli import early_error
 
-    assert value_error(["clip.c_upper=-1"]) == "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"
-    assert value_error(["ppo.lr=-1"]) == "ppo.lr=-1: must be a number > 0; set ppo.lr=2e-05"
+    assert early_error(["clip.c_upper=-1"]) == "clip.c_upper=-1: FSPOClip: c_upper must be > 0 and finite, got -1"
+    assert early_error(["ppo.lr=-1"]) == "ppo.lr=-1: must be a number > 0; set ppo.lr=2e-05"
+
+
+def test_printed_keys_follow_the_config():
+    """``--cfg job`` prints the config groups' nodes, then the run's keys in `RunConfig`'s order."""
+    import dataclasses
+
+    from conftest import compose_config
+    from fspo.config.groups import RunConfig
+
+    groups = ["data", "reward", "clip", "advantage", "rollout", "trainer", "logger", "checkpoint"]
+    assert list(compose_config()) == groups + [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def test_one_checker_before_torch_and_in_check_config(monkeypatch):
+    """run.py's early check and `check_config` run the same `check_values`; it builds the torch-free settings."""
+    from conftest import compose_config
+    from fspo.runtime.checks import config_check, config_keys, config_rules
+
+    calls = []
+    monkeypatch.setattr(config_rules, "check_values", lambda cfg, then=None: calls.append(then))
+    monkeypatch.setattr(config_check, "check_values", config_rules.check_values)
+    cfg = compose_config()
+    assert config_keys.early_value_error(cfg) is None and config_check.check_config(cfg) == []
+    assert len(calls) == 2 and calls[0] is None and callable(calls[1])

@@ -1,14 +1,9 @@
 """The clip rules' settings as plain values, checked without torch: each rule's defaults and ranges, once.
 
-Owns: the validation helpers `check_positive` and `check_choice` (one ValueError naming the setting), the
-settings dataclasses `FSPOSettings`, `GSPOSettings` (GSPO, LUSPO), `RatioClipSettings` (GRPO), `RLOOSettings`,
-`CISPOSettings`, `SAPOSettings`, `GMPOSettings`, `DPPOSettings`, `CPPOSettings`, `VESPOSettings` and `CTPOSettings`,
-whose fields are the rules' constructor arguments with their defaults and one-line docs (stored as the schemas of
-conf/clip/ by fspo/config) and whose ``__post_init__`` is the rules' argument check (the rules build them in
-``__init__``), `SETTINGS` (a rule's ``clip._target_`` -> its settings class) and `settings_error` (a ``clip:``
-node checked before anything loads: fspo/runtime/checks/config_keys.py). Importing this module imports no torch
-(fspo/clipping/__init__.py is lazy).
-Leaves out: the rules themselves.
+Owns: `check_positive` and `check_choice` (one ValueError naming the setting); one settings dataclass per rule:
+its fields the rule's arguments with defaults and docs (conf/clip/'s schemas), its ``__post_init__`` the rule's
+argument check; `SETTINGS` (``clip._target_`` -> class) and `settings_error` (a ``clip:`` node checked early).
+Imports no torch. Leaves out: the rules themselves.
 """
 from __future__ import annotations
 
@@ -264,20 +259,20 @@ class CTPOSettings:
         self.acceptance = check_choice(own, "acceptance", self.acceptance, ACCEPTANCES)
 
 
-# clip._target_ -> (settings class, the rule's name in messages)
+# clip._target_ -> the settings class (the rule is named in messages by its class name)
 SETTINGS = {
-    "fspo.clipping.fspo.FSPOClip": (FSPOSettings, "FSPOClip"),
-    "fspo.clipping.grpo.GRPOClip": (RatioClipSettings, "GRPOClip"),
-    "fspo.clipping.rloo.RLOOClip": (RLOOSettings, "RLOOClip"),
-    "fspo.clipping.gspo.GSPOClip": (GSPOSettings, "GSPOClip"),
-    "fspo.clipping.cispo.CISPOClip": (CISPOSettings, "CISPOClip"),
-    "fspo.clipping.sapo.SAPOClip": (SAPOSettings, "SAPOClip"),
-    "fspo.clipping.gmpo.GMPOClip": (GMPOSettings, "GMPOClip"),
-    "fspo.clipping.dppo.DPPOClip": (DPPOSettings, "DPPOClip"),
-    "fspo.clipping.cppo.CPPOClip": (CPPOSettings, "CPPOClip"),
-    "fspo.clipping.vespo.VESPOClip": (VESPOSettings, "VESPOClip"),
-    "fspo.clipping.ctpo.CTPOClip": (CTPOSettings, "CTPOClip"),
-    "fspo.clipping.luspo.LUSPOClip": (GSPOSettings, "LUSPOClip"),
+    "fspo.clipping.fspo.FSPOClip": FSPOSettings,
+    "fspo.clipping.grpo.GRPOClip": RatioClipSettings,
+    "fspo.clipping.rloo.RLOOClip": RLOOSettings,
+    "fspo.clipping.gspo.GSPOClip": GSPOSettings,
+    "fspo.clipping.cispo.CISPOClip": CISPOSettings,
+    "fspo.clipping.sapo.SAPOClip": SAPOSettings,
+    "fspo.clipping.gmpo.GMPOClip": GMPOSettings,
+    "fspo.clipping.dppo.DPPOClip": DPPOSettings,
+    "fspo.clipping.cppo.CPPOClip": CPPOSettings,
+    "fspo.clipping.vespo.VESPOClip": VESPOSettings,
+    "fspo.clipping.ctpo.CTPOClip": CTPOSettings,
+    "fspo.clipping.luspo.LUSPOClip": GSPOSettings,
 }
 
 
@@ -287,10 +282,9 @@ def settings_error(node: Mapping[str, Any], key: str = "clip") -> Optional[str]:
     target = str(node.get("_target_", ""))
     if target not in SETTINGS:
         return None
-    cls, owner = SETTINGS[target]
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
     try:
-        cls(**kwargs, owner=owner)
+        SETTINGS[target](**kwargs, owner=target.rsplit(".", 1)[1])
     except TypeError:  # an argument the rule does not take: the key check names the closest one
         return None
     except ValueError as e:

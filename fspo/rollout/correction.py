@@ -32,6 +32,7 @@ from fspo.diagnostics._base import DiagnosticMetric
 from fspo.diagnostics.bins import LengthBins
 from fspo.diagnostics.lre import length_fairness
 from fspo.rollout.off_policy_mask import OffPolicyMask
+from fspo.rollout.settings import CorrectionSettings as SETTINGS  # its defaults
 from fspo.runtime.launch.distributed import reduce_sum
 
 MODES = ("none", "token_tis", "seq_is", "seq_mask", "seq_masked_is", "seq_fair_mask", "seq_fair_tis")
@@ -108,11 +109,11 @@ class RolloutCorrection(torch.nn.Module):
     floors the ratio; ``z`` > 0 the fair band's width in std; ``quantile``: `QuantileBand` keyword arguments.
     ``old_log_probs`` and ``temperature`` mirror ppo's; ``bin_width``, ``max_len``, ``lre_min_len``: the bins."""
 
-    def __init__(self, mode: str = "none", cap: float = 2.0, z: float = 3.0, band: str = "sqrt",
-                 quantile: Optional[dict] = None, old_log_probs: str = "recompute", temperature: float = 1.0,
-                 bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0,
-                 cap_min: Optional[float] = None, off_policy_mask: str = "none",
-                 off_policy_threshold: Optional[float] = None) -> None:
+    def __init__(self, mode: str = SETTINGS.mode, cap: float = SETTINGS.cap, z: float = SETTINGS.z,
+                 band: str = SETTINGS.band, quantile: Optional[dict] = None, old_log_probs: str = "recompute",
+                 temperature: float = 1.0, bin_width: int = 200, max_len: int = 32768, lre_min_len: float = 0,
+                 cap_min: Optional[float] = SETTINGS.cap_min, off_policy_mask: str = SETTINGS.off_policy_mask,
+                 off_policy_threshold: Optional[float] = SETTINGS.off_policy_threshold) -> None:
         super().__init__()
         self.opsm = OffPolicyMask(off_policy_mask, off_policy_threshold,
                                   LengthBins(width=int(bin_width), max_len=int(max_len)))

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from fspo.runtime.launch.distributed import any_rank, reduce_sum
+from fspo.update.settings import GuardSettings
 from fspo.update.stats import k3_sum_tensor
 
 log = logging.getLogger(__name__)
-ACTIONS = ("stop", "skip", "warn", "off")
 
 
 class DivergenceError(ValueError):
@@ -53,17 +53,8 @@ class UpdateMeter:
 
 
 @dataclass
-class DivergenceGuard:
-    """Limits checked before every optimizer step; null disables a limit."""
-
-    action: str = "stop"
-    max_grad_norm: Optional[float] = 1.0e4
-    max_loss: Optional[float] = 1.0e3
-    max_kl: Optional[float] = 1.0
-
-    def __post_init__(self):
-        if self.action not in ACTIONS:  # the limits are range-checked with the rest of the config
-            raise ValueError(f"guard.action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+class DivergenceGuard(GuardSettings):
+    """Limits checked before every optimizer step (`GuardSettings`: the keys, defaults and ranges)."""
 
     @property
     def enabled(self) -> bool:

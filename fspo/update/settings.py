@@ -1,7 +1,8 @@
 """The update's settings (``ppo:`` in conf/config.yaml): batch units, passes, optimizer, old log-probs.
 
-Owns: `PPOConfig`, a pure value checked on construction without torch (fspo/runtime/checks/config_keys.py and
-config_check.py build it before anything loads), and the batch arithmetic `check_mini_batch` (``MINI_BATCH_UNITS``).
+Owns: `PPOConfig` and `GuardSettings` (``guard:``, the divergence guard's limits), pure values checked on
+construction without torch (fspo/runtime/checks/config_keys.py and config_check.py build them before anything
+loads), and the batch arithmetic `check_mini_batch` (``MINI_BATCH_UNITS``).
 Leaves out: the update itself (fspo/update/module.py) and the mini-batch plans (fspo/update/microbatches.py).
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 MINI_BATCH_UNITS = ("sequences", "prompts")
+GUARD_ACTIONS = ("stop", "skip", "warn", "off")
 # the numeric settings' ranges: field -> (lowest value, whether the lowest is excluded); nan and inf are refused
 RANGES = {"mini_batch_size": (1, False), "epochs": (1, False), "micro_batch_max_tokens": (1, False),
           "pack_row_factor": (1, False), "max_grad_norm": (0, True), "lr": (0, True), "weight_decay": (0, False),
@@ -127,3 +129,23 @@ class PPOConfig:
 
         return minibatch_plan(batch_size, self.mini_batch_size, self.epochs, generator, self.mini_batch_unit,
                               group_ids)
+
+
+@dataclass
+class GuardSettings:
+    """The divergence guard's limits (guard.py `DivergenceGuard`), checked before each optimizer step; null: off."""
+
+    action: str = "stop"  # stop: end the run (one line) | skip: drop that update | warn: log and step | off
+    max_grad_norm: Optional[float] = 1.0e4  # global gradient norm before clipping (healthy runs: < 10)
+    max_loss: Optional[float] = 1.0e3  # |mean per-token surrogate loss| of the mini-batch (healthy: < 5)
+    max_kl: Optional[float] = 1.0  # mean per-token KL(old || current), k3, of the mini-batch (healthy: < 0.05)
+
+    def __post_init__(self):
+        if self.action not in GUARD_ACTIONS:
+            raise ValueError(f"guard.action={self.action}: must be one of {', '.join(GUARD_ACTIONS)} (what a breached "
+                             f"divergence limit does); set guard.action=stop")
+        for k in ("max_grad_norm", "max_loss", "max_kl"):
+            v = getattr(self, k)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"guard.{k}={v:g}: must be a number > 0 or null (a divergence limit); "
+                                 f"set guard.{k}={getattr(GuardSettings, k):g}")

@@ -12,7 +12,7 @@ Owns:
   ``+stpes=5``, which it then accepts silently and the default run starts); top-level keys from the YAML
   files, nested keys against the composed config (config_keys.py).
 - `early_error` (run.py): that, then the values set on the command line checked before torch loads
-  (`value_error`, config_keys.py `early_value_error`).
+  (config_keys.py `early_value_error`).
 Leaves out: the entry points themselves (experiments/*.py; fspo/cli.py re-exports these for them).
 """
 from __future__ import annotations
@@ -25,7 +25,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from fspo.runtime.checks.config_keys import compose_for_check, early_value_error, nested_key_error
+from fspo.runtime.checks.config_keys import (
+    FLAGS_WITH_VALUE,
+    _args,
+    compose_for_check,
+    early_value_error,
+    nested_key_error,
+)
 from fspo.runtime.checks.method_aliases import legacy_forms
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -87,8 +93,8 @@ def _option_groups(group: str, option: str, dirs: Sequence[Path]) -> Set[str]:
     return groups
 
 
-def _config_location(argv: Sequence[str], config_name: str) -> tuple[str, List[Path]]:
-    """(primary config name, search folders) from Hydra's ``--config-name/-cn`` and ``--config-dir/-cd``."""
+def _config_location(argv: Sequence[str], config_name: str, conf_dir: Path = CONF_DIR) -> tuple[str, List[Path]]:
+    """(primary config name, search folders) from ``--config-name/-cn``, ``--config-dir/-cd`` and ``conf_dir``."""
     name, extra = config_name, []
     it = list(argv)
     for i, a in enumerate(it):
@@ -104,7 +110,8 @@ def _config_location(argv: Sequence[str], config_name: str) -> tuple[str, List[P
                     name = val
                 else:
                     extra.append(Path(val).expanduser().resolve())
-    return name, [*extra, CONF_DIR]
+    dirs = [*extra, CONF_DIR]
+    return name, dirs + ([] if conf_dir in dirs else [conf_dir])
 
 
 def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
@@ -113,12 +120,9 @@ def normalize_group_overrides(argv: Sequence[str], config_name: str = "config",
     ``+group=x`` when the primary config's defaults list has no ``group`` entry, and ``+group=x``
     becomes ``group=x`` when it has one. Other arguments (keys, flags, ``++``/``~`` forms) pass as they are."""
     argv = legacy_forms(argv)  # clip=<rule>, +arm=<arm> without --config-dir: deprecated, composing as before
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     present = defaults_groups(name, dirs)
-    flag_values = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                              "--config-path", "-cp", "--experimental-rerun")}
+    flag_values = {i + 1 for i, a in enumerate(argv) if a in FLAGS_WITH_VALUE}
     groups = {p.name for d in dirs if d.is_dir() for p in d.iterdir()
               if p.is_dir() and not p.name.startswith((".", "_"))}
 
@@ -166,7 +170,7 @@ def known_top_keys(config_name: str, dirs: Sequence[Path]) -> Set[str]:
         path = _yaml(name, dirs)
         if path is None:  # a schema stored in Hydra's ConfigStore (fspo/config): the key it fills
             stored = ConfigStore.instance().repo.get(f"{name}.yaml")
-            keys |= {stored.package} if stored is not None and stored.package else set()
+            keys |= {str(k) for k in stored.node.keys()} if stored is not None else set()
         if path is None or path in seen:
             continue
         seen.add(path)
@@ -192,15 +196,9 @@ def unknown_key_error(argv: Sequence[str], config_name: str = "config", conf_dir
     runs the default. ``++key=`` (force-add), ``~key`` and flags pass unchecked."""
     import difflib
 
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     known = None
-    skip = {i + 1 for i, a in enumerate(argv) if a in ("--config-name", "-cn", "--config-dir", "-cd",
-                                                       "--config-path", "-cp", "--experimental-rerun")}
-    for i, a in enumerate(argv):
-        if i in skip or a.startswith(("-", "~", "++")) or "=" not in a:
-            continue
+    for a in _args(argv):
         key = a.partition("=")[0].lstrip("+").split(".")[0].split("@")[0]
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             continue
@@ -241,34 +239,19 @@ def _type_error(errors: list) -> Optional[str]:
 
 
 def early_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """`unknown_key_error` and then `value_error`, composing the config once where the command line composes
-    (the entry point's first check: a typo or a value out of range never starts a run)."""
+    """`unknown_key_error`, then the values (`early_value_error`: ``clip.c_upper=-1``) on the config composed
+    once: a typo or a value out of range never starts a run. A sweep (``-m``): its keys only."""
     argv = legacy_forms(argv)
     if {"-m", "--multirun"} & set(argv) or not _key_args(argv):
         return unknown_key_error(argv, config_name, conf_dir)
     if (top := unknown_key_error([a for a in argv if "." not in a.partition("=")[0]], config_name, conf_dir)):
         return top
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
+    name, dirs = _config_location(argv, config_name, conf_dir)
     errors: list = []
     cfgs = _compositions(argv, name, dirs, with_values=True, errors=errors)
     if not cfgs:  # a key Hydra cannot set: the closest one named; a wrong type; else Hydra's own message
         return unknown_key_error(argv, config_name, conf_dir) or _type_error(errors)
     return nested_key_error(argv, cfgs, applied=True) or _values(cfgs[0])
-
-
-def value_error(argv: Sequence[str], config_name: str = "config", conf_dir: Path = CONF_DIR) -> Optional[str]:
-    """One line for the first value of ``argv``'s ``key=value`` overrides that the up-front rules refuse
-    (`early_value_error`: ``clip.c_upper=-1``), before torch loads; None when they pass, when ``argv`` sets
-    no key or runs a sweep (``-m``: each job is checked when it starts)."""
-    if not _key_args(argv) or {"-m", "--multirun"} & set(argv):
-        return None
-    name, dirs = _config_location(argv, config_name)
-    if conf_dir not in dirs:
-        dirs.append(conf_dir)
-    cfgs = _compositions(argv, name, dirs, with_values=True)
-    return _values(cfgs[0]) if cfgs else None
 
 
 def _values(cfg) -> Optional[str]:

@@ -33,7 +33,7 @@ from fspo.runtime.checks.config_rules import (
     LR_WARN,
     SETTINGS_OBJECTS,
     ConfigError,
-    check_rules,
+    check_values,
     get_setting,
     setting_error,
 )
@@ -58,12 +58,7 @@ def _cross_checks(cfg: DictConfig, warnings: List[str]) -> None:
     if n == 1 and adv in GROUP_ADVANTAGES:
         raise setting_error("rollout.sampling.n", n, f"with one completion per prompt every group-relative advantage "
                     f"({adv.rsplit('.', 1)[-1]}) is 0, so nothing learns", "set rollout.sampling.n >= 2")
-    lo_new = get_setting(cfg, "rollout.sampling.min_new_tokens")
     hi_new = get_setting(cfg, "rollout.sampling.max_new_tokens")
-    if lo_new is not ABSENT and hi_new is not ABSENT and lo_new > hi_new:
-        raise setting_error("rollout.sampling.min_new_tokens", lo_new,
-                            f"is above rollout.sampling.max_new_tokens={hi_new}",
-                            "lower it or raise rollout.sampling.max_new_tokens")
     threads, cores = get_setting(cfg, "cpu_threads"), usable_cores()
     if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
         raise setting_error("cpu_threads", threads, f"is above the {cores} cores this process may use (more torch "
@@ -149,11 +144,10 @@ def _lora_checks(cfg: DictConfig) -> None:
 
 
 def _build_settings(cfg: DictConfig) -> None:
-    """Build each of `SETTINGS_OBJECTS` present in ``cfg`` so that its own checks run; their ValueErrors
-    (messages that name the key) become `ConfigError`."""
-    for key in SETTINGS_OBJECTS:
+    """Build the `SETTINGS_OBJECTS` that need torch, so that their checks run; a ValueError: `ConfigError`."""
+    for key, torch_free in SETTINGS_OBJECTS.items():
         node = OmegaConf.select(cfg, key)
-        if not isinstance(node, DictConfig) or "_target_" not in node:
+        if not isinstance(node, DictConfig) or "_target_" not in node or str(node._target_) in torch_free:
             continue
         try:
             instantiate(node)
@@ -168,9 +162,8 @@ def _build_settings(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> List[str]:
     """Raise `ConfigError` for the first bad setting of ``cfg`` (see the module docstring); return the
     warnings, each also logged."""
-    check_rules(cfg)
     warnings: List[str] = []
-    _cross_checks(cfg, warnings)
+    check_values(cfg, then=lambda c: _cross_checks(c, warnings))
     _build_settings(cfg)
     for w in warnings:
         log.warning("%s", w)

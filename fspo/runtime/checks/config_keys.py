@@ -4,9 +4,7 @@ Owns: `compose_for_check` (the config Hydra would compose from a command line, t
 the groups it selects, and optionally its ``key=value`` overrides too), `nested_key_error` (a dotted key the
 composed config does not have, e.g. ``clip.c_uper=0.05`` or ``ppo.mini_batch_sise=8``: one line naming the
 closest key of the node it was meant for, which depends on the selected options: the clip rule's keys
-differ per rule) and `early_value_error` (the up-front value rules of
-fspo/runtime/checks/config_rules.py, the update's settings (fspo/update/settings.py) and the selected clip
-rule's settings (fspo/clipping/settings.py) on the composed config, before torch or any model is imported).
+differ per rule) and `early_value_error` (config_rules.py `check_values`, before torch is imported).
 Each returns one line or None; a command line this module cannot compose is left to Hydra, which reports it as before.
 Leaves out: the top-level keys (fspo/cli.py `unknown_key_error` checks those first, from the YAML files) and
 the checks of fspo/runtime/checks/config_check.py that need the settings objects or the machine.
@@ -18,10 +16,9 @@ import itertools
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--config-path", "-cp", "--experimental-rerun")
-TORCH_FREE_PPO = "fspo.update.settings.PPOConfig"  # the update's settings, built here by name (no torch)
 MAX_COMPOSITIONS = 16  # group sweeps (``+method=fspo,grpo``): each combination composed, up to this many
 
 
@@ -84,9 +81,6 @@ def _missing(cfg: DictConfig, key: str, append: bool, applied: bool = False) -> 
             close = difflib.get_close_matches(part, others, n=1, cutoff=0.85)
             return (key, [".".join([*parts[:i], close[0]])]) if close else None
         if part not in node.keys():
-            if append and i == len(parts) - 1:  # +a.b=v adds a key: refused only one slip away from one there is
-                close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=1, cutoff=0.85)
-                return (key, [".".join([*parts[:i], close[0]])]) if close else None
             if append:
                 return None
             here = [".".join([*parts[:i], str(k)]) for k in node.keys()]
@@ -121,27 +115,11 @@ def nested_key_error(argv: Sequence[str], cfgs: Sequence[DictConfig], applied: b
 
 
 def early_value_error(cfg: DictConfig) -> Optional[str]:
-    """The first value of ``cfg`` that the up-front rules (the key table and the clip rule's settings)
-    refuse, as one line; None when all pass. Imports no torch."""
-    from fspo.clipping.settings import settings_error
-    from fspo.runtime.checks.config_rules import ConfigError, check_rules
+    """The first value of ``cfg`` that `check_values` refuses, as one line; None when all pass."""
+    from fspo.runtime.checks.config_rules import ConfigError, check_values
 
     try:
-        check_rules(cfg)
+        check_values(cfg)
     except ConfigError as e:
         return str(e)
-    ppo = OmegaConf.select(cfg, "ppo")
-    if isinstance(ppo, DictConfig) and str(ppo.get("_target_")) == TORCH_FREE_PPO:
-        from hydra.utils import get_class
-
-        values = OmegaConf.to_container(ppo, resolve=True)  # one that does not resolve yet: the run's to judge
-        try:
-            get_class(TORCH_FREE_PPO)(**{k: v for k, v in values.items() if k != "_target_"})
-        except ValueError as e:  # the batch arithmetic, autocast with engine log-probs, ...: messages name the keys
-            return str(e)
-        except TypeError:  # a key PPOConfig does not take: the key check names the closest one
-            pass
-    clip = OmegaConf.select(cfg, "clip")
-    if isinstance(clip, DictConfig):
-        return settings_error(OmegaConf.to_container(clip, resolve=True), "clip")
     return None

@@ -1,17 +1,20 @@
-"""The rule table of the up-front config check: one `Rule` per key (type, range, what it means, an example
-value), and how one value is checked against its rule.
+"""The config's value rules, checked once by `check_values`: before torch loads (run.py) and by `check_config`.
 
-Owns: `Rule`, `RULES`, `ConfigError` and the message form ``<key>=<value>: <what is wrong> (<what the key
-means>); <the fix>``. Leaves out: the combinations of keys and building the settings objects
-(fspo/runtime/checks/config_check.py, `check_config`, which walks this table first).
+Owns: `Rule`, `RULES` (keys without a settings class: type, range, meaning, example), `ConfigError`,
+`check_values` and the message form ``<key>=<value>: <what is wrong> (<what the key means>); <the fix>``.
+Leaves out: the combinations of keys and the settings that need torch (config_check.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from hydra.core.config_store import ConfigStore
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+
+from fspo.clipping.settings import settings_error
 
 ABSENT = object()
 FLOAT32_MAX = 3.4028234663852886e38
@@ -19,8 +22,16 @@ LR_WARN = 1e-2  # above this AdamW fine-tuning of a pretrained LM almost always 
 GROUP_ADVANTAGES = ("fspo.advantages.grpo", "fspo.advantages.rloo", "fspo.advantages.drgrpo")
 # fspo.losses.AGG_MODES, named here so that this table loads without torch (tests pin the two equal)
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# pure values: built here
-SETTINGS_OBJECTS = ("ppo", "aggregator", "rollout.sampling", "val.sampling", "guard", "rollout_correction")
+# settings objects: key -> {_target_: the torch-free class `check_values` builds}; others: config_check.py
+SAMPLING = {"fspo.rollout.base.SamplingConfig": "fspo.rollout.settings.SamplingConfig"}
+SETTINGS_OBJECTS = {
+    "rollout.sampling": SAMPLING,
+    "val.sampling": SAMPLING,
+    "ppo": {"fspo.update.settings.PPOConfig": "fspo.update.settings.PPOConfig"},  # after its mirrors
+    "aggregator": {},
+    "guard": {"fspo.update.guard.DivergenceGuard": "fspo.update.settings.GuardSettings"},
+    "rollout_correction": {},
+}
 
 
 class ConfigError(ValueError):
@@ -32,7 +43,7 @@ class ConfigError(ValueError):
 class Rule:
     """``key`` must be a ``kind`` ("int": a whole number, "number", "choice") within [lo, hi] (open
     ends when ``lo_open`` / ``hi_open``) or one of ``choices``; ``null`` only when ``nullable``.
-    ``meaning`` says what the key is, ``example`` a valid value for the fix."""
+    ``meaning`` says what the key is, ``example`` a valid value for the fix (None: the key's default)."""
 
     key: str
     kind: str
@@ -67,42 +78,31 @@ def _pos(key, meaning="", example=None, nullable=False) -> Rule:
 
 
 RULES: Tuple[Rule, ...] = (
-    _int("steps", 1, "RL steps in the run", 60),
-    _int("prompts_per_step", 1, "prompts per RL step", 16),
-    _int("seed", None, "the run's random seed", 42),
-    _int("cpu_threads", 1, "torch intra-op threads", 1, nullable=True),
+    _int("steps", 1, "RL steps in the run"),
+    _int("prompts_per_step", 1, "prompts per RL step"),
+    _int("cpu_threads", 1, "torch intra-op threads", nullable=True),
     Rule("logger_fallback", "choice", choices=(None, "local"), meaning="what to do when the tracking "
          "server does not answer", example="local"),
-    Rule("loss_agg_mode", "choice", choices=AGG_MODES, meaning="how token losses are aggregated",
-         example="token-mean"),
+    Rule("loss_agg_mode", "choice", choices=AGG_MODES, meaning="how token losses are aggregated"),
     Rule("model.source", "choice", choices=("warmstart", "random", "pretrained"), meaning="where the "
          "policy comes from", example="pretrained"),
     _int("model.lora.rank", 0, "LoRA rank r; 0 turns LoRA off (full fine-tuning)", 8),
-    _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A", 16),
-    _pos("model.lora.lr", "AdamW's learning rate for the LoRA adapters (null: ppo.lr)", 5e-4, nullable=True),
-    Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input",
-         example=0.0),
+    _pos("model.lora.alpha", "LoRA scale numerator: the adapters add (alpha / r) B A"),
+    _pos("model.lora.lr", "AdamW's learning rate for the LoRA adapters (null: ppo.lr)", nullable=True),
+    Rule("model.lora.dropout", "number", lo=0, hi=1, hi_open=True, meaning="dropout on the LoRA adapters' input"),
     Rule("model.dtype", "choice", choices=("float32", "bfloat16", "float16"), meaning="the policy's "
-         "parameter dtype", example="float32"),
+         "parameter dtype"),
     # rollouts
-    _int("rollout.sampling.n", 1, "completions per prompt, the group of the advantages", 8),
-    _int("rollout.sampling.max_new_tokens", 1, "the longest response sampled", 128),
-    _int("rollout.sampling.min_new_tokens", 0, "tokens before EOS is allowed", 0),
     _pos("rollout.sampling.temperature", "the training sampling temperature; training needs samples "
          "that differ and finite log-probs", 1.0),
-    Rule("rollout.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="nucleus sampling mass",
-         example=1.0),
-    _int("rollout.sampling.top_k", None, "top-k filter (<= 0: off)", 0),
     _int("rollout.engine.batch_size", 1, "sequences the engine decodes at once", 256),
     # validation and diagnostics
-    _int("val.size", 0, "held-out prompts; 0 turns validation off", 256),
-    _int("val.every_n_steps", 1, "RL steps between validations", 20),
-    _int("val.batch_size", 1, "prompts per validation batch", 128),
-    _int("val.sampling.n", 1, "validation samples per prompt (Avg@n)", 2),
-    Rule("val.sampling.temperature", "number", lo=0, meaning="validation temperature (0: greedy)",
-         example=0.6),
-    Rule("val.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="validation nucleus mass",
-         example=0.95),
+    _int("val.size", 0, "held-out prompts; 0 turns validation off"),
+    _int("val.every_n_steps", 1, "RL steps between validations"),
+    _int("val.batch_size", 1, "prompts per validation batch"),
+    _int("val.sampling.n", 1, "validation samples per prompt (Avg@n)"),
+    Rule("val.sampling.temperature", "number", lo=0, meaning="validation temperature (0: greedy)"),
+    Rule("val.sampling.top_p", "number", lo=0, hi=1, lo_open=True, meaning="validation nucleus mass"),
     _int("data.max_prompt_len", 1, "the longest prompt in tokens", 64),
     # pipelined rollouts (fspo/rollout/pipeline.py): each step in flight holds a copy of the weights
     Rule("rollout.overlap.enable", "choice", choices=(True, False), meaning="pipelined rollouts in an engine "
@@ -117,29 +117,23 @@ RULES: Tuple[Rule, ...] = (
     _int("diagnostics.bin_width", 1, "clip-fraction length bin width in tokens", 16),
     Rule("diagnostics.lre_min_len", "number", lo=0, meaning="shortest length counted in the LRE",
          example=0),
-    _int("diagnostics.reservoir_size", 1, "log-ratio samples kept for the Gaussianity checks", 4096),
+    _int("diagnostics.reservoir_size", 1, "log-ratio samples kept for the Gaussianity checks"),
     Rule("diagnostics.law.records", "choice", choices=(True, False), meaning="record every measured sequence "
          "for run/law/*", example="true"),
-    _int("diagnostics.law.per_octave", 1, "geometric length bins per doubling of L in run/law/*", 2),
-    _int("diagnostics.law.min_count", 2, "sequences a length bin needs in run/law/*", 50),
-    _int("diagnostics.law.n_boot", 0, "bootstrap draws of the std exponent's CI (0: none)", 200),
+    _int("diagnostics.law.per_octave", 1, "geometric length bins per doubling of L in run/law/*"),
+    _int("diagnostics.law.min_count", 2, "sequences a length bin needs in run/law/*"),
+    _int("diagnostics.law.n_boot", 0, "bootstrap draws of the std exponent's CI (0: none)"),
     _pos("diagnostics.law.random_direction", "relative size of the probe's random parameter direction", 1e-3,
          nullable=True),
     # console progress (fspo/tracking/progress.py)
     Rule("progress.mode", "choice", choices=("auto", "bar", "lines", "off"), meaning="the console progress: "
          "auto is a bar on a terminal, else log lines", example="lines"),
-    _int("progress.every_n_steps", 1, "RL steps between progress lines", 5),
+    _int("progress.every_n_steps", 1, "RL steps between progress lines"),
     # checkpoints
     _int("checkpoint.every_n_steps", 0, "RL steps between checkpoints (0: only the last)", 10),
     _int("checkpoint.keep_last", 1, "checkpoints kept", 2),
-    # divergence guard (fspo/update/guard.py)
-    Rule("guard.action", "choice", choices=("stop", "skip", "warn", "off"), meaning="what a breached "
-         "divergence limit does", example="stop"),
-    _pos("guard.max_grad_norm", "divergence limit on the gradient norm before clipping", 1e4, nullable=True),
-    _pos("guard.max_loss", "divergence limit on the mini-batch's mean token loss", 1e3, nullable=True),
-    _pos("guard.max_kl", "divergence limit on the mean KL(old || current) per token", 1.0, nullable=True),
     Rule("reward_guard.max_error_frac", "number", lo=0, hi=1, meaning="the fraction of a step's samples the reward "
-         "may raise on before the run stops", example=0.0),
+         "may raise on before the run stops"),
 )
 
 
@@ -153,16 +147,39 @@ def setting_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{key}={shown}: {problem}; {fix}")
 
 
-def check_rules(cfg: DictConfig) -> None:
-    """Every rule of `RULES` whose key ``cfg`` has: the first value out of its rule raises `ConfigError`."""
+def check_values(cfg: DictConfig, then: Optional[Callable[[DictConfig], None]] = None) -> None:
+    """`ConfigError` for the first bad value of ``cfg``: `RULES`, ``then(cfg)`` (check_config's combinations),
+    the torch-free settings objects (ranges, cross-key rules) and the clip rule's settings."""
     for rule in RULES:
         value = get_setting(cfg, rule.key)
         if value is not ABSENT:
             check_rule(rule, value)
+    if then is not None:
+        then(cfg)
+    for key, torch_free in SETTINGS_OBJECTS.items():
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig) and str(node.get("_target_")) in torch_free:
+            values = OmegaConf.to_container(node, resolve=True)
+            try:
+                get_class(torch_free[values.pop("_target_")])(**values)
+            except ValueError as e:  # the messages name the key
+                raise ConfigError(str(e)) from None
+            except TypeError:  # a key the class does not take: the key check names the closest one
+                pass
+    clip = OmegaConf.select(cfg, "clip")
+    if isinstance(clip, DictConfig) and (bad := settings_error(OmegaConf.to_container(clip, resolve=True))):
+        raise ConfigError(bad)
+
+
+def _default(key: str) -> Any:
+    """``key``'s default in the stored root schema (`RunConfig`), or None."""
+    stored = ConfigStore.instance().repo.get("run_schema.yaml")
+    return None if stored is None else OmegaConf.select(stored.node, key, default=None, throw_on_missing=False)
 
 
 def check_rule(rule: Rule, value: Any) -> None:
-    fix = f"set {rule.key}={rule.example}" if rule.example is not None else f"set {rule.key}"
+    example = rule.example if rule.example is not None else _default(rule.key)
+    fix = f"set {rule.key}={example}" if example is not None else f"set {rule.key}"
     meaning = f" ({rule.meaning})" if rule.meaning else ""
     bad = setting_error(rule.key, value, f"must be {rule.requirement()}{meaning}", fix)
     if value is None:
