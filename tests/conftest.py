@@ -92,6 +92,43 @@ def sweep_arms(sweep: str) -> dict:
     return out
 
 
+def run_in_process(main: Callable[[], object], argv: Sequence[str], cwd: Optional[Path] = None
+                   ) -> subprocess.CompletedProcess:
+    """``main()`` with ``sys.argv = argv`` (and the working directory ``cwd``) in this process, as a console
+    script calls it: the exit code (``SystemExit``'s; a returned int; else 0) and what it printed to stdout and
+    stderr. An exception other than SystemExit propagates (a traceback fails the test). For the one-line
+    refusals and exports whose check does not need a fresh interpreter: it spares the 5-6 CPU-s of imports a
+    ``python script.py`` subprocess pays."""
+    import contextlib
+    import io
+
+    out, err, old_argv, old_cwd, code = io.StringIO(), io.StringIO(), sys.argv, os.getcwd(), 0
+    try:
+        sys.argv = [str(a) for a in argv]
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                ret = main()
+                code = ret if isinstance(ret, int) else 0
+            except SystemExit as e:
+                if isinstance(e.code, str):  # as the interpreter does: the message to stderr, exit code 1
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def run_script_in_process(script: Path, args: Sequence[str], cwd: Optional[Path] = None
+                          ) -> subprocess.CompletedProcess:
+    """`run_in_process` of ``python <script> *args``: the file run as ``__main__`` (runpy), argv[0] the file."""
+    import runpy
+
+    return run_in_process(lambda: runpy.run_path(str(script), run_name="__main__"), [script, *args], cwd)
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a test's own process group (gloo / vLLM rendezvous)."""
     with socket.socket() as s:
