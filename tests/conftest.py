@@ -194,6 +194,64 @@ def mlflow_uri(mlflow_dir) -> str:
     return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
 
 
+def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``<session tmp>/<name>``, filled by ``make(folder)`` once per test session, also under
+    pytest-xdist (the workers share the session's temporary root; a file lock makes the others wait and
+    reuse it). For an expensive artifact several tests only read, e.g. one tiny training run."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            if folder.exists():  # a failed attempt's leftovers
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            make(folder)
+            done.write_text("")
+    return folder
+
+
+# the shared tiny run: conftest's SMALL on the warm-started tiny model (loaded with from_pretrained), 3 RL steps,
+# a progress line every 2 steps; its run folder is run/, its store a relative sqlite:///store.db in the folder
+TINY_RUN_ARGS = [o for o in SMALL if o not in ("model.source=random", "steps=2")] + ["steps=3",
+                                                                                    "progress.every_n_steps=2"]
+
+
+def tiny_run_command(folder: Path, out: Path, artifacts: Path) -> list:
+    """``python experiments/run.py TINY_RUN_ARGS`` into run folder ``out`` and the store ``folder/store.db``."""
+    return [sys.executable, str(REPO / "experiments" / "run.py"), *TINY_RUN_ARGS, f"hydra.run.dir={out}",
+            "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={artifacts}"]
+
+
+def tiny_run_env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> dict:
+    """One real tiny training run (`experiments/run.py` as a subprocess, cwd its folder, output to pipes), shared
+    by the tests that only read what it leaves: {"dir": folder, "out": run folder, "store": store.db,
+    "stdout": ..., "stderr": ...}. It must exit 0."""
+
+    def make(folder: Path) -> None:
+        proc = subprocess.run(tiny_run_command(folder, folder / "run", folder / "artifacts"), cwd=folder,
+                              env=tiny_run_env(), capture_output=True, text=True, timeout=600)
+        (folder / "stdout.txt").write_text(proc.stdout)
+        (folder / "stderr.txt").write_text(proc.stderr)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    folder = once_per_session(tmp_path_factory, "tiny_run", make)
+    return {"dir": folder, "out": folder / "run", "store": folder / "store.db",
+            "stdout": (folder / "stdout.txt").read_text(), "stderr": (folder / "stderr.txt").read_text()}
+
+
 def clip_config(option: str) -> DictConfig:
     """The ``clip:`` node that ``clip=<option>`` composes (conf/clip/<option>.yaml on its stored schema)."""
     return compose_config([f"clip={option}"]).clip
