@@ -10,25 +10,28 @@ on the real engine). Leaves out: the config rule table (test_config_check.py) an
 (test_untrusted_files.py).
 
 The errors `fspo.runtime.checks.errors.user_error` recognises exit with code 2 and ONE line starting with
-``error:``. Each subprocess case runs in its own temporary folder (Hydra run dir, MLflow store, HF cache),
-offline. "Fast" is measured after the imports: on a shared 2-core CI machine importing torch, Lightning,
-MLflow and transformers alone took 10-40 s of wall time, which says nothing about the code under test. For
-those cases the subprocess is ``python -c DRIVER``: it imports the heavy modules, starts a clock, and runs
-experiments/run.py unchanged as ``__main__`` (runpy, same argv), writing the seconds from the clock to exit
-into a file; the test bounds that time.
+``error:``. Each case runs offline in its own temporary folder (Hydra run dir, MLflow store, HOME). The typo
+and the unknown method are refused before the heavy imports: each runs ``python experiments/run.py``. The
+cases that fail after them run in one subprocess, ``python -c DRIVER``: it imports the heavy modules once,
+then runs experiments/run.py unchanged as ``__main__`` (runpy, the case's argv) per case, with a clock per
+case. "Fast" is measured after the imports: on a shared 2-core CI machine importing torch, Lightning, MLflow
+and transformers alone took 10-40 s of wall time, which says nothing about the code under test.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Callable
 
 import mlflow
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, SMALL
+from conftest import REPO, SMALL, once_per_session
 
 NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... in charge of the model
 # the Qwen3 configs carry their architecture (model.arch), so the memory plan of an 8B full fine-tune refuses a
@@ -37,31 +40,95 @@ NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... 
 NO_PLAN = ["memory_plan.check=false", "trainer.accelerator=cpu"]
 
 
+# the cases that import the whole stack before they fail run in ONE interpreter (the imports cost 5-6 CPU-s each
+# time): DRIVER imports the heavy modules, then runs experiments/run.py unchanged as ``__main__`` (runpy) once per
+# case, each with its own argv, environment changes, stderr file and clock (the seconds from the case's start to
+# its exit, i.e. after the imports)
 DRIVER = """
-import atexit, runpy, sys, time
+import json, os, runpy, sys, time
 import fspo.train  # noqa: F401  (torch, Lightning, ...)
 import mlflow, lightning.pytorch.loggers  # noqa: F401,E401  (the MLflow logger imports them lazily)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_policy imports them lazily)
-clock, t0 = sys.argv[1], time.monotonic()
-atexit.register(lambda: open(clock, "w").write(str(time.monotonic() - t0)))
-sys.argv = ["experiments/run.py", *sys.argv[2:]]
-runpy.run_path("experiments/run.py", run_name="__main__")
+from hydra.core.global_hydra import GlobalHydra
+results, (cases_file, results_file) = {}, sys.argv[1:3]
+for name, case in json.loads(open(cases_file).read()).items():
+    os.environ.update(case["env"])
+    err = open(case["stderr"], "w")
+    saved_fd, sys.stderr = os.dup(2), err
+    os.dup2(err.fileno(), 2)
+    sys.argv, code, t0 = ["experiments/run.py", *case["argv"]], 0, time.monotonic()
+    try:
+        runpy.run_path("experiments/run.py", run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001  (as the interpreter would: the traceback on stderr, exit 1)
+        import traceback
+        traceback.print_exc()
+        code = 1
+    results[name] = {"returncode": code, "seconds": time.monotonic() - t0}
+    sys.stderr.flush()
+    os.dup2(saved_fd, 2)
+    sys.stderr = sys.__stderr__
+    GlobalHydra.instance().clear()
+open(results_file, "w").write(json.dumps(results))
 """
 
 
-def run(args, tmp_path, extra_env=None, timeout=300, clock=False):
-    """Run experiments/run.py with ``args``; returns (CompletedProcess, seconds after the imports
-    when ``clock`` else None)."""
+def run(args, tmp_path):
+    """Run experiments/run.py with ``args`` in a fresh process (for the refusals before the heavy imports)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), PYTHONWARNINGS="ignore")
-    env.update(extra_env or {})
-    argv = [*args, f"hydra.run.dir={tmp_path}/h"]
-    clock_file = tmp_path / "clock.txt"
-    cmd = [sys.executable, "-c", DRIVER, str(clock_file), *argv] if clock else \
-        [sys.executable, "experiments/run.py", *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, float(clock_file.read_text()) if clock else None
+    return subprocess.run([sys.executable, "experiments/run.py", *args, f"hydra.run.dir={tmp_path}/h"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _cases(folder: Path) -> dict:
+    """{case: (argv, environment changes)} of the cases DRIVER runs; each case has its own folder."""
+    def at(name):
+        d = folder / name
+        d.mkdir()
+        return d, {"MLFLOW_TRACKING_URI": f"sqlite:///{d}/m.db", "HOME": str(d)}
+
+    cases = {}
+    for name, argv in (("empty", [*SMALL, "data.train.size=0"]),
+                       ("prompt_len", [*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"]),
+                       ("model_path", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"]),
+                       ("hub_offline", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"])):
+        d, env = at(name)
+        cases[name] = ([*argv, f"hydra.run.dir={d}/h"], env)
+    d, env = at("wandb")  # no W&B key, not offline: HOME without a .netrc, no WANDB_* variable
+    cases["wandb"] = ([*SMALL, "steps=1", "val.size=0", "logger=wandb", f"output_dir={d / 'out'}",
+                       f"hydra.run.dir={d / 'h'}"], env)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def driven(tmp_path_factory) -> Callable[[str], tuple]:
+    """``driven(case)`` -> (CompletedProcess-like with returncode/stderr, seconds after the imports, the case's
+    folder), all cases run once per test session by DRIVER in one subprocess (conftest.once_per_session)."""
+
+    def make(folder: Path) -> None:
+        cases = _cases(folder)
+        spec = {n: {"argv": argv, "env": env, "stderr": str(folder / n / "stderr.txt")}
+                for n, (argv, env) in cases.items()}
+        (folder / "cases.json").write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
+        env.update(HF_HUB_OFFLINE="1", HF_HOME=str(folder / "hf"), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-c", DRIVER, str(folder / "cases.json"), str(folder / "out.json")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0 and (folder / "out.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+
+    folder = once_per_session(tmp_path_factory, "bad_input_cases", make)
+    results = json.loads((folder / "out.json").read_text())
+
+    def get(case: str):
+        r = results[case]
+        proc = subprocess.CompletedProcess([case], r["returncode"], "", (folder / case / "stderr.txt").read_text())
+        return proc, r["seconds"], folder / case
+
+    return get
 
 
 def single_error_line(proc) -> str:
@@ -74,14 +141,14 @@ def single_error_line(proc) -> str:
 
 
 def test_config_typo_names_the_key(tmp_path):
-    proc, _ = run([*SMALL, "ppo.mini_batch_sise=3"], tmp_path)
+    proc = run([*SMALL, "ppo.mini_batch_sise=3"], tmp_path)
     assert proc.returncode != 0
     assert "mini_batch_sise" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_unknown_method_lists_the_choices(tmp_path):
-    proc, _ = run([*SMALL, "+method=foo"], tmp_path)
+    proc = run([*SMALL, "+method=foo"], tmp_path)
     assert proc.returncode != 0
     assert "method/foo" in proc.stderr
     for m in ("fspo", "grpo", "rloo", "gspo"):
@@ -89,20 +156,20 @@ def test_unknown_method_lists_the_choices(tmp_path):
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_empty_prompt_set(tmp_path):
-    proc, _ = run([*SMALL, "data.train.size=0"], tmp_path)
+def test_empty_prompt_set(driven):
+    proc, _, _ = driven("empty")
     line = single_error_line(proc)
     assert "empty" in line and "size" in line, line
 
 
 @pytest.mark.slow
-def test_prompt_longer_than_max_prompt_len_keeps_the_run(tmp_path):
-    proc, _ = run([*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"], tmp_path)
+def test_prompt_longer_than_max_prompt_len_keeps_the_run(driven):
+    proc, _, folder = driven("prompt_len")
     line = single_error_line(proc)
     assert "data.max_prompt_len" in line and "4" in line, line
     # the failure came after the MLflow run started (first validation): the run and its params
     # are still in the store, marked as failed
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{folder}/m.db")
     exp = client.get_experiment_by_name("bad_prompt_len")
     assert exp is not None
     (r,) = client.search_runs([exp.experiment_id])
@@ -111,17 +178,16 @@ def test_prompt_longer_than_max_prompt_len_keeps_the_run(tmp_path):
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_missing_model_path_fails_fast(tmp_path):
-    proc, elapsed = run([*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"], tmp_path, clock=True)
+def test_missing_model_path_fails_fast(driven):
+    proc, elapsed, _ = driven("model_path")
     line = single_error_line(proc)
     assert "model.path" in line and "/nonexistent" in line, line
     assert elapsed < 30, f"took {elapsed:.0f} s after the imports"
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_hub_id_offline_fails_fast_and_says_use_model_path(tmp_path):
-    proc, elapsed = run([*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"], tmp_path, extra_env={"HF_HUB_OFFLINE": "1"},
-                        clock=True)
+def test_hub_id_offline_fails_fast_and_says_use_model_path(driven):
+    proc, elapsed, _ = driven("hub_offline")
     line = single_error_line(proc)
     assert "Qwen/Qwen3-8B-Base" in line and "model.path" in line, line
     assert elapsed < 30, f"took {elapsed:.0f} s after the imports"
@@ -151,18 +217,13 @@ def test_checkpoints_path_that_is_a_file_is_refused_before_anything(tmp_path):
 
 
 @pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
-def test_wandb_without_key_or_offline_fails_at_start_with_one_line(tmp_path):
+def test_wandb_without_key_or_offline_fails_at_start_with_one_line(driven):
     pytest.importorskip("wandb")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "HYDRA_FULL_ERROR"}
-    env.update(HOME=str(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1",
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "experiments/run.py", *SMALL, "steps=1", "val.size=0", "logger=wandb",
-                        f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p, _, folder = driven("wandb")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "WANDB_API_KEY" in lines[0] and "logger.offline=true" in lines[0], p.stderr[-3000:]
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not (folder / "out" / "checkpoints").exists()
 
 
 def test_wandb_login_check_accepts_a_key_a_netrc_entry_or_offline(tmp_path, monkeypatch):
