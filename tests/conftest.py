@@ -215,6 +215,80 @@ def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], None]) 
     return folder
 
 
+# DRIVER runs experiments/run.py (or another entry point) unchanged as ``__main__`` (runpy) once per case in ONE
+# interpreter that imported the heavy modules first (a fresh `python experiments/run.py` pays 5-6 CPU-s of imports
+# each time): each case with its own argv, working directory, environment changes, stdout/stderr files and clock
+# (seconds from the case's start to its exit, i.e. after the imports), in the order given
+RUN_PY_DRIVER = """
+import json, os, runpy, sys, time, traceback
+import fspo.train  # noqa: F401  (torch, Lightning, ...)
+import mlflow, lightning.pytorch.loggers  # noqa: F401,E401  (the MLflow logger imports them lazily)
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_policy imports them lazily)
+from hydra.core.global_hydra import GlobalHydra
+(cases_file, results_file), results = sys.argv[1:3], {}
+for name, case in json.loads(open(cases_file).read()).items():
+    script = case["script"]
+    os.environ.update(case["env"])
+    os.chdir(case["cwd"])
+    files = [open(os.path.join(case["dir"], f), "w") for f in ("stdout.txt", "stderr.txt")]
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout, sys.stderr = files
+    os.dup2(files[0].fileno(), 1)
+    os.dup2(files[1].fileno(), 2)
+    sys.argv, code, t0 = [script, *case["argv"]], 0, time.monotonic()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001  (as the interpreter would: the traceback on stderr, exit 1)
+        traceback.print_exc()
+        code = 1
+    results[name] = {"returncode": code, "seconds": time.monotonic() - t0}
+    for f, fd, std in zip(files, saved, (1, 2)):
+        f.flush()
+        os.dup2(fd, std)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    GlobalHydra.instance().clear()
+open(results_file, "w").write(json.dumps(results))
+"""
+
+
+def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict], env: Optional[dict] = None,
+                 timeout: int = 900) -> Callable[[str], tuple]:
+    """Run the cases ``make_cases(folder)`` returns, {case: (argv, environment changes[, script])}, through
+    RUN_PY_DRIVER in one subprocess, once per test session (`once_per_session`); the script is experiments/run.py
+    unless given; ``env`` is that process's environment (default: this one's, offline, one thread). Each case runs
+    in its own folder ``folder/<case>`` (its working directory).
+    Returns ``get(case)`` -> (CompletedProcess with the case's exit code, stdout and stderr; the seconds it took
+    after the imports; its folder)."""
+    import json
+
+    def make(folder: Path) -> None:
+        spec = {}
+        for case, (argv, changes, *script) in make_cases(folder).items():
+            (folder / case).mkdir(exist_ok=True)
+            spec[case] = {"argv": [str(a) for a in argv], "env": changes, "cwd": str(folder / case),
+                          "dir": str(folder / case), "script": str(script[0] if script else REPO / "experiments" /
+                                                                   "run.py")}
+        (folder / "cases.json").write_text(json.dumps(spec))
+        base = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+                    MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-c", RUN_PY_DRIVER, folder / "cases.json", folder / "results.json"],
+                              cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and (folder / "results.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+
+    folder = once_per_session(tmp_path_factory, name, make)
+    results = json.loads((folder / "results.json").read_text())
+
+    def get(case: str) -> tuple:
+        r, d = results[case], folder / case
+        proc = subprocess.CompletedProcess([case], r["returncode"], (d / "stdout.txt").read_text(),
+                                           (d / "stderr.txt").read_text())
+        return proc, r["seconds"], d
+
+    return get
+
+
 # the shared tiny run: conftest's SMALL on the warm-started tiny model (loaded with from_pretrained), 3 RL steps,
 # a progress line every 2 steps; its run folder is run/, its store a relative sqlite:///store.db in the folder
 TINY_RUN_ARGS = [o for o in SMALL if o not in ("model.source=random", "steps=2")] + ["steps=3",

@@ -19,7 +19,6 @@ and transformers alone took 10-40 s of wall time, which says nothing about the c
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -31,47 +30,13 @@ import mlflow
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, SMALL, once_per_session
+from conftest import REPO, SMALL, run_py_cases
 
 NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... in charge of the model
 # the Qwen3 configs carry their architecture (model.arch), so the memory plan of an 8B full fine-tune refuses a
 # CPU host before loading, and they train on GPUs (model.device=cuda: with none visible, one line says so); the
 # model-loading tests below ask for the CPU and turn the plan off to reach the loader's own errors
 NO_PLAN = ["memory_plan.check=false", "trainer.accelerator=cpu"]
-
-
-# the cases that import the whole stack before they fail run in ONE interpreter (the imports cost 5-6 CPU-s each
-# time): DRIVER imports the heavy modules, then runs experiments/run.py unchanged as ``__main__`` (runpy) once per
-# case, each with its own argv, environment changes, stderr file and clock (the seconds from the case's start to
-# its exit, i.e. after the imports)
-DRIVER = """
-import json, os, runpy, sys, time
-import fspo.train  # noqa: F401  (torch, Lightning, ...)
-import mlflow, lightning.pytorch.loggers  # noqa: F401,E401  (the MLflow logger imports them lazily)
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_policy imports them lazily)
-from hydra.core.global_hydra import GlobalHydra
-results, (cases_file, results_file) = {}, sys.argv[1:3]
-for name, case in json.loads(open(cases_file).read()).items():
-    os.environ.update(case["env"])
-    err = open(case["stderr"], "w")
-    saved_fd, sys.stderr = os.dup(2), err
-    os.dup2(err.fileno(), 2)
-    sys.argv, code, t0 = ["experiments/run.py", *case["argv"]], 0, time.monotonic()
-    try:
-        runpy.run_path("experiments/run.py", run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001  (as the interpreter would: the traceback on stderr, exit 1)
-        import traceback
-        traceback.print_exc()
-        code = 1
-    results[name] = {"returncode": code, "seconds": time.monotonic() - t0}
-    sys.stderr.flush()
-    os.dup2(saved_fd, 2)
-    sys.stderr = sys.__stderr__
-    GlobalHydra.instance().clear()
-open(results_file, "w").write(json.dumps(results))
-"""
 
 
 def run(args, tmp_path):
@@ -84,7 +49,8 @@ def run(args, tmp_path):
 
 
 def _cases(folder: Path) -> dict:
-    """{case: (argv, environment changes)} of the cases DRIVER runs; each case has its own folder."""
+    """{case: (argv, environment changes)} of the cases that fail after the heavy imports: they run in one
+    interpreter (conftest.run_py_cases), each in its own folder (Hydra run dir, MLflow store, HOME)."""
     def at(name):
         d = folder / name
         d.mkdir()
@@ -105,30 +71,12 @@ def _cases(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory) -> Callable[[str], tuple]:
-    """``driven(case)`` -> (CompletedProcess-like with returncode/stderr, seconds after the imports, the case's
-    folder), all cases run once per test session by DRIVER in one subprocess (conftest.once_per_session)."""
-
-    def make(folder: Path) -> None:
-        cases = _cases(folder)
-        spec = {n: {"argv": argv, "env": env, "stderr": str(folder / n / "stderr.txt")}
-                for n, (argv, env) in cases.items()}
-        (folder / "cases.json").write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
-        env.update(HF_HUB_OFFLINE="1", HF_HOME=str(folder / "hf"), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-c", DRIVER, str(folder / "cases.json"), str(folder / "out.json")],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0 and (folder / "out.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
-
-    folder = once_per_session(tmp_path_factory, "bad_input_cases", make)
-    results = json.loads((folder / "out.json").read_text())
-
-    def get(case: str):
-        r = results[case]
-        proc = subprocess.CompletedProcess([case], r["returncode"], "", (folder / case / "stderr.txt").read_text())
-        return proc, r["seconds"], folder / case
-
-    return get
+    """``driven(case)`` -> (CompletedProcess, seconds after the imports, the case's folder), all `_cases` run once
+    per test session in one subprocess."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
+    env.update(HF_HOME=str(tmp_path_factory.getbasetemp() / "hf"), PYTHONWARNINGS="ignore")
+    return run_py_cases(tmp_path_factory, "bad_input_cases", _cases, env)
 
 
 def single_error_line(proc) -> str:
