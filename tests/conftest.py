@@ -257,7 +257,8 @@ def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict]
                  timeout: int = 900) -> Callable[[str], tuple]:
     """Run the cases ``make_cases(folder)`` returns, {case: (argv, environment changes[, script])}, through
     RUN_PY_DRIVER in one subprocess, once per test session (`once_per_session`); the script is experiments/run.py
-    unless given; ``env`` is that process's environment (default: this one's, offline, one thread). Each case runs
+    unless given; ``env`` is that process's environment (default: this one's; offline unless it sets
+    HF_HUB_OFFLINE; one thread). Each case runs
     in its own folder ``folder/<case>`` (its working directory).
     Returns ``get(case)`` -> (CompletedProcess with the case's exit code, stdout and stderr; the seconds it took
     after the imports; its folder)."""
@@ -266,13 +267,13 @@ def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict]
     def make(folder: Path) -> None:
         spec = {}
         for case, (argv, changes, *script) in make_cases(folder).items():
-            (folder / case).mkdir(exist_ok=True)
+            (folder / case).mkdir(parents=True, exist_ok=True)
             spec[case] = {"argv": [str(a) for a in argv], "env": changes, "cwd": str(folder / case),
                           "dir": str(folder / case), "script": str(script[0] if script else REPO / "experiments" /
                                                                    "run.py")}
         (folder / "cases.json").write_text(json.dumps(spec))
-        base = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-                    MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        base = {"HF_HUB_OFFLINE": "1", **(os.environ if env is None else env), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-c", RUN_PY_DRIVER, folder / "cases.json", folder / "results.json"],
                               cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0 and (folder / "results.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
@@ -287,6 +288,37 @@ def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict]
         return proc, r["seconds"], d
 
     return get
+
+
+# cases of `entry_case` fixture: {name: (argv, environment changes, script or None)}, registered by the test modules
+# when they are imported (every module is collected before a test runs, also on each xdist worker)
+ENTRY_CASES: dict = {}
+
+
+def register_entry_case(name: str, argv: Sequence[str], env: Optional[dict] = None, script: Optional[Path] = None):
+    """Register an `experiments/run.py argv` case (``{dir}`` in argv and env values: the case's own folder) that
+    fails or ends after the heavy imports; all registered cases run in one interpreter (see `entry_case`)."""
+    ENTRY_CASES[name] = (list(argv), dict(env or {}), script)
+
+
+@pytest.fixture(scope="session")
+def entry_case(tmp_path_factory) -> Callable[[str], tuple]:
+    """``entry_case(name)`` -> (CompletedProcess, seconds after the imports, the case's folder) of a registered
+    case. Every case registered runs once per session, in one `run_py_cases` interpreter: offline, without
+    HYDRA_FULL_ERROR, FSPO_DATA_DIR or any WANDB_* variable, a fresh HF_HOME, Python warnings off."""
+
+    def cases(folder: Path) -> dict:
+        def fill(text: str, name: str) -> str:
+            return str(text).replace("{dir}", str(folder / name))
+
+        return {name: ([fill(a, name) for a in argv], {k: fill(v, name) for k, v in env.items()},
+                       *([script] if script else []))
+                for name, (argv, env, script) in ENTRY_CASES.items()}
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
+    env.update(HF_HOME=str(tmp_path_factory.getbasetemp() / "hf"), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return run_py_cases(tmp_path_factory, "entry_cases", cases, env)
 
 
 # the shared tiny run: conftest's SMALL on the warm-started tiny model (loaded with from_pretrained), 3 RL steps,

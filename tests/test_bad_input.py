@@ -23,14 +23,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable
 
 import mlflow
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, SMALL, run_py_cases
+from conftest import REPO, SMALL, register_entry_case
 
 NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... in charge of the model
 # the Qwen3 configs carry their architecture (model.arch), so the memory plan of an 8B full fine-tune refuses a
@@ -48,35 +47,23 @@ def run(args, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def _cases(folder: Path) -> dict:
-    """{case: (argv, environment changes)} of the cases that fail after the heavy imports: they run in one
-    interpreter (conftest.run_py_cases), each in its own folder (Hydra run dir, MLflow store, HOME)."""
-    def at(name):
-        d = folder / name
-        d.mkdir()
-        return d, {"MLFLOW_TRACKING_URI": f"sqlite:///{d}/m.db", "HOME": str(d)}
-
-    cases = {}
-    for name, argv in (("empty", [*SMALL, "data.train.size=0"]),
-                       ("prompt_len", [*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"]),
-                       ("model_path", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"]),
-                       ("hub_offline", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"])):
-        d, env = at(name)
-        cases[name] = ([*argv, f"hydra.run.dir={d}/h"], env)
-    d, env = at("wandb")  # no W&B key, not offline: HOME without a .netrc, no WANDB_* variable
-    cases["wandb"] = ([*SMALL, "steps=1", "val.size=0", "logger=wandb", f"output_dir={d / 'out'}",
-                       f"hydra.run.dir={d / 'h'}"], env)
-    return cases
+# the cases that fail after the heavy imports: they run in one interpreter (conftest's `entry_case`), each in its
+# own folder {dir} (Hydra run dir, MLflow store, HOME)
+CASE_ENV = {"MLFLOW_TRACKING_URI": "sqlite:///{dir}/m.db", "HOME": "{dir}"}
+for _name, _argv in (("empty", [*SMALL, "data.train.size=0"]),
+                     ("prompt_len", [*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"]),
+                     ("model_path", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"]),
+                     ("hub_offline", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"])):
+    register_entry_case(f"bad_input/{_name}", [*_argv, "hydra.run.dir={dir}/h"], CASE_ENV)
+# no W&B key, not offline: HOME without a .netrc, no WANDB_* variable
+register_entry_case("bad_input/wandb", [*SMALL, "steps=1", "val.size=0", "logger=wandb", "output_dir={dir}/out",
+                                        "hydra.run.dir={dir}/h"], CASE_ENV)
 
 
-@pytest.fixture(scope="module")
-def driven(tmp_path_factory) -> Callable[[str], tuple]:
-    """``driven(case)`` -> (CompletedProcess, seconds after the imports, the case's folder), all `_cases` run once
-    per test session in one subprocess."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
-    env.update(HF_HOME=str(tmp_path_factory.getbasetemp() / "hf"), PYTHONWARNINGS="ignore")
-    return run_py_cases(tmp_path_factory, "bad_input_cases", _cases, env)
+@pytest.fixture
+def driven(entry_case) -> Callable[[str], tuple]:
+    """``driven(case)`` -> (CompletedProcess, seconds after the imports, the case's folder)."""
+    return lambda case: entry_case(f"bad_input/{case}")
 
 
 def single_error_line(proc) -> str:
