@@ -203,20 +203,20 @@ def test_kill9_then_resume_draws_the_same_prompts_and_the_run_logs_the_metrics(t
     the checkpoint, so the resumed run's parameters and every metric equal the uninterrupted run's. The
     uninterrupted run's MLflow store also holds the dynamic-sampling metrics of every step, consistent with
     each other (one run serves both checks)."""
-    from test_resume import NOISY, kill_after_step, metric_rows, policy_state, start_run, wait
+    from test_resume import NOISY, kill_after_step, metric_rows, policy_state, reference_run, start_run, wait
 
     seed = int(os.environ.get("FSPO_RESUME_SEED", time.time_ns() % 10_000))
     kill_after = random.Random(seed).randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
-    full = start_run(tmp_path, "full", args=RUN_ARGS)
     run = start_run(tmp_path, "killed", args=RUN_ARGS)
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why, timeout=400)
     done = list_checkpoints(out / "checkpoints")
     assert done and int(done[-1].stem.split("_")[1]) < STEPS, why
     extra = torch.load(done[-1], map_location="cpu", weights_only=False)
-    wait(start_run(tmp_path, "killed", ["resume=auto"], args=RUN_ARGS), tmp_path)
-    wait(full, tmp_path)
+    resumed = start_run(tmp_path, "killed", ["resume=auto"], args=RUN_ARGS)
+    reference_run(tmp_path, "full", RUN_ARGS)  # the uninterrupted run, in this process, meanwhile
+    wait(resumed, tmp_path)
 
     a = policy_state(tmp_path / "full" / "checkpoints" / f"step_{STEPS:06d}.ckpt")
     b = policy_state(out / "checkpoints" / f"step_{STEPS:06d}.ckpt")

@@ -25,6 +25,7 @@ from test_resume import (
     last_train_step,
     metric_rows,
     policy_state,
+    reference_run,
     start_run,
     wait,
 )
@@ -42,14 +43,13 @@ def test_lora_kill9_resume_evaluate_and_export(tmp_path, mlflow_uri, mlflow_dir)
     kill_after = random.Random(seed).randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
     args = ARGS + LORA
-    full = start_run(tmp_path, "full", args=args)
     run = start_run(tmp_path, "killed", args=args)
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why)
     done = list_checkpoints(out / "checkpoints")
     resumed = start_run(tmp_path, "killed", ["resume=auto"], args=args)
+    reference_run(tmp_path, "full", args)  # the uninterrupted run, in this process, meanwhile
     wait(resumed, tmp_path)
-    wait(full, tmp_path)
 
     # checkpoints: the adapters (float32) and the module's buffers, no frozen base weight
     final = out / "checkpoints" / f"step_{STEPS:06d}.ckpt"

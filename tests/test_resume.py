@@ -1,10 +1,10 @@
 """Resume after kill -9: identical parameters, identical per-step metrics, one continuous MLflow run.
 
-Owns: the end-to-end kill/resume test (`experiments/run.py` subprocesses, CPU, HF engine, seeded: one
-uninterrupted, one SIGKILLed at a random step after its first checkpoint and continued with ``resume=auto``
-alone in the same run folder, which restores the run's saved config; before that, an untrusted stored target
-and an experiment-changing override are refused touching nothing; after it, more steps extend the run), and
-fast checks of how `fspo.runtime.checkpoints.resume` picks a checkpoint and
+Owns: the end-to-end kill/resume test (CPU, HF engine, seeded: one uninterrupted run in process, and
+`experiments/run.py` subprocesses: one SIGKILLed at a random step after its first checkpoint and continued
+with ``resume=auto`` alone in the same run folder, which restores the run's saved config; before that, an
+untrusted stored target and an experiment-changing override are refused touching nothing; after it, more
+steps extend the run), and fast checks of how `fspo.runtime.checkpoints.resume` picks a checkpoint and
 how the datamodule resumes mid-run. Leaves out: signals and atomic writes (test_signals.py).
 
 The reward is `DigitReward` (fraction of digits in the completion): the random tiny model never
@@ -59,6 +59,17 @@ def start_run(tmp: Path, name: str, extra=(), args=ARGS, full_error: bool = True
            f"logger.tracking_uri=sqlite:///{tmp / name}.db", f"+logger.artifact_location={tmp / 'artifacts'}", *extra]
     log = open(tmp / f"{name}.{len(list(tmp.glob(name + '.*.log')))}.log", "w")
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def reference_run(tmp: Path, name: str, args=ARGS) -> None:
+    """The uninterrupted reference: `fspo.train.train` in this process, as experiments/run.py calls it, with
+    ``args``, folder ``tmp/name`` and store ``tmp/name.db`` (what `start_run` launches, without a second
+    interpreter's imports)."""
+    from conftest import compose_config
+    from fspo.train import train
+
+    train(compose_config(args, output_dir=tmp / name, tracking_uri=f"sqlite:///{tmp / name}.db",
+                         artifact_location=tmp / "artifacts"), overrides=list(args))
 
 
 def metric_rows(db: Path):
@@ -133,7 +144,6 @@ def test_kill9_then_resume_auto_alone_matches_uninterrupted_run(tmp_path):
     kill_after = rng.randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
 
-    full = start_run(tmp_path, "full")  # the reference, concurrently
     run = start_run(tmp_path, "killed")
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why)
@@ -157,8 +167,8 @@ def test_kill9_then_resume_auto_alone_matches_uninterrupted_run(tmp_path):
     assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == done
 
     resumed = start_run(tmp_path, "killed", ["resume=auto", *trust], args=[])
+    reference_run(tmp_path, "full")  # meanwhile
     wait(resumed, tmp_path)
-    wait(full, tmp_path)
 
     # parameters: equal to the uninterrupted run's
     a, b = policy_state(tmp_path / "full" / "checkpoints" / f"step_{STEPS:06d}.ckpt"), \
