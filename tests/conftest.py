@@ -92,6 +92,43 @@ def sweep_arms(sweep: str) -> dict:
     return out
 
 
+def run_in_process(main: Callable[[], object], argv: Sequence[str], cwd: Optional[Path] = None
+                   ) -> subprocess.CompletedProcess:
+    """``main()`` with ``sys.argv = argv`` (and the working directory ``cwd``) in this process, as a console
+    script calls it: the exit code (``SystemExit``'s; a returned int; else 0) and what it printed to stdout and
+    stderr. An exception other than SystemExit propagates (a traceback fails the test). For the one-line
+    refusals and exports whose check does not need a fresh interpreter: it spares the 5-6 CPU-s of imports a
+    ``python script.py`` subprocess pays."""
+    import contextlib
+    import io
+
+    out, err, old_argv, old_cwd, code = io.StringIO(), io.StringIO(), sys.argv, os.getcwd(), 0
+    try:
+        sys.argv = [str(a) for a in argv]
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                ret = main()
+                code = ret if isinstance(ret, int) else 0
+            except SystemExit as e:
+                if isinstance(e.code, str):  # as the interpreter does: the message to stderr, exit code 1
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def run_script_in_process(script: Path, args: Sequence[str], cwd: Optional[Path] = None
+                          ) -> subprocess.CompletedProcess:
+    """`run_in_process` of ``python <script> *args``: the file run as ``__main__`` (runpy), argv[0] the file."""
+    import runpy
+
+    return run_in_process(lambda: runpy.run_path(str(script), run_name="__main__"), [script, *args], cwd)
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a test's own process group (gloo / vLLM rendezvous)."""
     with socket.socket() as s:
@@ -155,6 +192,170 @@ def mlflow_dir(tmp_path_factory) -> Path:
 def mlflow_uri(mlflow_dir) -> str:
     """``sqlite:///<tmp>/mlflow.db``, shared by the session's tests (see the module docstring)."""
     return f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+
+
+def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``<session tmp>/<name>``, filled by ``make(folder)`` once per test session, also under
+    pytest-xdist (the workers share the session's temporary root; a file lock makes the others wait and
+    reuse it). For an expensive artifact several tests only read, e.g. one tiny training run."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            if folder.exists():  # a failed attempt's leftovers
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            make(folder)
+            done.write_text("")
+    return folder
+
+
+# DRIVER runs experiments/run.py (or another entry point) unchanged as ``__main__`` (runpy) once per case in ONE
+# interpreter that imported the heavy modules first (a fresh `python experiments/run.py` pays 5-6 CPU-s of imports
+# each time): each case with its own argv, working directory, environment changes, stdout/stderr files and clock
+# (seconds from the case's start to its exit, i.e. after the imports), in the order given
+RUN_PY_DRIVER = """
+import json, os, runpy, sys, time, traceback
+import fspo.train  # noqa: F401  (torch, Lightning, ...)
+import mlflow, lightning.pytorch.loggers  # noqa: F401,E401  (the MLflow logger imports them lazily)
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_policy imports them lazily)
+from hydra.core.global_hydra import GlobalHydra
+(cases_file, results_file), results = sys.argv[1:3], {}
+for name, case in json.loads(open(cases_file).read()).items():
+    script = case["script"]
+    os.environ.update(case["env"])
+    os.chdir(case["cwd"])
+    files = [open(os.path.join(case["dir"], f), "w") for f in ("stdout.txt", "stderr.txt")]
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout, sys.stderr = files
+    os.dup2(files[0].fileno(), 1)
+    os.dup2(files[1].fileno(), 2)
+    sys.argv, code, t0 = [script, *case["argv"]], 0, time.monotonic()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001  (as the interpreter would: the traceback on stderr, exit 1)
+        traceback.print_exc()
+        code = 1
+    results[name] = {"returncode": code, "seconds": time.monotonic() - t0}
+    for f, fd, std in zip(files, saved, (1, 2)):
+        f.flush()
+        os.dup2(fd, std)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    GlobalHydra.instance().clear()
+open(results_file, "w").write(json.dumps(results))
+"""
+
+
+def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict], env: Optional[dict] = None,
+                 timeout: int = 900) -> Callable[[str], tuple]:
+    """Run the cases ``make_cases(folder)`` returns, {case: (argv, environment changes[, script])}, through
+    RUN_PY_DRIVER in one subprocess, once per test session (`once_per_session`); the script is experiments/run.py
+    unless given; ``env`` is that process's environment (default: this one's; offline unless it sets
+    HF_HUB_OFFLINE; one thread). Each case runs
+    in its own folder ``folder/<case>`` (its working directory).
+    Returns ``get(case)`` -> (CompletedProcess with the case's exit code, stdout and stderr; the seconds it took
+    after the imports; its folder)."""
+    import json
+
+    def make(folder: Path) -> None:
+        spec = {}
+        for case, (argv, changes, *script) in make_cases(folder).items():
+            (folder / case).mkdir(parents=True, exist_ok=True)
+            spec[case] = {"argv": [str(a) for a in argv], "env": changes, "cwd": str(folder / case),
+                          "dir": str(folder / case), "script": str(script[0] if script else REPO / "experiments" /
+                                                                   "run.py")}
+        (folder / "cases.json").write_text(json.dumps(spec))
+        base = {"HF_HUB_OFFLINE": "1", **(os.environ if env is None else env), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", RUN_PY_DRIVER, folder / "cases.json", folder / "results.json"],
+                              cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and (folder / "results.json").is_file(), (proc.stdout + proc.stderr)[-4000:]
+
+    folder = once_per_session(tmp_path_factory, name, make)
+    results = json.loads((folder / "results.json").read_text())
+
+    def get(case: str) -> tuple:
+        r, d = results[case], folder / case
+        proc = subprocess.CompletedProcess([case], r["returncode"], (d / "stdout.txt").read_text(),
+                                           (d / "stderr.txt").read_text())
+        return proc, r["seconds"], d
+
+    return get
+
+
+# cases of `entry_case` fixture: {name: (argv, environment changes, script or None)}, registered by the test modules
+# when they are imported (every module is collected before a test runs, also on each xdist worker)
+ENTRY_CASES: dict = {}
+
+
+def register_entry_case(name: str, argv: Sequence[str], env: Optional[dict] = None, script: Optional[Path] = None):
+    """Register an `experiments/run.py argv` case (``{dir}`` in argv and env values: the case's own folder) that
+    fails or ends after the heavy imports; all registered cases run in one interpreter (see `entry_case`)."""
+    ENTRY_CASES[name] = (list(argv), dict(env or {}), script)
+
+
+@pytest.fixture(scope="session")
+def entry_case(tmp_path_factory) -> Callable[[str], tuple]:
+    """``entry_case(name)`` -> (CompletedProcess, seconds after the imports, the case's folder) of a registered
+    case. Every case registered runs once per session, in one `run_py_cases` interpreter: offline, without
+    HYDRA_FULL_ERROR, FSPO_DATA_DIR or any WANDB_* variable, a fresh HF_HOME, Python warnings off."""
+
+    def cases(folder: Path) -> dict:
+        def fill(text: str, name: str) -> str:
+            return str(text).replace("{dir}", str(folder / name))
+
+        return {name: ([fill(a, name) for a in argv], {k: fill(v, name) for k, v in env.items()},
+                       *([script] if script else []))
+                for name, (argv, env, script) in ENTRY_CASES.items()}
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR") and not k.startswith("WANDB_")}
+    env.update(HF_HOME=str(tmp_path_factory.getbasetemp() / "hf"), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return run_py_cases(tmp_path_factory, "entry_cases", cases, env)
+
+
+# the shared tiny run: conftest's SMALL on the warm-started tiny model (loaded with from_pretrained), 3 RL steps,
+# a progress line every 2 steps; its run folder is run/, its store a relative sqlite:///store.db in the folder
+TINY_RUN_ARGS = [o for o in SMALL if o not in ("model.source=random", "steps=2")] + ["steps=3",
+                                                                                    "progress.every_n_steps=2"]
+
+
+def tiny_run_command(folder: Path, out: Path, artifacts: Path) -> list:
+    """``python experiments/run.py TINY_RUN_ARGS`` into run folder ``out`` and the store ``folder/store.db``."""
+    return [sys.executable, str(REPO / "experiments" / "run.py"), *TINY_RUN_ARGS, f"hydra.run.dir={out}",
+            "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={artifacts}"]
+
+
+def tiny_run_env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> dict:
+    """One real tiny training run (`experiments/run.py` as a subprocess, cwd its folder, output to pipes), shared
+    by the tests that only read what it leaves: {"dir": folder, "out": run folder, "store": store.db,
+    "stdout": ..., "stderr": ...}. It must exit 0."""
+
+    def make(folder: Path) -> None:
+        proc = subprocess.run(tiny_run_command(folder, folder / "run", folder / "artifacts"), cwd=folder,
+                              env=tiny_run_env(), capture_output=True, text=True, timeout=600)
+        (folder / "stdout.txt").write_text(proc.stdout)
+        (folder / "stderr.txt").write_text(proc.stderr)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    folder = once_per_session(tmp_path_factory, "tiny_run", make)
+    return {"dir": folder, "out": folder / "run", "store": folder / "store.db",
+            "stdout": (folder / "stdout.txt").read_text(), "stderr": (folder / "stderr.txt").read_text()}
 
 
 def clip_config(option: str) -> DictConfig:

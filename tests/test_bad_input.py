@@ -10,12 +10,12 @@ on the real engine). Leaves out: the config rule table (test_config_check.py) an
 (test_untrusted_files.py).
 
 The errors `fspo.runtime.checks.errors.user_error` recognises exit with code 2 and ONE line starting with
-``error:``. Each subprocess case runs in its own temporary folder (Hydra run dir, MLflow store, HF cache),
-offline. "Fast" is measured after the imports: on a shared 2-core CI machine importing torch, Lightning,
-MLflow and transformers alone took 10-40 s of wall time, which says nothing about the code under test. For
-those cases the subprocess is ``python -c DRIVER``: it imports the heavy modules, starts a clock, and runs
-experiments/run.py unchanged as ``__main__`` (runpy, same argv), writing the seconds from the clock to exit
-into a file; the test bounds that time.
+``error:``. Each case runs offline in its own temporary folder (Hydra run dir, MLflow store, HOME). The typo
+and the unknown method are refused before the heavy imports: each runs ``python experiments/run.py``. The
+cases that fail after them run in one subprocess, ``python -c DRIVER``: it imports the heavy modules once,
+then runs experiments/run.py unchanged as ``__main__`` (runpy, the case's argv) per case, with a clock per
+case. "Fast" is measured after the imports: on a shared 2-core CI machine importing torch, Lightning, MLflow
+and transformers alone took 10-40 s of wall time, which says nothing about the code under test.
 """
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ import os
 import re
 import subprocess
 import sys
+from typing import Callable
 
 import mlflow
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, SMALL
+from conftest import REPO, SMALL, register_entry_case
 
 NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... in charge of the model
 # the Qwen3 configs carry their architecture (model.arch), so the memory plan of an 8B full fine-tune refuses a
@@ -37,31 +38,32 @@ NOT_MODEL = [s for s in SMALL if not s.startswith("model.")]  # keep +model=... 
 NO_PLAN = ["memory_plan.check=false", "trainer.accelerator=cpu"]
 
 
-DRIVER = """
-import atexit, runpy, sys, time
-import fspo.train  # noqa: F401  (torch, Lightning, ...)
-import mlflow, lightning.pytorch.loggers  # noqa: F401,E401  (the MLflow logger imports them lazily)
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (load_policy imports them lazily)
-clock, t0 = sys.argv[1], time.monotonic()
-atexit.register(lambda: open(clock, "w").write(str(time.monotonic() - t0)))
-sys.argv = ["experiments/run.py", *sys.argv[2:]]
-runpy.run_path("experiments/run.py", run_name="__main__")
-"""
-
-
-def run(args, tmp_path, extra_env=None, timeout=300, clock=False):
-    """Run experiments/run.py with ``args``; returns (CompletedProcess, seconds after the imports
-    when ``clock`` else None)."""
+def run(args, tmp_path):
+    """Run experiments/run.py with ``args`` in a fresh process (for the refusals before the heavy imports)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "FSPO_DATA_DIR")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), PYTHONWARNINGS="ignore")
-    env.update(extra_env or {})
-    argv = [*args, f"hydra.run.dir={tmp_path}/h"]
-    clock_file = tmp_path / "clock.txt"
-    cmd = [sys.executable, "-c", DRIVER, str(clock_file), *argv] if clock else \
-        [sys.executable, "experiments/run.py", *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, float(clock_file.read_text()) if clock else None
+    return subprocess.run([sys.executable, "experiments/run.py", *args, f"hydra.run.dir={tmp_path}/h"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+# the cases that fail after the heavy imports: they run in one interpreter (conftest's `entry_case`), each in its
+# own folder {dir} (Hydra run dir, MLflow store, HOME)
+CASE_ENV = {"MLFLOW_TRACKING_URI": "sqlite:///{dir}/m.db", "HOME": "{dir}"}
+for _name, _argv in (("empty", [*SMALL, "data.train.size=0"]),
+                     ("prompt_len", [*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"]),
+                     ("model_path", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"]),
+                     ("hub_offline", [*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"])):
+    register_entry_case(f"bad_input/{_name}", [*_argv, "hydra.run.dir={dir}/h"], CASE_ENV)
+# no W&B key, not offline: HOME without a .netrc, no WANDB_* variable
+register_entry_case("bad_input/wandb", [*SMALL, "steps=1", "val.size=0", "logger=wandb", "output_dir={dir}/out",
+                                        "hydra.run.dir={dir}/h"], CASE_ENV)
+
+
+@pytest.fixture
+def driven(entry_case) -> Callable[[str], tuple]:
+    """``driven(case)`` -> (CompletedProcess, seconds after the imports, the case's folder)."""
+    return lambda case: entry_case(f"bad_input/{case}")
 
 
 def single_error_line(proc) -> str:
@@ -74,14 +76,14 @@ def single_error_line(proc) -> str:
 
 
 def test_config_typo_names_the_key(tmp_path):
-    proc, _ = run([*SMALL, "ppo.mini_batch_sise=3"], tmp_path)
+    proc = run([*SMALL, "ppo.mini_batch_sise=3"], tmp_path)
     assert proc.returncode != 0
     assert "mini_batch_sise" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_unknown_method_lists_the_choices(tmp_path):
-    proc, _ = run([*SMALL, "+method=foo"], tmp_path)
+    proc = run([*SMALL, "+method=foo"], tmp_path)
     assert proc.returncode != 0
     assert "method/foo" in proc.stderr
     for m in ("fspo", "grpo", "rloo", "gspo"):
@@ -89,20 +91,20 @@ def test_unknown_method_lists_the_choices(tmp_path):
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_empty_prompt_set(tmp_path):
-    proc, _ = run([*SMALL, "data.train.size=0"], tmp_path)
+def test_empty_prompt_set(driven):
+    proc, _, _ = driven("empty")
     line = single_error_line(proc)
     assert "empty" in line and "size" in line, line
 
 
 @pytest.mark.slow
-def test_prompt_longer_than_max_prompt_len_keeps_the_run(tmp_path):
-    proc, _ = run([*SMALL, "data.max_prompt_len=4", "logger.experiment_name=bad_prompt_len"], tmp_path)
+def test_prompt_longer_than_max_prompt_len_keeps_the_run(driven):
+    proc, _, folder = driven("prompt_len")
     line = single_error_line(proc)
     assert "data.max_prompt_len" in line and "4" in line, line
     # the failure came after the MLflow run started (first validation): the run and its params
     # are still in the store, marked as failed
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{folder}/m.db")
     exp = client.get_experiment_by_name("bad_prompt_len")
     assert exp is not None
     (r,) = client.search_runs([exp.experiment_id])
@@ -111,17 +113,16 @@ def test_prompt_longer_than_max_prompt_len_keeps_the_run(tmp_path):
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_missing_model_path_fails_fast(tmp_path):
-    proc, elapsed = run([*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b", "model.path=/nonexistent"], tmp_path, clock=True)
+def test_missing_model_path_fails_fast(driven):
+    proc, elapsed, _ = driven("model_path")
     line = single_error_line(proc)
     assert "model.path" in line and "/nonexistent" in line, line
     assert elapsed < 30, f"took {elapsed:.0f} s after the imports"
 
 
 @pytest.mark.slow  # a full import of the stack: 10-35 s on a loaded 2-core machine
-def test_hub_id_offline_fails_fast_and_says_use_model_path(tmp_path):
-    proc, elapsed = run([*NOT_MODEL, *NO_PLAN, "+model=qwen3_8b"], tmp_path, extra_env={"HF_HUB_OFFLINE": "1"},
-                        clock=True)
+def test_hub_id_offline_fails_fast_and_says_use_model_path(driven):
+    proc, elapsed, _ = driven("hub_offline")
     line = single_error_line(proc)
     assert "Qwen/Qwen3-8B-Base" in line and "model.path" in line, line
     assert elapsed < 30, f"took {elapsed:.0f} s after the imports"
@@ -151,18 +152,13 @@ def test_checkpoints_path_that_is_a_file_is_refused_before_anything(tmp_path):
 
 
 @pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
-def test_wandb_without_key_or_offline_fails_at_start_with_one_line(tmp_path):
+def test_wandb_without_key_or_offline_fails_at_start_with_one_line(driven):
     pytest.importorskip("wandb")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "HYDRA_FULL_ERROR"}
-    env.update(HOME=str(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1",
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "experiments/run.py", *SMALL, "steps=1", "val.size=0", "logger=wandb",
-                        f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p, _, folder = driven("wandb")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "WANDB_API_KEY" in lines[0] and "logger.offline=true" in lines[0], p.stderr[-3000:]
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not (folder / "out" / "checkpoints").exists()
 
 
 def test_wandb_login_check_accepts_a_key_a_netrc_entry_or_offline(tmp_path, monkeypatch):

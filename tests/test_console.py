@@ -99,19 +99,11 @@ def test_quiet_third_party_in_a_fresh_process():
 
 
 @pytest.mark.slow
-def test_tiny_run_console_is_clean(tmp_path):
+def test_tiny_run_console_is_clean(tiny_run):
     """A real 3-step run of the warm-started tiny model (loaded with from_pretrained, so Lightning's
-    eval-mode check runs) with output to a pipe: the plain progress lines, each Lightning line once, no noise."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
-           "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    small = [o for o in SMALL if o not in ("model.source=random", "steps=2")]
-    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *small, "steps=3", "progress.every_n_steps=2",
-           f"hydra.run.dir={tmp_path / 'run'}", f"logger.tracking_uri=sqlite:///{tmp_path / 'store.db'}",
-           f"+logger.artifact_location={tmp_path / 'artifacts'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    eval-mode check runs) with output to a pipe: the plain progress lines, each Lightning line once, no noise.
+    The run is conftest's shared `tiny_run` (SMALL on the warm start, steps=3, progress.every_n_steps=2)."""
+    out = tiny_run["stdout"] + tiny_run["stderr"]
     lines = out.splitlines()
     lightning = [re.sub(r"^\[[^]]*\]", "", ln) for ln in lines if "[lightning." in ln or ln.startswith("INFO: ")]
     assert lightning and len(lightning) == len(set(lightning)), lightning

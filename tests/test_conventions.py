@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import CONF, REPO, compose_config
+from conftest import CONF, REPO, compose_config, run_in_process
 from fspo.cli import normalize_group_overrides
 
 try:
@@ -99,9 +99,11 @@ def test_console_scripts():
 ])
 def test_console_script_functions_run_their_entry_point(fn, args, rc, text, tmp_path):
     """fspo-warmstart / fspo-export-lora / fspo-export (the functions pyproject names): their entry point with the same
-    arguments, from any folder; the bad checkpoint ends with one line and exit code 2, as the script does."""
-    p = subprocess.run([sys.executable, "-c", f"from fspo.cli import {fn}; {fn}()", *args], cwd=tmp_path,
-                       env=ENV, capture_output=True, text=True, timeout=120)
+    arguments, from any folder; the bad checkpoint ends with one line and exit code 2, as the script does. Called
+    in this process as the console script calls it (test_console_scripts starts a real one)."""
+    import fspo.cli
+
+    p = run_in_process(getattr(fspo.cli, fn), [f"fspo-{fn}", *args], cwd=tmp_path)
     assert p.returncode == rc and text in p.stdout + p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, once_per_session
 from fspo.clipping.base import ClipResult
 from fspo.diagnostics import FairnessMetrics, LengthBins
 
@@ -63,8 +63,8 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    out = once_per_session(tmp_path_factory, "diag_distributed",  # once also when xdist splits this module
+                           lambda d: mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -198,46 +198,25 @@ RUN_ARGS = ["model.source=random", f"steps={STEPS}", "prompts_per_step=4", "roll
 
 
 @pytest.mark.slow
-def test_tiny_run_logs_the_metrics_to_mlflow(tmp_path):
-    from test_resume import metric_rows, start_run, wait
-
-    args = ["model.source=random", "steps=3", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
-            "ppo.mini_batch_unit=sequences",
-            "ppo.mini_batch_unit=sequences", "rollout.sampling.max_new_tokens=24", "val.size=8", *DS]
-    wait(start_run(tmp_path, "ds", args=args), tmp_path)
-    rows = metric_rows(tmp_path / "ds.db")
-    by = {}
-    for _, k, s, v in rows:
-        by.setdefault(k, {})[s] = v
-    for k in ("filtered_frac", "rounds", "short", "groups", "prompts_drawn"):
-        assert set(by[f"dynamic_sampling/{k}"]) == {0, 1, 2}, k
-    for s in range(3):
-        rounds, groups = by["dynamic_sampling/rounds"][s], by["dynamic_sampling/groups"][s]
-        assert 1 <= rounds <= 3 and 1 <= groups <= 4 and 0 <= by["dynamic_sampling/filtered_frac"][s] <= 1
-        assert by["dynamic_sampling/short"][s] == float(groups < 4)
-        assert by["dynamic_sampling/prompts_drawn"][s] == 4 * rounds
-        assert by["train/loss"][s] == by["train/loss"][s]  # trained on each step
-    assert max(by["dynamic_sampling/rounds"].values()) > 1, "no step needed a second round: the test shows nothing"
-
-
-@pytest.mark.slow
-def test_kill9_then_resume_draws_the_same_prompts(tmp_path):
+def test_kill9_then_resume_draws_the_same_prompts_and_the_run_logs_the_metrics(tmp_path):
     """As tests/test_resume.py's kill -9 test, with dynamic sampling: the sampler's extra draws are in
-    the checkpoint, so the resumed run's parameters and every metric equal the uninterrupted run's."""
-    from test_resume import NOISY, kill_after_step, metric_rows, policy_state, start_run, wait
+    the checkpoint, so the resumed run's parameters and every metric equal the uninterrupted run's. The
+    uninterrupted run's MLflow store also holds the dynamic-sampling metrics of every step, consistent with
+    each other (one run serves both checks)."""
+    from test_resume import NOISY, kill_after_step, metric_rows, policy_state, reference_run, start_run, wait
 
     seed = int(os.environ.get("FSPO_RESUME_SEED", time.time_ns() % 10_000))
     kill_after = random.Random(seed).randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
-    full = start_run(tmp_path, "full", args=RUN_ARGS)
     run = start_run(tmp_path, "killed", args=RUN_ARGS)
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why, timeout=400)
     done = list_checkpoints(out / "checkpoints")
     assert done and int(done[-1].stem.split("_")[1]) < STEPS, why
     extra = torch.load(done[-1], map_location="cpu", weights_only=False)
-    wait(start_run(tmp_path, "killed", ["resume=auto"], args=RUN_ARGS), tmp_path)
-    wait(full, tmp_path)
+    resumed = start_run(tmp_path, "killed", ["resume=auto"], args=RUN_ARGS)
+    reference_run(tmp_path, "full", RUN_ARGS)  # the uninterrupted run, in this process, meanwhile
+    wait(resumed, tmp_path)
 
     a = policy_state(tmp_path / "full" / "checkpoints" / f"step_{STEPS:06d}.ckpt")
     b = policy_state(out / "checkpoints" / f"step_{STEPS:06d}.ckpt")
@@ -250,6 +229,17 @@ def test_kill9_then_resume_draws_the_same_prompts(tmp_path):
     assert not bad, f"{why}: metrics differ {dict(list(bad.items())[:10])}"
     drawn = {s: v for (k, s), v in want.items() if k == "dynamic_sampling/prompts_drawn"}
     assert any(v > 4 for v in drawn.values()), "no extra round in the reference run: the test shows nothing"
+    by = {}
+    for (k, s), v in want.items():
+        by.setdefault(k, {})[s] = v
+    for k in ("filtered_frac", "rounds", "short", "groups", "prompts_drawn"):
+        assert set(by[f"dynamic_sampling/{k}"]) == set(range(STEPS)), k
+    for s in range(STEPS):
+        rounds, groups = by["dynamic_sampling/rounds"][s], by["dynamic_sampling/groups"][s]
+        assert 1 <= rounds <= 3 and 1 <= groups <= 4 and 0 <= by["dynamic_sampling/filtered_frac"][s] <= 1
+        assert by["dynamic_sampling/short"][s] == float(groups < 4)
+        assert by["dynamic_sampling/prompts_drawn"][s] == 4 * rounds
+        assert by["train/loss"][s] == by["train/loss"][s]  # trained on each step
     # the checkpoint holds the sampler's extra draws (the prompts of rounds 2+ so far)
     saved = int(done[-1].stem.split("_")[1])
     states = [v for k, v in extra.items() if "DataModule" in k]

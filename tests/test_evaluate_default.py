@@ -5,7 +5,8 @@ Owns: the test split of fspo/data/arithmetic.py (disjoint from train and validat
 conf/eval_data/arithmetic.yaml for a built-in-task run (fspo/evaluation/eval_sets.py), the up-front
 context check (fspo/evaluation/benchmark.py `check_fits_context`), and end to end: a tiny default-config
 run trained for 2 steps, then the README's `experiments/evaluate.py checkpoints=<dir> include_base=true`
-on its output folder in a subprocess (with `limit=8 k=2` to keep it to seconds). No mocks.
+on its output folder (with `limit=8 k=2` to keep it to seconds), the run and the evaluations each as their
+script in one subprocess. No mocks.
 """
 from __future__ import annotations
 
@@ -108,26 +109,36 @@ def _env():
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
+LONG = "eval_data.arithmetic.source."
+TOO_LONG = ["eval_data=[arithmetic]", "eval_data.arithmetic.from_run=false", f"{LONG}size=2", f"{LONG}min_ops=300",
+            f"{LONG}max_ops=300", f"{LONG}exclude_size=2", f"{LONG}val_size=2"]
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """(tmp folder, run folder, tracking URI): the default config (warm-started tiny model, built-in
-    task) trained for 2 steps of 4 prompts x 4 samples, one checkpoint at the end."""
-    tmp = tmp_path_factory.mktemp("eval_default")
-    run_dir, uri = tmp / "run", f"sqlite:///{tmp / 'mlflow.db'}"
-    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), "steps=2", "prompts_per_step=4",
-           "rollout.sampling.n=4", "ppo.mini_batch_size=8", "ppo.mini_batch_unit=sequences", "val.size=8",
-           f"output_dir={run_dir}",
-           f"logger.tracking_uri={uri}", f"+logger.artifact_location={tmp / 'artifacts'}"]
-    p = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    """(tmp folder, run folder, tracking URI, {"readme": ..., "too_long": ...}): the default config (warm-started
+    tiny model, built-in task) trained for 2 steps of 4 prompts x 4 samples, one checkpoint at the end; then, in
+    this order, experiments/evaluate.py refusing a benchmark too long for the model (its output_dir
+    <tmp>/eval_long) and the README's evaluate command on the run. The three commands run once per session in one
+    interpreter (conftest.run_py_cases), each as its script, the store shared through MLFLOW_TRACKING_URI."""
+    from conftest import run_py_cases
+
+    def cases(tmp):
+        run_dir, uri = tmp / "train" / "run", f"sqlite:///{tmp / 'mlflow.db'}"
+        return {"train": (["steps=2", "prompts_per_step=4", "rollout.sampling.n=4", "ppo.mini_batch_size=8",
+                           "ppo.mini_batch_unit=sequences", "val.size=8", f"output_dir={run_dir}",
+                           f"logger.tracking_uri={uri}", f"+logger.artifact_location={tmp / 'artifacts'}"], {}),
+                "too_long": ([f"checkpoints={run_dir}", "include_base=true", f"output_dir={tmp / 'eval_long'}",
+                              *TOO_LONG], {"MLFLOW_TRACKING_URI": uri}, EVALUATE),
+                "readme": ([f"checkpoints={run_dir}", "include_base=true", "limit=8", "k=2"],
+                           {"MLFLOW_TRACKING_URI": uri}, EVALUATE)}
+
+    get = run_py_cases(tmp_path_factory, "eval_default", cases, _env())
+    p, _, folder = get("train")
+    tmp, run_dir = folder.parent, folder / "run"
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step_000002.ckpt").exists()
-    return tmp, run_dir, uri
-
-
-def _evaluate(tmp: Path, uri: str, args) -> subprocess.CompletedProcess:
-    env = {**_env(), "MLFLOW_TRACKING_URI": uri}
-    return subprocess.run([sys.executable, str(EVALUATE), *args], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return tmp, run_dir, f"sqlite:///{tmp / 'mlflow.db'}", {c: get(c)[0] for c in ("readme", "too_long")}
 
 
 def _runs(uri: str) -> list:
@@ -137,8 +148,8 @@ def _runs(uri: str) -> list:
 
 @pytest.mark.slow
 def test_readme_evaluate_command_on_the_default_run(default_run):
-    tmp, run_dir, uri = default_run
-    p = _evaluate(tmp, uri, [f"checkpoints={run_dir}", "include_base=true", "limit=8", "k=2"])
+    tmp, run_dir, uri, evals = default_run
+    p = evals["readme"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "evaluating on eval_data=[arithmetic]" in p.stdout + p.stderr
     outs = list((run_dir / "eval").iterdir())  # written beside the run it scores: <run>/eval/<date_time>
@@ -161,18 +172,18 @@ def test_readme_evaluate_command_on_the_default_run(default_run):
 
 @pytest.mark.slow
 def test_too_long_benchmark_is_refused_before_any_run(default_run):
-    tmp, run_dir, uri = default_run
-    before = _runs(uri)
-    long = "eval_data.arithmetic.source."
-    p = _evaluate(tmp, uri, [f"checkpoints={run_dir}", "include_base=true", f"output_dir={tmp / 'eval_long'}",
-                             "eval_data=[arithmetic]", "eval_data.arithmetic.from_run=false", f"{long}size=2",
-                             f"{long}min_ops=300", f"{long}max_ops=300", f"{long}exclude_size=2", f"{long}val_size=2"])
+    tmp, run_dir, uri, evals = default_run
+    p = evals["too_long"]
     assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
     err = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1, p.stderr[-3000:]
     assert "benchmark arithmetic does not fit the model: its longest prompt is 604 tokens" in err[0]
     assert "context is 512" in err[0] and "eval_data=" in err[0] and "longer context" in err[0]
-    assert _runs(uri) == before  # no MLflow run created, none left FAILED
+    # it ran after the training run and before the README's evaluation: the store holds those two runs only,
+    # both FINISHED (no MLflow run created by the refusal, none left FAILED)
+    train_id = (run_dir / "mlflow_run_id").read_text().strip()
+    runs = dict(_runs(uri))
+    assert len(runs) == 2 and runs[train_id] == "FINISHED" and set(runs.values()) == {"FINISHED"}, runs
     assert not (tmp / "eval_long" / "eval").exists()
 
 

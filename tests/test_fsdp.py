@@ -27,7 +27,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, compose_config, torchrun_two_ranks
+from conftest import REPO, compose_config, once_per_session, torchrun_two_ranks
 from fspo.runtime.launch.distributed import FSDP2Strategy, find_layers, gather_rollout, pad_slice, rank_slice
 from fspo.update.microbatches import balanced_rank_rows
 
@@ -38,8 +38,8 @@ SKIP_TIMING = ("time/", "perf/")
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Run every worker scenario on 2 processes; returns the output folder."""
-    out = tmp_path_factory.mktemp("fsdp")
-    return torchrun_two_ranks(WORKER, out, "step,step_ac,resume,e2e,decode")
+    return once_per_session(tmp_path_factory, "fsdp_two_ranks",  # once also when xdist splits this module
+                            lambda out: torchrun_two_ranks(WORKER, out, "step,step_ac,resume,e2e,decode"))
 
 
 @pytest.fixture(scope="module")

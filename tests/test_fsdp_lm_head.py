@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_fsdp import _assert_same_step
 
-from conftest import REPO, torchrun
+from conftest import REPO, once_per_session, torchrun
 
 WORKER = REPO / "tests" / "fsdp_head_worker.py"
 import fsdp_head_worker as hw  # noqa: E402  (tests/ is on pytest's path, as conftest)
@@ -36,9 +36,8 @@ def _torchrun(out, nproc: int, args) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_head")
-    _torchrun(out, 2, ["step,head,head_bf16", "cpu", "none"])
-    return out
+    return once_per_session(tmp_path_factory, "fsdp_head_two_ranks",  # once also when xdist splits this module
+                            lambda out: _torchrun(out, 2, ["step,head,head_bf16", "cpu", "none"]))
 
 
 def _load(path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, torchrun_two_ranks
+from conftest import REPO, once_per_session, torchrun_two_ranks
 
 WORKER = REPO / "tests" / "fsdp_overlap_worker.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_overlap")
-    return torchrun_two_ranks(WORKER, out, "push,e2e")
+    return once_per_session(tmp_path_factory, "fsdp_overlap_two_ranks",  # once also when xdist splits this module
+                            lambda out: torchrun_two_ranks(WORKER, out, "push,e2e"))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -6,15 +6,13 @@ sharded (FSDP) checkpoint is exported in tests/test_fsdp.py with `check_export`.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from omegaconf import OmegaConf
 from test_module_update import make_rollout
 
-from conftest import REPO, SMALL
+import fspo.cli
+from conftest import REPO, SMALL, run_in_process
 from fspo.runtime.checkpoints.hf_export import export_hf
 
 
@@ -38,8 +36,7 @@ def check_export(ckpt, out, state, model_cfg, seed):
 
     from fspo.update.logprobs import response_log_probs
 
-    p = subprocess.run([sys.executable, "-c", "from fspo.cli import export; export()", str(ckpt), str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    p = run_in_process(fspo.cli.export, ["fspo-export", ckpt, out], cwd=REPO)  # the console script, in process
     assert p.returncode == 0, p.stderr[-2000:]
     files = {f.name for f in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, files
@@ -98,8 +95,7 @@ def test_bad_input_is_one_line(tmp_path):
     for args, text in (([str(tmp_path / "none.ckpt"), str(tmp_path / "o")], "no checkpoint at"),
                        ([str(bad), str(tmp_path / "o")], "is not a checkpoint written by"),
                        ([str(bad), str(tmp_path / "o"), "--dtype", "int8"], "invalid choice")):
-        p = subprocess.run([sys.executable, "-c", "from fspo.cli import export; export()", *args],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        p = run_in_process(fspo.cli.export, ["fspo-export", *args], cwd=REPO)
         assert p.returncode == 2 and text in p.stderr and "Traceback" not in p.stderr, p.stderr[-1500:]
     with pytest.raises(ValueError, match="dtype must be one of"):
         export_hf(bad, tmp_path / "o", dtype="int8")

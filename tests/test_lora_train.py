@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import random
 import sqlite3
-import subprocess
-import sys
 import time
 
 import pytest
@@ -27,13 +25,15 @@ from test_resume import (
     last_train_step,
     metric_rows,
     policy_state,
+    reference_run,
     start_run,
     wait,
 )
 
+from conftest import REPO, run_script_in_process
 from fspo.runtime.checkpoints.files import list_checkpoints
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+EXPORT_LORA = REPO / "experiments" / "export_lora.py"
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.lr=5e-3"]
 
 
@@ -43,14 +43,13 @@ def test_lora_kill9_resume_evaluate_and_export(tmp_path, mlflow_uri, mlflow_dir)
     kill_after = random.Random(seed).randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
     args = ARGS + LORA
-    full = start_run(tmp_path, "full", args=args)
     run = start_run(tmp_path, "killed", args=args)
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why)
     done = list_checkpoints(out / "checkpoints")
     resumed = start_run(tmp_path, "killed", ["resume=auto"], args=args)
+    reference_run(tmp_path, "full", args)  # the uninterrupted run, in this process, meanwhile
     wait(resumed, tmp_path)
-    wait(full, tmp_path)
 
     # checkpoints: the adapters (float32) and the module's buffers, no frozen base weight
     final = out / "checkpoints" / f"step_{STEPS:06d}.ckpt"
@@ -82,8 +81,7 @@ def test_lora_kill9_resume_evaluate_and_export(tmp_path, mlflow_uri, mlflow_dir)
 
     # export: one command, a plain HF folder whose logits equal the LoRA policy's
     merged_dir = tmp_path / "merged"
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "export_lora.py"), str(final), str(merged_dir)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = run_script_in_process(EXPORT_LORA, [final, merged_dir])  # the script as `python` runs it, in process
     assert proc.returncode == 0, proc.stderr[-2000:]
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
@@ -106,8 +104,7 @@ def test_lora_kill9_resume_evaluate_and_export(tmp_path, mlflow_uri, mlflow_dir)
     meta = torch.load(final, weights_only=True)
     meta["fspo_resume"]["run_config"] = meta["fspo_resume"]["run_config"].replace("rank: 4", "rank: 0")
     torch.save(meta, full_ckpt)
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "export_lora.py"), str(full_ckpt),
-                           str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = run_script_in_process(EXPORT_LORA, [full_ckpt, tmp_path / "x"])
     assert proc.returncode == 2 and "full fine-tuning checkpoint" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     with sqlite3.connect(db) as con:

@@ -221,22 +221,42 @@ def test_what_would_fit_is_the_fewest_ranks():
     assert what_would_fit(QWEN3_8B, x, 2 ** 30) is None  # 1 GiB: no FSDP layout up to 256 GPUs
 
 
-def _dry(args, tmp_path):
+DRY_RUNS = {  # experiments/run.py ... dry_run=true: each case once per session, all in one interpreter
+    "8xh200": ["+experiment=paper_8xh200", "+method=fspo", "memory_plan.device_gib=141"],
+    "8b_80gb": ["+method=fspo", "+model=qwen3_8b", "memory_plan.device_gib=80"],
+    "8b_lora": ["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.device_gib=80"],
+    "8b_lora_f32": ["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "model.dtype=float32",
+                    "memory_plan.device_gib=80"],
+    "8b_lora_no_fit": ["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.auto_fit=false",
+                       "memory_plan.device_gib=80"],
+}
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """``dry(case)`` -> (CompletedProcess, its folder): `experiments/run.py DRY_RUNS[case] dry_run=true` with the
+    run folder and MLflow store in the case's folder, offline (conftest.run_py_cases)."""
     import os
-    import subprocess
-    import sys
 
-    from conftest import REPO
+    from conftest import run_py_cases
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, str(REPO / "experiments" / "run.py"), *args, "dry_run=true",
-                           f"output_dir={tmp_path / 'out'}", f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    def cases(folder):
+        return {name: ([*args, "dry_run=true", f"output_dir={folder / name / 'out'}",
+                        f"logger.tracking_uri=sqlite:///{folder / name / 'm.db'}"], {})
+                for name, args in DRY_RUNS.items()}
+
+    get = run_py_cases(tmp_path_factory, "memory_plan_dry_runs", cases, dict(os.environ, TRANSFORMERS_OFFLINE="1"))
+
+    def one(case):
+        proc, _, folder = get(case)
+        return proc, folder
+
+    return one
 
 
 @pytest.mark.slow
-def test_dry_run_paper_8xh200_fits_offline(tmp_path):
-    proc = _dry(["+experiment=paper_8xh200", "+method=fspo", "memory_plan.device_gib=141"], tmp_path)
+def test_dry_run_paper_8xh200_fits_offline(dry):
+    proc, folder = dry("8xh200")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "8 data-parallel rank(s); per rank 141.00 GiB (memory_plan.device_gib)" in out
@@ -244,12 +264,12 @@ def test_dry_run_paper_8xh200_fits_offline(tmp_path):
                  "kv_cache", "peak"):
         assert f"\n  {part} " in out, part
     assert "trainable weights float32, compute bfloat16" in out and "fits: peak" in out
-    assert not (tmp_path / "m.db").exists()  # nothing opened or written
+    assert not (folder / "m.db").exists()  # nothing opened or written
 
 
 @pytest.mark.slow
-def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
-    proc = _dry(["+method=fspo", "+model=qwen3_8b", "memory_plan.device_gib=80"], tmp_path)
+def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(dry):
+    proc, _ = dry("8b_80gb")
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: MemoryPlanError: ")
@@ -259,24 +279,22 @@ def test_dry_run_8b_on_one_80gb_gpu_is_refused_naming_what_fits(tmp_path):
 
 
 @pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
-def test_dry_run_8b_lora_on_one_80gb_gpu(tmp_path):
+def test_dry_run_8b_lora_on_one_80gb_gpu(dry):
     """Qwen3-8B with LoRA r 64 on one 80 GiB GPU, no other flag: auto-fit picks the bf16 frozen base, the
     chunked head and a smaller micro-batch, prints them, and the peak is <= 0.95 of the usable memory. Before
     auto-fit the same command was refused (a float32 base: 161 GiB); without auto-fit it still is."""
     import re
 
-    proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.device_gib=80"], tmp_path)
+    proc, _ = dry("8b_lora")
     assert proc.returncode == 0, proc.stderr[-2000:]
     fit = re.search(r"^auto-fit: (.*): peak ([\d.]+) GiB = ([\d.]+) of 72.00 GiB usable per rank", proc.stdout, re.M)
     assert fit and "model.dtype=bfloat16" in fit[1] and "ppo.lm_head_chunk_rows=1024" in fit[1]
     assert float(fit[3]) <= 0.95 and f"fits: peak {fit[2]} GiB <= 72.00 GiB" in proc.stdout
     assert "LoRA r 64: frozen base bfloat16, adapters float32" in proc.stdout and "\n  adapters " in proc.stdout
-    proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "model.dtype=float32",
-                 "memory_plan.device_gib=80"], tmp_path)  # an explicit setting wins over auto-fit
+    proc, _ = dry("8b_lora_f32")  # an explicit setting wins over auto-fit
     assert "model.dtype=bfloat16" not in proc.stdout.split("dry run:")[0]
     assert "frozen base float32" in proc.stdout
-    proc = _dry(["+method=fspo", "+model=qwen3_8b", "model.lora.rank=64", "memory_plan.auto_fit=false",
-                 "memory_plan.device_gib=80"], tmp_path)
+    proc, _ = dry("8b_lora_no_fit")
     assert proc.returncode == 2 and "would fit with" in proc.stderr and "model.dtype=bfloat16" in proc.stderr
 
 

@@ -2,19 +2,18 @@
 distinct descriptive run names, the experiment's description, the LRE-by-step figure, and the report
 reading the new key layout back.
 
-The slow test launches experiments/run.py twice (conftest's SMALL settings, 2 RL steps) into one
-SQLite store, as a user would; the others check the pieces by hand-computed examples. No mocks.
+The slow test launches experiments/run.py twice into one SQLite store, as a user would (conftest's shared
+tiny run, then the same command again into a copy of its store); the others check the pieces by hand-computed
+examples. No mocks.
 """
 from __future__ import annotations
 
-import os
 import re
+import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, SMALL
 from fspo.diagnostics.metric_keys import canonical_key, display_key
 from fspo.tracking.naming import EXPERIMENT_NOTE, NOTE_TAG, default_run_name, describe_experiment
 from fspo.tracking.run_figures import lre_by_step_figure
@@ -105,31 +104,26 @@ def test_lre_by_step_figure_draws_what_was_logged():
     assert all(not ax.lines and ax.texts[0].get_text() == "not logged in this run" for ax in empty.axes)
 
 
-def _launch(tmp_path, name: str):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    out = tmp_path / name
-    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *SMALL, f"hydra.run.dir={out}",
-           "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={tmp_path / 'artifacts'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return (out / "mlflow_run_id").read_text().strip()
-
-
 @pytest.mark.slow
-def test_two_tiny_runs_layout(tmp_path):
+def test_two_tiny_runs_layout(tmp_path, tiny_run):
     """Two launches of the same command: distinct names, <= MAX_SECTIONS sections, settings as params,
-    the experiment described once (a user's description survives), figures logged, report reads it."""
+    the experiment described once (a user's description survives), figures logged, report reads it. The first
+    launch is conftest's shared `tiny_run`; the second goes into a copy of its store."""
     from mlflow.tracking import MlflowClient
 
+    from conftest import tiny_run_command, tiny_run_env
     from fspo.evaluation.report.collect import load_runs
 
-    first = _launch(tmp_path, "run1")
+    first = (tiny_run["out"] / "mlflow_run_id").read_text().strip()
+    shutil.copyfile(tiny_run["store"], tmp_path / "store.db")  # the shared store stays as the run left it
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
     exp = client.get_experiment_by_name("fspo")
     assert exp.tags[NOTE_TAG] == EXPERIMENT_NOTE
     client.set_experiment_tag(exp.experiment_id, NOTE_TAG, "user text")
-    second = _launch(tmp_path, "run2")
+    proc = subprocess.run(tiny_run_command(tmp_path, tmp_path / "run2", tmp_path / "artifacts"), cwd=tmp_path,
+                          env=tiny_run_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    second = (tmp_path / "run2" / "mlflow_run_id").read_text().strip()
     assert client.get_experiment_by_name("fspo").tags[NOTE_TAG] == "user text"
 
     runs = [client.get_run(r) for r in (first, second)]

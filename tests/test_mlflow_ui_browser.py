@@ -1,6 +1,6 @@
 """The URL printed at the end of a default run opens the runs list in a real browser.
 
-A tiny run (experiments/run.py, the SMALL settings) ends on its summary block; `mlflow ui` serves the
+A tiny run (experiments/run.py, conftest's shared `tiny_run`) ends on its summary block; `mlflow ui` serves the
 run's SQLite store on a free loopback port; headless Chromium (Debian package ``chromium``) loads
 the printed experiment page and the DOM must list the run. MLflow 3.17 opens the plain experiment
 URL on its GenAI view (traces, no runs): the printed URL carries ``?workflowType=machine_learning``.
@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, SMALL, free_port
+from conftest import free_port
 from fspo.tracking.run_summary import RULE, UI_URL
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -44,15 +44,11 @@ def _wait_healthy(base: str, proc: subprocess.Popen, limit_s: float = 180) -> No
     raise AssertionError(f"mlflow ui not healthy within {limit_s} s")
 
 
-def test_printed_url_opens_the_runs_list(tmp_path):
+def test_printed_url_opens_the_runs_list(tiny_run):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "run.py"), *SMALL, f"hydra.run.dir={out}",
-                           "logger.tracking_uri=sqlite:///store.db", "val.size=0"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.rstrip().splitlines()
+    tmp_path = tiny_run["dir"]  # conftest's shared tiny run, its store a relative sqlite:///store.db
+    lines = tiny_run["stdout"].rstrip().splitlines()
     block = lines[len(lines) - 1 - lines[::-1].index(RULE, 1):]
     rows = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in block[2:-1]}
     run_name = rows["run"].split(" (id ")[0]

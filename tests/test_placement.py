@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose_config
+from conftest import compose_config, register_entry_case
 from fspo.runtime.launch.placement import Machine, PlacementError, named_keys, place
 
 ONE_GPU = Machine(cuda=True, gpus=1, world=1, vllm=False)
@@ -121,13 +121,18 @@ def test_bad_model_device_is_one_line():
         place(compose_config(["model.device=gpu"]), [], CPU_ONLY)
 
 
-@pytest.mark.slow  # a full import of the stack
-def test_the_flagship_command_without_a_gpu_exits_in_one_line(tmp_path):
-    """Measured alone on the 2-core machine: 10.6 s in all (`/usr/bin/time`); here the seconds after the
-    imports are bounded, as in tests/test_bad_input.py (a loaded machine took 43 s for the imports alone)."""
-    from test_bad_input import run, single_error_line
+register_entry_case("placement/flagship", ["+method=fspo", "+model=qwen3_8b", "hydra.run.dir={dir}/h"],
+                    {"MLFLOW_TRACKING_URI": "sqlite:///{dir}/m.db"})
 
-    proc, elapsed = run(["+method=fspo", "+model=qwen3_8b"], tmp_path, clock=True)
+
+@pytest.mark.slow  # a full import of the stack
+def test_the_flagship_command_without_a_gpu_exits_in_one_line(entry_case):
+    """Measured alone on the 2-core machine: 10.6 s in all (`/usr/bin/time`); here the seconds after the
+    imports are bounded, as in tests/test_bad_input.py (a loaded machine took 43 s for the imports alone). The
+    command runs in conftest's `entry_case` interpreter."""
+    from test_bad_input import single_error_line
+
+    proc, elapsed, _ = entry_case("placement/flagship")
     line = single_error_line(proc)
     assert "trains on CUDA GPUs and none is visible" in line, line
     assert elapsed <= 20, f"took {elapsed:.1f} s after the imports"

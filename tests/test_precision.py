@@ -7,14 +7,10 @@ tests/test_fsdp.py.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO, compose_config
+from conftest import compose_config, register_entry_case
 from fspo.runtime.checks.config_check import ConfigError, check_config
 from fspo.runtime.launch.precision import engine_dtype, master_weight_problem, weight_step
 from fspo.update.update_ratio import UpdateRatio
@@ -66,17 +62,17 @@ def test_check_config_refuses_bf16_weights_at_lr_1e6_and_passes_the_presets():
         check_config(compose_config(overrides))  # float32 masters everywhere: nothing refused
 
 
+register_entry_case("precision/bf16", ["model.dtype=bfloat16", "ppo.lr=1e-6", "output_dir={dir}/out",
+                                       "logger.tracking_uri=sqlite:///{dir}/m.db"])
+
+
 @pytest.mark.slow
-def test_run_py_refuses_in_one_line_before_any_work(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "run.py"), "model.dtype=bfloat16",
-                           "ppo.lr=1e-6", f"output_dir={tmp_path / 'out'}",
-                           f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+def test_run_py_refuses_in_one_line_before_any_work(entry_case):
+    proc, _, folder = entry_case("precision/bf16")  # experiments/run.py in conftest's `entry_case` interpreter
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "float32 master weights" in lines[0]
-    assert not (tmp_path / "m.db").exists() and not (tmp_path / "out" / "checkpoints").exists()
+    assert not (folder / "m.db").exists() and not (folder / "out" / "checkpoints").exists()
 
 
 def test_engine_dtype_rule():

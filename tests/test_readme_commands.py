@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
@@ -35,25 +33,39 @@ def test_the_readme_names_the_main_job_and_its_overrides():
     assert "python experiments/run.py" in cmds and "python experiments/run.py +method=grpo" in cmds
 
 
-def _run(cmd: str, tmp_path, name: str) -> str:
-    argv = shlex.split(cmd)  # run from a scratch folder (the relative paths of the repo root), so stores stay there
-    out = tmp_path / name
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:], *SHORT, f"output_dir={out}"], cwd=tmp_path,
-                          env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+MAIN = ("python experiments/run.py", "python experiments/run.py +method=grpo")
+
+
+@pytest.fixture(scope="module")
+def main_runs(tmp_path_factory):
+    """{README command: (CompletedProcess, its folder)}: each of MAIN, shortened by SHORT, with a folder and store
+    of its own (its working directory: the relative paths of the repo root, so stores stay there), run once per
+    session as the script itself in one interpreter (conftest.run_py_cases)."""
+    from conftest import run_py_cases
+
+    cmds = [c for c in readme_commands() if c in MAIN]
+
+    def cases(folder):
+        out = {}
+        for i, cmd in enumerate(cmds):
+            argv = shlex.split(cmd)
+            out[f"run{i}"] = ([*argv[2:], *SHORT, f"output_dir={folder / f'run{i}' / 'out'}"],
+                              {"MLFLOW_TRACKING_URI": f"sqlite:///{folder / f'run{i}' / 'mlflow.db'}"}, REPO / argv[1])
+        return out
+
+    get = run_py_cases(tmp_path_factory, "readme_main_runs", cases, {**os.environ, "PYTHONWARNINGS": "ignore"})
+    return {cmd: get(f"run{i}") for i, cmd in enumerate(cmds)}
 
 
 @pytest.mark.slow
-def test_main_job_and_method_override_run_as_written(tmp_path):
+def test_main_job_and_method_override_run_as_written(main_runs):
     """``python experiments/run.py`` and ``... +method=grpo`` (README), two steps each: the block the README
     shows is printed, with the folder, checkpoints, store, held-out accuracy and the MLflow pages."""
-    for i, cmd in enumerate(c for c in readme_commands() if c in ("python experiments/run.py",
-                                                                  "python experiments/run.py +method=grpo")):
-        log = _run(cmd, tmp_path, f"run{i}")
+    assert set(main_runs) == set(MAIN)
+    for cmd, (proc, _, folder) in main_runs.items():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = proc.stdout + proc.stderr
         for key in ("output dir:", "checkpoints:", "tracking URI:", "held-out acc:", "open with:",
                     "experiment page:", "run page:"):
             assert key in log, (cmd, key, log[-2000:])
-        assert (tmp_path / f"run{i}" / "checkpoints" / "step_000002.ckpt").exists()
+        assert (folder / "out" / "checkpoints" / "step_000002.ckpt").exists()

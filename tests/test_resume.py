@@ -1,8 +1,10 @@
 """Resume after kill -9: identical parameters, identical per-step metrics, one continuous MLflow run.
 
-Owns: the end-to-end kill/resume test (two `experiments/run.py` subprocesses, CPU, HF engine, seeded:
-one uninterrupted, one SIGKILLed at a random step after its first checkpoint and continued with
-``resume=auto`` in the same run folder), and fast checks of how `fspo.runtime.checkpoints.resume` picks a checkpoint and
+Owns: the end-to-end kill/resume test (CPU, HF engine, seeded: one uninterrupted run in process, and
+`experiments/run.py` subprocesses: one SIGKILLed at a random step after its first checkpoint and continued
+with ``resume=auto`` alone in the same run folder, which restores the run's saved config; before that, an
+untrusted stored target and an experiment-changing override are refused touching nothing; after it, more
+steps extend the run), and fast checks of how `fspo.runtime.checkpoints.resume` picks a checkpoint and
 how the datamodule resumes mid-run. Leaves out: signals and atomic writes (test_signals.py).
 
 The reward is `DigitReward` (fraction of digits in the completion): the random tiny model never
@@ -46,14 +48,28 @@ class DigitReward:
         return RewardOutput(scores=s, components={"digits": s})
 
 
-def start_run(tmp: Path, name: str, extra=(), args=ARGS) -> subprocess.Popen:
-    """`experiments/run.py` with ``args`` + ``extra``, run folder ``tmp/name``, MLflow store ``tmp/name.db``."""
+def start_run(tmp: Path, name: str, extra=(), args=ARGS, full_error: bool = True) -> subprocess.Popen:
+    """`experiments/run.py` with ``args`` + ``extra``, run folder ``tmp/name``, MLflow store ``tmp/name.db``; with
+    ``full_error`` (HYDRA_FULL_ERROR=1) an error shows its traceback, else the one line a user sees."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    if not full_error:
+        env.pop("HYDRA_FULL_ERROR")
     cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *args, f"hydra.run.dir={tmp / name}",
            f"logger.tracking_uri=sqlite:///{tmp / name}.db", f"+logger.artifact_location={tmp / 'artifacts'}", *extra]
     log = open(tmp / f"{name}.{len(list(tmp.glob(name + '.*.log')))}.log", "w")
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def reference_run(tmp: Path, name: str, args=ARGS) -> None:
+    """The uninterrupted reference: `fspo.train.train` in this process, as experiments/run.py calls it, with
+    ``args``, folder ``tmp/name`` and store ``tmp/name.db`` (what `start_run` launches, without a second
+    interpreter's imports)."""
+    from conftest import compose_config
+    from fspo.train import train
+
+    train(compose_config(args, output_dir=tmp / name, tracking_uri=f"sqlite:///{tmp / name}.db",
+                         artifact_location=tmp / "artifacts"), overrides=list(args))
 
 
 def metric_rows(db: Path):
@@ -101,8 +117,25 @@ def policy_state(ckpt: Path):
     return {k: v for k, v in sd.items() if k.startswith("policy.")}
 
 
+def run_to_end(tmp: Path, name: str, extra=(), args=ARGS, timeout: float = 400):
+    """`start_run` waited for, errors as the one line a user sees: (exit code, that launch's log text)."""
+    log = tmp / f"{name}.{len(list(tmp.glob(name + '.*.log')))}.log"
+    proc = start_run(tmp, name, extra, args, full_error=False)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return rc, log.read_text()
+
+
 @pytest.mark.slow
-def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
+def test_kill9_then_resume_auto_alone_matches_uninterrupted_run(tmp_path):
+    """kill -9 at a random step, then ``resume=auto`` alone (plus the folder and store): the saved config is
+    the run's, so the continued run equals the uninterrupted one, parameters and every metric. Before that,
+    two refusals touch nothing: the stored reward target (this module's class, not fspo's) is instantiated only
+    when the command line names it again, and an override that changes the experiment is refused. After it,
+    an allowed change (more steps) extends the run and is recorded in MLflow."""
     seed = int(os.environ.get("FSPO_RESUME_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
     # kill as soon as the train metrics of step k are logged: for even k the newest checkpoint is
@@ -111,7 +144,6 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     kill_after = rng.randint(EVERY, STEPS - 2)
     why = f"FSPO_RESUME_SEED={seed}: killed after step {kill_after}"
 
-    full = start_run(tmp_path, "full")  # the reference, concurrently
     run = start_run(tmp_path, "killed")
     db, out = tmp_path / "killed.db", tmp_path / "killed"
     kill_after_step(run, out, db, kill_after, why)
@@ -119,10 +151,24 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     done = list_checkpoints(out / "checkpoints")
     assert done and int(done[-1].stem.split("_")[1]) < STEPS, why
     why += f", logged up to step {last_train_step(db)}, resumed from {done[-1].name}"
+    rows = metric_rows(db)
 
-    resumed = start_run(tmp_path, "killed", ["resume=auto"])
+    # refused, nothing touched: an untrusted stored target, then a change of the experiment
+    rc, log = run_to_end(tmp_path, "killed", ["resume=auto"], args=[])
+    assert rc == 2 and log.strip().splitlines()[-1].startswith("error: UntrustedTarget: reward._target_="), log[-3000:]
+    assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == done
+    trust = [a for a in ARGS if a.startswith("reward._target_=")]
+    rc, log = run_to_end(tmp_path, "killed", ["resume=auto", "prompts_per_step=16", "seed=5", "steps=10", *trust],
+                         args=[])
+    assert rc == 2, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: ConfigChangedOnResume: resume: this command line changes the run's saved config")
+    assert "prompts_per_step 4 -> 16" in last and "seed 7 -> 5" in last and "steps 8 -> 10" not in last
+    assert metric_rows(db) == rows and list_checkpoints(out / "checkpoints") == done
+
+    resumed = start_run(tmp_path, "killed", ["resume=auto", *trust], args=[])
+    reference_run(tmp_path, "full")  # meanwhile
     wait(resumed, tmp_path)
-    wait(full, tmp_path)
 
     # parameters: equal to the uninterrupted run's
     a, b = policy_state(tmp_path / "full" / "checkpoints" / f"step_{STEPS:06d}.ckpt"), \
@@ -144,8 +190,20 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
            and abs(got[p] - want[p]) > 1e-6 * max(1.0, abs(want[p]))}
     assert not bad, f"{why}: metrics differ {dict(list(bad.items())[:10])}"
     assert {s for k, s in want if k == "train/loss"} == set(range(STEPS))
+    # the saved config was the one continued: its batch, its validation schedule, its last step
+    assert {s: v for (k, s), v in got.items() if k == "train/updates"} == {s: 2.0 for s in range(STEPS)}
+    assert sorted(s for k, s in got if k == "val/accuracy") == [0, 3, 6, 8]  # val.every_n_steps=3, steps=8
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT status FROM runs WHERE run_uuid=?", (run_id,)).fetchone()[0] == "FINISHED"
+        params = dict(con.execute("SELECT key, value FROM params WHERE run_uuid=?", (run_id,)).fetchall())
+    assert (params["steps"], params["prompts_per_step"], params["val/size"]) == (str(STEPS), "4", "8")
+
+    rc, log = run_to_end(tmp_path, "killed", ["resume=auto", "steps=9", *trust], args=[])  # allowed: recorded
+    assert rc == 0, log[-3000:]
+    with sqlite3.connect(db) as con:
+        tags = dict(con.execute("SELECT key, value FROM tags WHERE run_uuid=?", (run_id,)).fetchall())
+    assert tags["fspo.resume.step_8.steps"] == "8 -> 9"
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "step_000009.ckpt"
 
 
 # ------------------------------------------------------------------ fast checks

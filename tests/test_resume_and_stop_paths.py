@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from test_signals import FakeTrainer, good_writer
 from test_untrusted_files import Payload
 
-from conftest import REPO, SMALL, compose_config
+from conftest import REPO, SMALL, compose_config, run_script_in_process
 from fspo.runtime.checkpoints.checkpointing import StepCheckpoint
 from fspo.runtime.checkpoints.resume import ResumePlan, check_room
 from fspo.runtime.checks.errors import user_error
@@ -32,6 +32,7 @@ from fspo.runtime.checks.run_config import RUN_CONFIG_FILE, resume_config, save_
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
        "OMP_NUM_THREADS": "1"}
+EXPORT_LORA = REPO / "experiments" / "export_lora.py"  # run in this process: the checks need no fresh interpreter
 
 
 def _one_line(exc: BaseException) -> str:
@@ -108,8 +109,7 @@ def test_a_resume_without_room_for_its_next_checkpoint_is_refused_up_front(tmp_p
 def test_export_lora_on_a_file_that_is_no_checkpoint_is_one_line(tmp_path, content):
     f = tmp_path / "step_000001.ckpt"
     f.write_bytes(content)
-    p = subprocess.run([sys.executable, str(REPO / "experiments" / "export_lora.py"), str(f), str(tmp_path / "out")],
-                       env=ENV, capture_output=True, text=True, timeout=300)
+    p = run_script_in_process(EXPORT_LORA, [f, tmp_path / "out"])
     errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
 
@@ -117,9 +117,7 @@ def test_export_lora_on_a_file_that_is_no_checkpoint_is_one_line(tmp_path, conte
 def test_export_lora_on_a_crafted_checkpoint_runs_nothing(tmp_path):
     marker, f = tmp_path / "pwned", tmp_path / "step_000001.ckpt"
     torch.save({"fspo_resume": {"run_config": "x"}, "x": Payload(marker)}, f)
-    p = subprocess.run([sys.executable, str(REPO / "experiments" / "export_lora.py"), str(f), str(tmp_path / "out")],
-                       env={**ENV, "PYTHONPATH": ENV["PYTHONPATH"] + os.pathsep + str(REPO / "tests")},
-                       capture_output=True, text=True, timeout=300)
+    p = run_script_in_process(EXPORT_LORA, [f, tmp_path / "out"])  # Payload is importable here: the bait is live
     assert p.returncode == 2 and "refused" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert not marker.exists()
 

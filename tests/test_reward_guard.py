@@ -8,13 +8,9 @@ before any work). Leaves out: the reward functions' own maths (test_math_reward.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO, SMALL
+from conftest import SMALL, register_entry_case
 from fspo.rewards.base import RewardOutput
 from fspo.rewards.guard import RewardFailure, check_reward_health, guarded_reward
 
@@ -102,14 +98,14 @@ def test_some_raising_samples_stop_at_zero_threshold_and_go_on_above(compose_cfg
     assert final["reward/errors"] == 1 and final["reward/raised"] == pytest.approx(1 / 16)
 
 
+register_entry_case("reward_guard/nan", [*BASE, "reward.correct_reward=nan", "output_dir={dir}/out",
+                                         "hydra.run.dir={dir}/h"], {"MLFLOW_TRACKING_URI": "sqlite:///{dir}/m.db"})
+
+
 @pytest.mark.slow  # > 2.5 s: out of the quick loop (-m "not slow"), still in CI
-def test_run_with_nan_reward_setting_exits_2_before_any_work(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, "experiments/run.py", *BASE, "reward.correct_reward=nan",
-                        f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+def test_run_with_nan_reward_setting_exits_2_before_any_work(entry_case):
+    p, _, folder = entry_case("reward_guard/nan")  # experiments/run.py in conftest's `entry_case` interpreter
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "reward.correct_reward=nan" in lines[0] and "reward.correct_reward=1.0" in lines[0]
-    assert not (tmp_path / "m.db").exists() and not (tmp_path / "out" / "checkpoints").exists()
+    assert not (folder / "m.db").exists() and not (folder / "out" / "checkpoints").exists()

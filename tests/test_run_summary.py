@@ -8,14 +8,11 @@ checked in tests/test_sweeps.py (a real multirun against an MLflow server).
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, SMALL
+from conftest import REPO
 from fspo.tracking.run_summary import (
     RULE,
     absolute_uri,
@@ -92,16 +89,11 @@ def test_sweep_and_eval_blocks(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_run_ends_on_the_block(tmp_path):
-    """A real tiny run (experiments/run.py): its output ends with the block naming its folder and store."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    out = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), *SMALL, f"hydra.run.dir={out}",
-           "logger.tracking_uri=sqlite:///store.db", f"+logger.artifact_location={tmp_path / 'artifacts'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.rstrip().splitlines()
+def test_training_run_ends_on_the_block(tiny_run):
+    """A real tiny run (experiments/run.py, conftest's shared `tiny_run`: 3 steps, its store a relative
+    sqlite:///store.db): its output ends with the block naming its folder and store."""
+    tmp_path, out = tiny_run["dir"], tiny_run["out"]
+    lines = tiny_run["stdout"].rstrip().splitlines()
     assert lines[-1] == RULE
     start = len(lines) - 1 - lines[::-1].index(RULE, 1)
     block = lines[start:]
@@ -113,7 +105,7 @@ def test_training_run_ends_on_the_block(tmp_path):
     assert rows["experiment"].startswith("fspo (id ") and rows["run"].endswith(f"(id {run_id})")
     assert "val/accuracy" in rows["results"]
     assert rows["open with"] == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'store.db'}"
-    assert re.fullmatch(r"\d\.\d{3} -> \d\.\d{3} \(step 0 -> 2\)", rows["held-out acc"]), rows
+    assert re.fullmatch(r"\d\.\d{3} -> \d\.\d{3} \(step 0 -> 3\)", rows["held-out acc"]), rows
     assert float(rows["run LRE"]) >= 0
     assert rows["experiment page"].endswith("/runs?workflowType=machine_learning")
     assert rows["run page"].endswith(f"/runs/{run_id}/model-metrics?workflowType=machine_learning")

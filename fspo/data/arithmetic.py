@@ -9,7 +9,7 @@ come from three seeds; validation drops prompts of the train split, test those o
 from __future__ import annotations
 
 import random
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 from fspo.data.base import ListSource, Sample
 from fspo.seeds import SPLITS, split_seed
@@ -71,12 +71,11 @@ class ArithmeticTask(ListSource):
         super().__init__(out, name=f"arithmetic/{split}")
 
 
-def _generate(n: int, seed: int, min_ops: int, max_ops: int, max_operand: int) -> List[Sample]:
+def _generate(n: int, seed: int, min_ops: int, max_ops: int, max_operand: int) -> Iterator[Sample]:
+    """Up to ``n`` problems from ``seed``, made as they are taken (a split stops once it has its size)."""
     rng = random.Random(seed)
-    out = []
     for i in range(n):
         nums, ops = _problem(rng, min_ops, max_ops, max_operand)
         _, total = worked_solution(nums, ops)
-        out.append(Sample(prompt=render_prompt(nums, ops), answer=str(total),
-                          meta={"source": "arithmetic", "row": i, "nums": nums, "ops": ops}))
-    return out
+        yield Sample(prompt=render_prompt(nums, ops), answer=str(total),
+                     meta={"source": "arithmetic", "row": i, "nums": nums, "ops": ops})
