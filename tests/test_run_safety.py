@@ -139,8 +139,12 @@ def test_second_run_in_the_same_output_dir_exits_at_once_and_touches_nothing(tmp
     while not (out / LOCK_FILE).is_file() or not (out / LOCK_FILE).read_text().strip():
         assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "seed1.log").read_text()[-3000:]
         time.sleep(0.05)
-    t0 = time.monotonic()
-    rc, log = run(tmp_path, out, "seed2.log", args + ["seed=2"])
+    os.kill(first.pid, signal.SIGSTOP)  # it holds the lock, but cannot finish its 4 steps while the second starts
+    try:
+        t0 = time.monotonic()
+        rc, log = run(tmp_path, out, "seed2.log", args + ["seed=2"])
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert rc == 2 and time.monotonic() - t0 < 60, log[-3000:]
     assert f"error: OutputDirInUse: output_dir {out} is in use by another run (pid {first.pid} " in log
     assert first.wait(timeout=300) == 0, (tmp_path / "seed1.log").read_text()[-3000:]
