@@ -175,7 +175,8 @@ def test_every_method_with_every_model(method, model, tmp_path):
         picked = [d["override /clip"] for d in OmegaConf.load(CONF / "method" / f"{method}.yaml").defaults
                   if "override /clip" in d]
         assert picked and cfg.clip._target_ == option_target("clip", picked[0])
-    expected_hub = PAPER_HUB[model] if model in PAPER_HUB else OmegaConf.load(CONF / "model" / f"{model}.yaml").hub_id
+    stated = OmegaConf.load(CONF / "model" / f"{model}.yaml")
+    expected_hub = PAPER_HUB[model] if model in PAPER_HUB else stated.get("hub_id")
     assert cfg.model.hub_id == expected_hub
     assert cfg.model.source in ("warmstart", "random", "pretrained")
     check_components(cfg, tmp_path)

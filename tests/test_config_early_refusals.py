@@ -179,8 +179,9 @@ def test_the_guard_and_the_correction_read_their_schemas_defaults():
     assert stated and all(sig[k].default == getattr(CorrectionSettings, k) for k in stated)
 
 def test_defaults_are_stated_once():
-    """conf/config.yaml, conf/rollout/hf.yaml's ``sampling`` and conf/clip/*.yaml state no value their schema
-    (fspo/config) states: each keeps what selects its schema, interpolations and the values that differ."""
+    """conf/config.yaml, conf/rollout/hf.yaml's ``sampling``, conf/clip/*.yaml, conf/model/*.yaml and
+    conf/evaluate.yaml state no value their schema (fspo/config) states: each keeps what selects its schema,
+    interpolations and the values that differ."""
     import dataclasses
 
     from hydra.core.config_store import ConfigStore
@@ -211,3 +212,8 @@ def test_defaults_are_stated_once():
         assert list(node.defaults) == [node.defaults[0], "_self_"] and "_target_" not in node, path.name
         stored = ConfigStore.instance().load(f"clip/{node.defaults[0]}.yaml").node
         assert restated(node, schemas[node.defaults[0]]) == [] and stored._target_, path.name
+    evaluate = OmegaConf.load(REPO / "conf" / "evaluate.yaml")  # its model node: the tiny default's keys
+    assert "eval_model_schema@model" in evaluate.defaults and "model" not in evaluate
+    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):  # tiny.yaml is the defaults: only its name
+        assert restated(OmegaConf.load(path), fspo.config.groups.ModelConfig) == ([] if path.stem != "tiny"
+                                                                                 else ["name"]), path.name

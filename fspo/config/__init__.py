@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from fspo.clipping.settings import SETTINGS, FSPOSettings
-from fspo.config.groups import SAMPLING, RunConfig, schema
+from fspo.config.groups import SAMPLING, EvalModelConfig, RunConfig, schema
 from fspo.rollout.settings import SamplingConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -39,6 +39,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     for name, group, _, node in stored():
         cs.store(name=name, group=group, node=node)
+    cs.store(name="eval_model_schema", node=EvalModelConfig)  # evaluate.py's model node
 
 
 def field_docs(cls: type) -> Dict[str, str]:

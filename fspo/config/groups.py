@@ -18,7 +18,7 @@ from fspo.update.settings import GuardSettings, PPOConfig
 PPO_TARGET = "fspo.update.settings.PPOConfig"
 SAMPLING_TARGET = "fspo.rollout.base.SamplingConfig"  # (the name stored configs use)
 # a dataclass subclassing Dict takes keys it does not list (a form OmegaConf calls deprecated)
-warnings.filterwarnings("ignore", message="Class `(RunConfig|ModelConfig)` subclasses `Dict`")
+warnings.filterwarnings("ignore", message="Class `(RunConfig|ModelConfig|EvalModelConfig)` subclasses `Dict`")
 
 
 def schema(cls: type, target: str, drop: Sequence[str] = ("owner",), **defaults: Any) -> type:
@@ -112,6 +112,19 @@ class ModelConfig(Dict[str, Any]):
     device: str = "cpu"  # cpu: as trainer/ says | cuda: on the GPUs found (docs/gpus.md)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (rank 0: off)
 
+
+
+@dataclass
+class EvalModelConfig(Dict[str, Any]):
+    """evaluate.py's ``model``: the `ModelConfig` keys it reads, with their defaults (conf/model/*.yaml on top)."""
+
+    name: str = ModelConfig.name
+    source: str = ModelConfig.source
+    path: Optional[str] = ModelConfig.path
+    hub_id: Optional[str] = ModelConfig.hub_id
+    dtype: str = ModelConfig.dtype
+    layer_class: str = ModelConfig.layer_class
+    device: str = ModelConfig.device
 
 @dataclass
 class RewardGuardConfig:
