@@ -113,7 +113,6 @@ class ModelConfig(Dict[str, Any]):
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (rank 0: off)
 
 
-
 @dataclass
 class EvalModelConfig(Dict[str, Any]):
     """evaluate.py's ``model``: the `ModelConfig` keys it reads, with their defaults (conf/model/*.yaml on top)."""
@@ -125,6 +124,7 @@ class EvalModelConfig(Dict[str, Any]):
     dtype: str = ModelConfig.dtype
     layer_class: str = ModelConfig.layer_class
     device: str = ModelConfig.device
+
 
 @dataclass
 class RewardGuardConfig:
