@@ -56,6 +56,24 @@ def test_rollout_is_weights_hand_computed():
         get_policy_loss_fn("fspo")(lp, lp, adv, m, "token-mean", None, rollout_is_weights=torch.ones(2, 3, 2))
 
 
+
+@pytest.mark.parametrize("name", sorted(__import__("fspo.clipping.registry", fromlist=["POLICY_LOSSES"]).POLICY_LOSSES))
+def test_every_registered_loss_takes_rollout_is_weights(name):
+    """verl passes ``rollout_is_weights`` to every policy loss: weights of 2 on every token double the token-mean
+    loss and its gradient w.r.t. log_prob (the weights are detached factors of the token loss)."""
+    g = torch.Generator().manual_seed(3)
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    old = -torch.rand(2, 4, generator=g)
+    new = (old + 0.01 * torch.randn(2, 4, generator=g)).requires_grad_(True)
+    adv = torch.tensor([[1.0] * 4, [-0.5] * 4])
+    fn = get_policy_loss_fn(name)
+    plain, _ = fn(old, new, adv, m, "token-mean", None)
+    (g_plain,) = torch.autograd.grad(plain, new)
+    weighted, _ = fn(old, new, adv, m, "token-mean", None, rollout_is_weights=torch.full((2, 4), 2.0))
+    (g_weighted,) = torch.autograd.grad(weighted, new)
+    assert weighted.item() == pytest.approx(2.0 * plain.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(g_weighted, 2.0 * g_plain)
+
 def test_fspo_loss_is_the_registered_fspo():
     g = torch.Generator().manual_seed(0)
     m = (torch.arange(20) < torch.randint(1, 21, (8,), generator=g)[:, None]).float()

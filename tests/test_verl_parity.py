@@ -339,6 +339,23 @@ def test_geo_mean(info, clips, name):
     assert ((new - old).abs()[m.bool()] > 20).any()
 
 
+
+@pytest.mark.parametrize("name", ["geo_mean", "gmpo"])
+def test_geo_mean_rollout_is_weights(name):
+    """verl's geo_mean weighs each sequence by the geometric mean of its tokens' rollout_is_weights."""
+    old, new, adv, m = token_batch(3)
+    w = torch.exp(0.3 * torch.randn(m.shape, generator=torch.Generator().manual_seed(5)))
+    cfg = actor_config(INFOS["local"], **GMPO_CLIPS["paper"])
+    ref, ref_metrics, g_ref = grad_of(
+        lambda x: compute_policy_loss_geo_mean(old, x, adv, m, "token-mean", cfg, rollout_is_weights=w), new)
+    ours, metrics, g_ours = grad_of(
+        lambda x: get_policy_loss_fn(name)(old, x, adv, m, "token-mean", cfg, rollout_is_weights=w), new)
+    plain, _, _ = grad_of(lambda x: get_policy_loss_fn(name)(old, x, adv, m, "token-mean", cfg), new)
+    assert_rel(ours, ref, f"{name} weighted loss")
+    assert_rel(g_ours, g_ref, f"{name} weighted grad")
+    check_metrics(metrics, ref_metrics)
+    assert abs(float(ours) - float(plain)) > 1e-3 * abs(float(plain))  # the weights change the loss
+
 # ============================== DPPO, CPPO
 VERL = {"tv": compute_policy_loss_dppo_tv, "kl": compute_policy_loss_dppo_kl}
 THRESH = {"tv": dict(clip_ratio=0.2, clip_ratio_low=0.05, clip_ratio_high=0.1, clip_ratio_c=3.0),

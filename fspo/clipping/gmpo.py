@@ -1,7 +1,7 @@
 """GMPO (arXiv 2507.20673): the geometric mean of token-clipped ratios as the sequence ratio."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -59,15 +59,21 @@ class GMPOClip(ClipRule):
 
 @register_policy_loss("geo_mean")
 @register_policy_loss("gmpo")
-def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode: str = "token-mean", config: Any = None):
+def policy_loss_gmpo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+                     config: Any = None, rollout_is_weights: Optional[Tensor] = None):
     """verl's ``geo_mean``: `GMPOClip`, the mean of J_i over all B rows (``loss_agg_mode`` and ``global_batch_info``
-    ignored, as verl). Clip fractions: token share out of the band with A_t > 0 / A_t < 0; ``actor/ppo_kl``
-    unclamped."""
+    ignored, as verl). ``rollout_is_weights`` [B, T] weigh J_i by their geometric mean over the sequence's tokens,
+    exp(sum_t m_t log(w_t + 1e-10) / (sum_t m_t + 1e-8)), as verl. Clip fractions: token share out of the band
+    with A_t > 0 / A_t < 0; ``actor/ppo_kl`` unclamped."""
     rule = GMPOClip(**_ratio_kwargs(config, GMPOClip))
     res = rule(log_prob, old_log_prob, advantages, response_mask)
     m = response_mask.bool().float()
-    loss = aggregate(res.token_loss, response_mask, "seq-mean-token-mean", total_seqs=m.shape[0]).loss
+    token_loss = res.token_loss
+    if rollout_is_weights is not None:
+        mask = response_mask.to(token_loss.dtype)
+        log_w = (torch.log(rollout_is_weights.to(token_loss.dtype) + 1e-10) * mask).sum(-1)
+        token_loss = token_loss * torch.exp(log_w / (mask.sum(-1) + 1e-8))[:, None]
+    loss = aggregate(token_loss, response_mask, "seq-mean-token-mean", total_seqs=m.shape[0]).loss
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(m)
     out = ~res.in_band
     d = torch.where(m.bool(), log_prob.detach().float() - old_log_prob.float(), 0.0)
