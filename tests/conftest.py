@@ -258,8 +258,7 @@ def run_py_cases(tmp_path_factory, name: str, make_cases: Callable[[Path], dict]
     """Run the cases ``make_cases(folder)`` returns, {case: (argv, environment changes[, script])}, through
     RUN_PY_DRIVER in one subprocess, once per test session (`once_per_session`); the script is experiments/run.py
     unless given; ``env`` is that process's environment (default: this one's; offline unless it sets
-    HF_HUB_OFFLINE; one thread). Each case runs
-    in its own folder ``folder/<case>`` (its working directory).
+    HF_HUB_OFFLINE; one thread). Each case runs in its own folder ``folder/<case>`` (its working directory).
     Returns ``get(case)`` -> (CompletedProcess with the case's exit code, stdout and stderr; the seconds it took
     after the imports; its folder)."""
     import json
